@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# NOT YET RUN in this repo (written from the notes in issue 9; the first real run may need fixes).
+#
+# Builds llama.cpp's llama-server from the vendored sources of the llama-cpp-python sdist
+# (about 30 min of both cores the first time), converts the model directory to an f32 GGUF
+# with the bundled convert_hf_to_gguf.py (it needs the bundled gguf-py, not PyPI's), starts
+# the server with 16 parallel slots and continuous batching, and waits until it is healthy.
+#   PORT=8300 MODEL=DIR bash bench/peers/llama_server.sh
+# Stop it with: kill "$(cat ~/.cache/rayllm-peers/llama_server.pid)"
+source "$(dirname "$0")/common.sh"
+PORT=${PORT:-8300}
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+PARALLEL=${PARALLEL:-16}
+CTX=${CTX:-32768}  # total context, split evenly over the PARALLEL slots
+SRC=$PEERS_DIR/llama-cpp-python-$VERSION
+LLAMA=$SRC/vendor/llama.cpp
+SERVER=$LLAMA/build/bin/llama-server
+GGUF=$PEERS_DIR/$(basename "$MODEL")-f32.gguf
+
+if [ ! -x "$SERVER" ]; then
+    if [ ! -d "$LLAMA" ]; then
+        "$REPO_ROOT/.venv/bin/python" -m pip download -q --no-deps --no-binary :all: \
+            "llama-cpp-python==$VERSION" -d "$PEERS_DIR"
+        tar -xzf "$PEERS_DIR/llama_cpp_python-$VERSION.tar.gz" -C "$PEERS_DIR"
+        [ -d "$SRC" ] || mv "$PEERS_DIR/llama_cpp_python-$VERSION" "$SRC"
+    fi
+    echo "[llama_server] building llama-server (long: ~30 min on 2 cores)"
+    cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    cmake --build "$LLAMA/build" --target llama-server -j "$(nproc)"
+fi
+
+if [ ! -f "$GGUF" ]; then
+    echo "[llama_server] converting $MODEL to $GGUF (f32)"
+    PYTHONPATH="$LLAMA/gguf-py" "$REPO_ROOT/.venv/bin/python" "$LLAMA/convert_hf_to_gguf.py" \
+        "$MODEL" --outtype f32 --outfile "$GGUF"
+fi
+
+start_bg llama_server "$SERVER" -m "$GGUF" --alias llama-server --host 127.0.0.1 --port "$PORT" \
+    -t 2 -tb 2 --poll 0 -np "$PARALLEL" -cb -c "$CTX"
+wait_healthy llama_server "$(cat "$PEERS_DIR/llama_server.pid")" "http://127.0.0.1:$PORT/health" 300
