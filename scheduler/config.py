@@ -1,0 +1,41 @@
+"""Scheduler configuration: frozen, validated once, no environment reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the token budget of one step, summed over requests
+    max_num_seqs: int = 256  # sequences in the running batch at most (an unforked n>1 request counts n)
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 1024  # blocks in the worker's KV pool, including the null block 0
+    max_model_len: int = 2048  # prompt + output tokens of one sequence at most
+    enable_prefix_caching: bool = True  # reuse computed full blocks across requests
+    enable_chunked_prefill: bool = True  # off: a waiting request's tokens must fit the budget whole
+    long_prefill_token_threshold: int | None = None  # tokens one request may take per step; None: the budget
+
+    def __post_init__(self) -> None:
+        assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
+        assert self.max_num_seqs >= 1, self.max_num_seqs
+        assert self.block_size >= 1, self.block_size
+        assert self.max_model_len >= 2, self.max_model_len
+        t = self.long_prefill_token_threshold
+        assert t is None or t >= 1, t
+        # A lone sequence of max_model_len tokens must fit the pool, or preemption could loop.
+        if self.num_blocks - 1 < self.max_blocks_per_seq:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} (1 is the null block) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens ({self.max_blocks_per_seq} blocks)"
+            )
+        # Without chunking, a preempted sequence is recomputed whole in one step.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,287 @@
+"""The in-process engine: one Scheduler, one runner, an asyncio loop. No Ray, no globals.
+
+    stream = engine.add_request(EngineRequest(...))   # from inside a running event loop
+    async for delta in stream: ...                    # RequestOutput deltas, all n sequences
+
+A background task runs `step()` while requests are unfinished and ends when none are left;
+the next add_request starts it again. A step is schedule -> runner.execute -> update. A sync
+`runner.execute` runs on the engine's single worker thread (the same thread every time,
+which torch and CUDA prefer), so the event loop stays free to take requests and aborts while
+the model runs; an `async def execute` (e.g. a Ray actor handle wrapper) is awaited directly.
+
+If the runner raises, the scheduler's state is reset (the worker's state is unknown) and,
+by default, every unfinished request's stream gets the exception; the engine stays usable.
+With `on_runner_error`, the caller decides instead: e.g. `take_for_migration()` here and
+`adopt()` on an engine whose worker is alive, and the streams go on there (issue 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import (
+    EngineRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    RequestOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.stats import CumulativeStats, StepStats
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class RequestStream:
+    """The deltas of one client request (every sequence of it), as an async iterator.
+
+    Ends after each of the n sequences has had its final delta. `aclose()` aborts the
+    request if it is still running (call it, or engine.abort, when the client goes away).
+    """
+
+    def __init__(self, request_id: str, num_seqs: int, engine: Engine, arrival_time: float) -> None:
+        self.request_id = request_id  # the client's id
+        self.num_unfinished_seqs = num_seqs  # sequences without a final delta yet
+        self.arrival_time = arrival_time  # seconds, engine clock
+        self.first_token_time: float | None = None  # seconds, engine clock, first delta with tokens
+        self.finish_time: float | None = None  # seconds, engine clock, last final delta
+        self.engine = engine  # the engine that owns the request now (changes on migration)
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._num_unread_finals = num_seqs  # final deltas not yet handed to the reader
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished_seqs == 0
+
+    def put(self, output: RequestOutput, now: float) -> None:
+        if output.new_token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        if output.finished:
+            self.num_unfinished_seqs -= 1
+            assert self.num_unfinished_seqs >= 0, self.request_id
+            if self.num_unfinished_seqs == 0:
+                self.finish_time = now
+        self._queue.put_nowait(output)
+
+    def fail(self, error: BaseException) -> None:
+        self.num_unfinished_seqs = 0
+        self._queue.put_nowait(error)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._num_unread_finals == 0:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._num_unread_finals = 0
+            raise item
+        if item.finished:
+            self._num_unread_finals -= 1
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class Migration:
+    """Unfinished requests leaving an engine whose worker died, with their open streams."""
+
+    requests: list[Request]  # reset for recompute, oldest first; they keep their tokens
+    streams: dict[str, RequestStream]  # client request id -> its open stream
+
+
+@dataclass(slots=True)
+class SequenceResult:
+    index: int  # sequence index within n
+    token_ids: list[int]  # every generated token, the finishing one included
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs] | None  # aligned with token_ids, where asked
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (block-rounded)
+    sequences: list[SequenceResult] = field(default_factory=list)  # by index
+
+
+class Engine:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        runner: Runner,
+        eos_token_ids: Iterable[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+        scheduler: Scheduler | None = None,
+        on_runner_error: Callable[[Engine, Exception], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner  # execute(SchedulerOutput) -> ModelRunnerOutput, sync or async
+        self.clock = clock  # seconds; arrival and stream timings
+        self.scheduler = scheduler or Scheduler(config, eos_token_ids)
+        self.on_runner_error = on_runner_error  # (engine, error); None: fail every open stream
+        self._streams: dict[str, RequestStream] = {}  # client request id -> open stream
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-runner")
+        self._runner_is_async = inspect.iscoroutinefunction(runner.execute)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._step_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # one step at a time, per loop
+        self._next_id = 0  # for generate()'s request ids
+
+    # --- requests ------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        """Queues a request and returns its stream. Call from inside the event loop.
+
+        Raises ValueError (from the scheduler) when the request can never run.
+        """
+        loop = asyncio.get_running_loop()  # raises outside a loop, before any state changes
+        if request.arrival_time == 0.0:
+            request = dataclasses.replace(request, arrival_time=self.clock())
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already streaming")
+        self.scheduler.add_request(request)
+        stream = RequestStream(request.request_id, request.sampling_params.n, self, request.arrival_time)
+        self._streams[request.request_id] = stream
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = loop.create_task(self._run_loop())
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Finishes the request now (its stream gets final abort deltas); unknown ids: no-op."""
+        self._dispatch(self.scheduler.abort_request(request_id))
+
+    @property
+    def stats(self) -> CumulativeStats:
+        return self.scheduler.totals.copy()
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        return self.scheduler.last_step_stats
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the loop ---------------------------------------------------------------------------
+    async def step(self) -> list[RequestOutput]:
+        """One engine step; returns the deltas it produced (already sent to the streams)."""
+        loop = asyncio.get_running_loop()
+        if self._step_lock is None or self._step_lock[0] is not loop:
+            self._step_lock = (loop, asyncio.Lock())  # generate() runs a new loop each call
+        async with self._step_lock[1]:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                return []
+            try:
+                runner_output = await self._execute(scheduler_output)
+            except Exception as error:
+                if self.on_runner_error is not None:
+                    self.on_runner_error(self, error)
+                else:
+                    self._fail_all(error)
+                raise
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._dispatch(outputs)
+            return outputs
+
+    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._runner_is_async:
+            return await self.runner.execute(scheduler_output)  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.runner.execute, scheduler_output)
+
+    async def _run_loop(self) -> None:
+        while self.scheduler.has_unfinished_requests():
+            try:
+                outputs = await self.step()
+            except Exception:
+                continue  # the streams got the error; the scheduler was reset
+            if not outputs:
+                await asyncio.sleep(0)  # let aborts and new requests in between steps
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        now = self.clock()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output, now)
+            if stream.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self.take_for_migration().streams.values():  # nowhere to go: fail them
+            stream.fail(error)
+
+    # --- migration (worker death) ------------------------------------------------------------
+    def take_for_migration(self) -> Migration:
+        """Removes every unfinished request and its stream; the KV accounting starts empty."""
+        streams, self._streams = self._streams, {}
+        return Migration(self.scheduler.take_requests_for_migration(), streams)
+
+    def adopt(self, migration: Migration) -> None:
+        """Continues migrated requests here; their streams go on without a duplicate or a gap.
+
+        Call from inside the event loop. Raises ValueError if a request id is in use here.
+        """
+        loop = asyncio.get_running_loop()
+        for request in migration.requests:
+            self.scheduler.add_migrated_request(request)
+        for request_id, stream in migration.streams.items():
+            assert request_id not in self._streams, request_id
+            stream.engine = self
+            self._streams[request_id] = stream
+        if migration.requests and (self._loop_task is None or self._loop_task.done()):
+            self._loop_task = loop.create_task(self._run_loop())
+
+    # --- offline helper -------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerateResult]:
+        """Runs the prompts to completion (blocking; not from inside a running event loop)."""
+        return asyncio.run(self.generate_async(prompts, params))
+
+    async def generate_async(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerateResult]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        assert len(params) == len(prompts), (len(params), len(prompts))
+        streams = []
+        for prompt, sp in zip(prompts, params):
+            self._next_id += 1
+            request = EngineRequest(f"generate-{self._next_id}", list(prompt), sp)
+            streams.append((list(prompt), sp.n, self.add_request(request)))
+        return list(await asyncio.gather(*(_collect(*s) for s in streams)))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+async def _collect(prompt: list[int], n: int, stream: RequestStream) -> GenerateResult:
+    sequences = [SequenceResult(i, [], None, None) for i in range(n)]
+    num_cached = 0
+    async for delta in stream:
+        seq = sequences[delta.index]
+        seq.token_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs is not None:
+            seq.logprobs = (seq.logprobs or []) + delta.new_logprobs
+        seq.finish_reason = delta.finish_reason
+        num_cached = delta.num_cached_tokens
+    return GenerateResult(stream.request_id, prompt, num_cached, sequences)

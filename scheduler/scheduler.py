@@ -1,0 +1,389 @@
+"""Continuous batching over ONE worker's KV pool.
+
+One currency, `num_computed_tokens`, and one token budget per step. Each step:
+
+1. fork: n>1 parents whose prompt is computed up to its last token become n children
+   (shared full blocks, a private copy of the partial block, copy_blocks for the worker);
+2. running, oldest first: each gets min(tokens it lacks, budget left) tokens; when the pool
+   is short, the NEWEST running sequence is preempted by recompute (blocks freed, progress
+   reset to 0, put at the FRONT of waiting) until the allocation fits;
+3. waiting, first come first served (skipped in a step that preempted): admitted while
+   budget, seats (max_num_seqs) and blocks last; a prefix hit starts it at
+   num_computed_tokens > 0.
+
+Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
+the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
+worker recomputes prompt + those tokens, so their output streams go on without a duplicate or
+a gap. Requests the worker must forget (finished, aborted, preempted, forked-away parents)
+ride in finished_request_ids of the next non-empty step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from scheduler.batch import StepBatch, check_stop
+from scheduler.block_hash import BlockHash, BlockHasher, HashFn, sha256_block_hash
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.stats import CumulativeStats, StepStats
+
+
+@dataclass(slots=True)
+class SchedulerLoad:
+    """What a router weighs, for one worker."""
+
+    num_running_seqs: int  # sequences in the running batch
+    num_waiting_reqs: int  # requests queued
+    num_waiting_tokens: int  # tokens the queued requests still have to compute
+    num_free_blocks: int  # allocatable blocks (cached-but-free included)
+    num_usable_blocks: int  # the pool's blocks but the null block
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: Iterable[int] = (),
+        hash_fn: HashFn = sha256_block_hash,
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)  # token ids that finish with "stop"
+        self.block_hasher = BlockHasher(config.block_size, hash_fn)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # request_id -> every unfinished request
+        self.seqs_of_client: dict[str, list[str]] = {}  # client request id -> its live request_ids
+        self.waiting: deque[Request] = deque()  # admission order; preempted ones at the front
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.num_running_seqs = 0  # sum of num_seqs over running (an unforked n>1 counts n)
+        self.finished_for_worker: set[str] = set()  # request_ids the worker must drop, not sent yet
+        self.totals = CumulativeStats()
+        self.last_step_stats: StepStats | None = None  # the last step update_from_output closed
+        self._in_flight: tuple[SchedulerOutput, dict[str, Request], StepStats] | None = None
+
+    # --- queries -----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_matched_tokens(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Prompt tokens this worker's prefix cache holds for these hashes (routing)."""
+        return self.kv.num_matched_tokens(block_hashes)
+
+    def load(self) -> SchedulerLoad:
+        return SchedulerLoad(
+            num_running_seqs=self.num_running_seqs,
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_tokens=sum(r.num_tokens_to_compute for r in self.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_usable_blocks=self.kv.pool.num_usable_blocks,
+        )
+
+    # --- requests in and out ------------------------------------------------------------
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queues a client request. Raises ValueError if it can never run here."""
+        prompt = list(engine_request.prompt_token_ids)
+        params = engine_request.sampling_params
+        self._validate(engine_request.request_id, prompt, params.n)
+        request = Request(
+            request_id=engine_request.request_id,
+            client_request_id=engine_request.request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            block_hasher=self.block_hasher,
+            arrival_time=engine_request.arrival_time,
+        )
+        if params.n > 1 and len(prompt) == 1:
+            # Nothing to compute before the fork point: the children start from scratch.
+            for i in range(params.n):
+                self._enqueue(request.make_fork_child(i))
+        else:
+            self._enqueue(request)
+
+    def add_migrated_request(self, request: Request) -> None:
+        """Queues a request taken from another scheduler; it keeps its generated tokens."""
+        assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens == 0
+        assert not request.sent_to_worker, request.request_id
+        assert request.block_hasher == self.block_hasher, "block size or hash differs"
+        assert request.num_tokens < self.config.max_model_len, request.request_id
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already queued here")
+        self._enqueue(request)
+
+    def abort_request(self, client_request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Finishes every sequence of these client requests now, in any state; frees blocks.
+
+        Returns one final (abort) delta per sequence; unknown ids are ignored.
+        """
+        if isinstance(client_request_ids, str):
+            client_request_ids = (client_request_ids,)
+        outputs = []
+        for client_id in client_request_ids:
+            for rid in list(self.seqs_of_client.get(client_id, ())):
+                request = self.requests[rid]
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                    self.num_running_seqs -= request.num_seqs
+                else:
+                    self.waiting.remove(request)
+                indices = range(request.num_seqs) if request.is_fork_parent else (request.index,)
+                self._retire(request, RequestStatus.FINISHED_ABORTED)
+                outputs.extend(_final_output(request, i) for i in indices)
+        self.totals.num_aborted_seqs += len(outputs)
+        return outputs
+
+    def take_requests_for_migration(self) -> list[Request]:
+        """The worker is gone: returns every unfinished request, reset, oldest first.
+
+        Each keeps its prompt, generated tokens, ids and index; re-add it on a live worker's
+        scheduler with add_migrated_request and its stream goes on where it stopped. This
+        scheduler's KV accounting (blocks and prefix cache) starts empty again.
+        """
+        requests = sorted(self.requests.values(), key=lambda r: r.arrival_time)
+        for request in requests:
+            request.reset_for_recompute()
+        self.kv.reset()
+        self.requests.clear()
+        self.seqs_of_client.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self.num_running_seqs = 0
+        self.finished_for_worker.clear()
+        self._in_flight = None
+        self.totals.num_migrated_reqs += len(requests)
+        return requests
+
+    # --- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decides this step's batch. Call update_from_output with its result before the next."""
+        assert self._in_flight is None, "update_from_output was not called for the last step"
+        stats = StepStats(step=self.totals.num_steps + 1)
+        batch = StepBatch()
+        self._fork_ready_parents(batch, stats)
+        budget = self._schedule_running(self.config.max_num_batched_tokens, batch, stats)
+        if stats.num_preemptions == 0:
+            self._schedule_waiting(budget, batch, stats)
+        assert batch.total_num_scheduled_tokens > 0 or not batch.copies, "copies without a step"
+        finished: set[str] = set()
+        if batch.total_num_scheduled_tokens > 0:
+            finished, self.finished_for_worker = self.finished_for_worker, set()
+        output = batch.build(finished)
+        self._fill_schedule_stats(stats, batch)
+        if not output.is_empty:
+            self._in_flight = (output, batch.scheduled, stats)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Advances progress, appends sampled tokens, applies stop rules; returns the deltas."""
+        if scheduler_output.is_empty:
+            return []
+        assert self._in_flight is not None and self._in_flight[0] is scheduler_output
+        _, scheduled, stats = self._in_flight
+        self._in_flight = None
+        outputs = []
+        num_finished = 0
+        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = scheduled[rid]
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted (or migrated) while the step ran
+            request.num_computed_tokens += num_tokens
+            self.kv.cache_computed_blocks(request)
+            token_id = runner_output.sampled_token_ids.get(rid)
+            if request.num_computed_tokens < request.num_tokens:
+                assert token_id is None, f"{rid} sampled in the middle of its prompt"
+                continue
+            assert token_id is not None, f"{rid} computed every token but sampled none"
+            request.append_output_token_ids(token_id)
+            status = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
+            outputs.append(self._token_output(request, token_id, runner_output, status))
+            if status is not None:
+                self._retire(request, status)
+                num_finished += 1
+        if num_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.num_running_seqs -= num_finished
+        stats.num_generation_tokens = len(outputs)
+        stats.num_finished_seqs = num_finished
+        self.totals.add(stats)
+        self.last_step_stats = stats
+        return outputs
+
+    # --- schedule() helpers ------------------------------------------------------------
+    def _fork_ready_parents(self, batch: StepBatch, stats: StepStats) -> None:
+        ready = [
+            r for r in self.running
+            if r.is_fork_parent and r.num_computed_tokens == r.num_tokens_to_compute
+        ]
+        forked = []
+        for parent in ready:
+            if parent.status != RequestStatus.RUNNING:
+                continue  # preempted to make room for an earlier fork
+            bs = self.config.block_size
+            num_copies = parent.num_seqs if parent.num_computed_tokens % bs else 0
+            while self.kv.num_free_blocks < num_copies and parent.status == RequestStatus.RUNNING:
+                self._preempt_newest(batch, stats)
+            if parent.status == RequestStatus.RUNNING:
+                self._fork(parent, batch)
+                forked.append(parent)
+        # Free parents only now, so that no parent's partial block is another fork's copy target.
+        for parent in forked:
+            self._retire(parent, RequestStatus.FINISHED_STOPPED)  # no output: its children go on
+
+    def _fork(self, parent: Request, batch: StepBatch) -> None:
+        children = [parent.make_fork_child(i) for i in range(parent.num_seqs)]
+        for child in children:
+            result = self.kv.fork(parent, child)
+            assert result is not None, "fork blocks were checked"
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            if result.copy is not None:
+                batch.copies[child.request_id] = result.copy
+            self._register(child)
+        i = self.running.index(parent)
+        self.running[i : i + 1] = children  # the children take the parent's age
+
+    def _schedule_running(self, budget: int, batch: StepBatch, stats: StepStats) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._cap_new_tokens(request.num_tokens_to_compute - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request.request_id} is running with nothing to compute"
+            while (allocation := self.kv.allocate_slots(request, num_new)) is None:
+                if self._preempt_newest(batch, stats) is request:
+                    return budget
+            batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, batch: StepBatch, stats: StepStats) -> int:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens_to_compute - computed.num_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._cap_new_tokens(num_new, budget)
+            allocation = self.kv.allocate_slots(request, num_new, computed)
+            if allocation is None:
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = computed.num_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = computed.num_tokens
+            self.running.append(request)
+            self.num_running_seqs += request.num_seqs
+            stats.num_prefix_query_tokens += request.num_tokens
+            stats.num_prefix_hit_tokens += computed.num_tokens
+            batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
+            budget -= num_new
+        return budget
+
+    def _cap_new_tokens(self, num_new: int, budget: int) -> int:
+        num_new = min(num_new, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if self.config.enable_chunked_prefill and threshold is not None:
+            num_new = min(num_new, threshold)
+        return num_new
+
+    def _preempt_newest(self, batch: StepBatch, stats: StepStats) -> Request:
+        """Preempts the newest running sequence by recompute; returns it."""
+        request = self.running.pop()
+        assert request.request_id not in batch.scheduled, "preempted a scheduled request"
+        self.num_running_seqs -= request.num_seqs
+        self.kv.free(request)
+        batch.copies.pop(request.request_id, None)  # a child forked this step: no copy needed
+        if request.sent_to_worker:
+            self.finished_for_worker.add(request.request_id)
+        request.reset_for_recompute()
+        self.waiting.appendleft(request)
+        stats.num_preemptions += 1
+        return request
+
+    def _fill_schedule_stats(self, stats: StepStats, batch: StepBatch) -> None:
+        stats.num_running_seqs = self.num_running_seqs
+        stats.num_waiting_reqs = len(self.waiting)
+        usage = self.kv.usage()
+        stats.num_kv_blocks_used = usage.num_used_blocks
+        stats.num_kv_blocks_total = usage.num_usable_blocks
+        stats.num_scheduled_tokens = batch.total_num_scheduled_tokens
+        stats.num_prompt_tokens_computed = batch.num_prompt_tokens
+        stats.num_new_reqs = len(batch.new_requests)
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    def _validate(self, request_id: str, prompt: list[int], n: int) -> None:
+        cfg = self.config
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= cfg.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_model_len={cfg.max_model_len}")
+        if n > cfg.max_num_seqs:
+            raise ValueError(f"n={n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        fork_blocks = -(-(len(prompt) - 1) // cfg.block_size) + n
+        if n > 1 and fork_blocks > cfg.num_blocks - 1:
+            raise ValueError(f"n={n} over {len(prompt)} prompt tokens needs {fork_blocks} blocks at the fork")
+        ids = [request_id] + ([f"{request_id}-{i}" for i in range(n)] if n > 1 else [])
+        if request_id in self.seqs_of_client or any(i in self.requests for i in ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        base, _, index = request_id.rpartition("-")
+        parent = self.requests.get(base)
+        if parent is not None and parent.is_fork_parent and index.isdigit() and int(index) < parent.num_seqs:
+            raise ValueError(f"request id {request_id!r} is reserved for a child of {base!r}")
+
+    def _enqueue(self, request: Request) -> None:
+        self._register(request)
+        self.waiting.append(request)
+
+    def _register(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.seqs_of_client.setdefault(request.client_request_id, []).append(request.request_id)
+
+    def _retire(self, request: Request, status: RequestStatus) -> None:
+        """Finishes a request that is already off the waiting queue (running list: caller's)."""
+        request.status = status
+        self.kv.free(request)
+        if request.sent_to_worker:
+            self.finished_for_worker.add(request.request_id)
+        del self.requests[request.request_id]
+        seqs = self.seqs_of_client[request.client_request_id]
+        seqs.remove(request.request_id)
+        if not seqs:
+            del self.seqs_of_client[request.client_request_id]
+
+    def _token_output(
+        self, request: Request, token_id: int, runner_output: ModelRunnerOutput, status: RequestStatus | None
+    ) -> RequestOutput:
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            entry = runner_output.logprobs.get(request.request_id)
+            logprobs = [entry] if entry is not None else None
+        return RequestOutput(
+            request_id=request.client_request_id,
+            index=request.index,
+            new_token_ids=[token_id],
+            new_logprobs=logprobs,
+            finish_reason=status.finish_reason if status is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+
+def _final_output(request: Request, index: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.client_request_id,
+        index=index,
+        new_token_ids=[],
+        new_logprobs=None,
+        finish_reason=request.status.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )

@@ -1,0 +1,275 @@
+"""FakeRunner: the worker side of the step contract, deterministic, without torch.
+
+It keeps per-request state exactly as a real worker must (token ids, block table,
+num_computed_tokens) and a simulated KV pool in which slot p of a request holds a digest of
+the request's whole prefix [0, p]. The next token is a function of the digest read back
+from the pool at the last position, so it depends on the full context AND on the KV the
+scheduler pointed at: a wrong prefix hit, a missed copy, a reused block or a lost token
+changes the output (or trips an assert), which makes scheduler bugs visible.
+
+Checks on every step:
+- finished ids are known; new ids are not; cached progress equals the worker's own;
+- nothing is scheduled past the tokens the worker knows, or past the block table;
+- a block written this step is referenced by no other live request, and never block 0;
+- every position read (all of [0, end)) holds the digest of this request's own prefix.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.block_pool import NULL_BLOCK_ID
+from scheduler.outputs import (
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from scheduler.request import RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+
+# (prefix digest at the last position, params, output position) -> token id
+NextTokenFn = Callable[[int, SamplingParams, int], int]
+
+
+@dataclass(slots=True)
+class FakeSeq:
+    """The worker's copy of one request."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + generated, as the worker knows them
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_table: list[int]  # block index -> block id
+    num_computed_tokens: int  # positions whose KV the worker has written (or was handed)
+    digests: list[int] = field(default_factory=list)  # position -> digest of token_ids[: p + 1]
+
+    def digest_at(self, position: int) -> int:
+        while len(self.digests) <= position:
+            p = len(self.digests)
+            prev = self.digests[-1] if self.digests else 0
+            self.digests.append(hash((prev, self.token_ids[p], p)))
+        return self.digests[position]
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int = 1000,
+        check_kv: bool = True,
+        delay_s: float = 0.0,
+        next_token_fn: NextTokenFn | None = None,
+    ) -> None:
+        self.block_size = block_size  # tokens per block, as the scheduler's
+        self.vocab_size = vocab_size  # sampled ids are in [0, vocab_size)
+        self.check_kv = check_kv  # verify every read position (O(context) per request per step)
+        self.delay_s = delay_s  # sleep per execute, seconds (engine concurrency tests)
+        self.next_token_fn = next_token_fn or self.default_next_token
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]  # block -> slot -> digest
+        self.requests: dict[str, FakeSeq] = {}  # request_id -> worker state
+        self.rng = random.Random(0)  # unseeded sampling
+        self.num_steps = 0  # execute calls
+        self.scheduled_history: list[dict[str, int]] = []  # per step: request_id -> tokens
+        self.num_computed_per_request: Counter[str] = Counter()  # request_id -> tokens computed, ever
+        self.copies: list[tuple[int, int]] = []  # every (src, dst) applied
+
+    def default_next_token(self, digest: int, params: SamplingParams, position: int) -> int:
+        if params.is_greedy:
+            return hash((digest, 7)) % self.vocab_size
+        salt = params.seed if params.seed is not None else self.rng.getrandbits(32)
+        return hash((digest, salt, position)) % self.vocab_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        so = scheduler_output
+        self.num_steps += 1
+        self.scheduled_history.append(dict(so.num_scheduled_tokens))
+        for rid in so.finished_request_ids:
+            assert rid in self.requests, f"finished {rid} is unknown to the worker"
+            del self.requests[rid]
+        for new in so.new_requests:
+            self._add(new)
+        for cached in so.cached_requests:
+            seq = self.requests[cached.request_id]
+            assert cached.num_computed_tokens == seq.num_computed_tokens, (cached, seq.num_computed_tokens)
+            seq.block_table.extend(cached.new_block_ids)
+        for src, dst in so.copy_blocks:
+            self.kv[dst] = list(self.kv[src])
+            self.copies.append((src, dst))
+        listed = {r.request_id for r in so.new_requests} | {r.request_id for r in so.cached_requests}
+        assert listed == set(so.num_scheduled_tokens), "scheduled and listed requests differ"
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        self._check_exclusive_writes(so.num_scheduled_tokens)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for rid, num_tokens in so.num_scheduled_tokens.items():
+            token = self._forward(self.requests[rid], num_tokens)
+            if token is not None:
+                sampled[rid] = token
+                k = self.requests[rid].sampling_params.logprobs
+                if k is not None:
+                    logprobs[rid] = TokenLogprobs(token, -0.5, [(token, -0.5)][:k] if k else [])
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _add(self, new: NewRequestData) -> None:
+        rid = new.request_id
+        assert rid not in self.requests, f"new {rid} is already known to the worker"
+        tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
+        assert 0 <= new.num_computed_tokens < len(tokens), (rid, new.num_computed_tokens)
+        assert len(set(new.block_ids)) == len(new.block_ids), f"{rid}: a block twice in one table"
+        self.requests[rid] = FakeSeq(
+            rid, tokens, len(new.prompt_token_ids), new.sampling_params, list(new.block_ids), new.num_computed_tokens
+        )
+
+    def _check_exclusive_writes(self, num_scheduled: dict[str, int]) -> None:
+        owners: dict[int, list[str]] = {}
+        for seq in self.requests.values():
+            for block_id in seq.block_table:
+                owners.setdefault(block_id, []).append(seq.request_id)
+        bs = self.block_size
+        for rid, num_tokens in num_scheduled.items():
+            seq = self.requests[rid]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+            assert num_tokens >= 1 and end <= len(seq.token_ids), f"{rid}: scheduled past known tokens"
+            assert end <= len(seq.block_table) * bs, f"{rid}: block table too short"
+            for b in range(start // bs, (end - 1) // bs + 1):
+                block_id = seq.block_table[b]
+                assert block_id != NULL_BLOCK_ID, f"{rid} writes the null block"
+                assert owners[block_id] == [rid], f"{rid} writes block {block_id} shared with {owners[block_id]}"
+
+    def _forward(self, seq: FakeSeq, num_tokens: int) -> int | None:
+        bs = self.block_size
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        for p in range(start, end):  # write this step's KV
+            self.kv[seq.block_table[p // bs]][p % bs] = seq.digest_at(p)
+        if self.check_kv:  # attention reads the whole context
+            for p in range(end):
+                got = self.kv[seq.block_table[p // bs]][p % bs]
+                assert got == seq.digest_at(p), f"{seq.request_id}: wrong KV at position {p}"
+        seq.num_computed_tokens = end
+        self.num_computed_per_request[seq.request_id] += num_tokens
+        if end < len(seq.token_ids):
+            return None  # a prefill chunk samples nothing
+        last = self.kv[seq.block_table[(end - 1) // bs]][(end - 1) % bs]
+        assert last is not None
+        token = self.next_token_fn(last, seq.sampling_params, len(seq.token_ids) - seq.num_prompt_tokens)
+        seq.token_ids.append(token)
+        return token
+
+
+class InstantRunner:
+    """The cheapest worker that keeps the contract: no KV, no checks (benchmarks)."""
+
+    def __init__(self, token_id: int = 1) -> None:
+        self.token_id = token_id  # the token every request samples
+        self.progress: dict[str, list[int]] = {}  # request_id -> [num_computed_tokens, num_tokens]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        for rid in so.finished_request_ids:
+            del self.progress[rid]
+        for new in so.new_requests:
+            num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
+            self.progress[new.request_id] = [new.num_computed_tokens, num_tokens]
+        sampled = {}
+        for rid, num in so.num_scheduled_tokens.items():
+            state = self.progress[rid]
+            state[0] += num
+            if state[0] == state[1]:
+                state[1] += 1
+                sampled[rid] = self.token_id
+        return ModelRunnerOutput(sampled)
+
+
+# --- driving a scheduler in tests ----------------------------------------------------------
+@dataclass(slots=True)
+class Transcript:
+    """What the clients of one scheduler run saw."""
+
+    tokens: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (client id, index) -> tokens
+    finish_reasons: dict[tuple[str, int], FinishReason] = field(default_factory=dict)  # (client id, index) -> reason
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)  # client id -> last reported
+    outputs: list[RequestOutput] = field(default_factory=list)  # every delta, in order
+    num_steps: int = 0  # steps run
+
+    def record(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            key = (out.request_id, out.index)
+            assert key not in self.finish_reasons, f"delta after the final one for {key}"
+            self.tokens.setdefault(key, []).extend(out.new_token_ids)
+            self.num_cached_tokens[out.request_id] = out.num_cached_tokens
+            if out.finish_reason is not None:
+                self.finish_reasons[key] = out.finish_reason
+        self.outputs.extend(outputs)
+
+
+def run_steps(
+    scheduler: Scheduler,
+    runner: FakeRunner | InstantRunner,
+    transcript: Transcript | None = None,
+    num_steps: int | None = None,
+    until: Callable[[Scheduler], bool] | None = None,
+    max_steps: int = 100_000,
+) -> Transcript:
+    """Steps until no request is left, `num_steps` were run or `until` holds; checks every step."""
+    transcript = transcript if transcript is not None else Transcript()
+    for i in range(max_steps):
+        if not scheduler.has_unfinished_requests() or i == num_steps or (until is not None and until(scheduler)):
+            return transcript
+        output = scheduler.schedule()
+        assert not output.is_empty, "no progress while requests are unfinished"
+        check_step(scheduler, output)
+        transcript.record(scheduler.update_from_output(output, runner.execute(output)))
+        transcript.num_steps += 1
+        assert_consistent(scheduler)
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    cfg = scheduler.config
+    assert 0 < output.total_num_scheduled_tokens <= cfg.max_num_batched_tokens, output.total_num_scheduled_tokens
+    assert len(output.num_scheduled_tokens) <= cfg.max_num_seqs
+    assert scheduler.num_running_seqs <= cfg.max_num_seqs
+
+
+def assert_consistent(scheduler: Scheduler) -> None:
+    """Block accounting matches the requests exactly (ref counts, free list, cache map)."""
+    kv = scheduler.kv
+    pool = kv.pool
+    refs: Counter[int] = Counter()
+    for rid, blocks in kv.req_blocks.items():
+        request = scheduler.requests[rid]
+        assert request.status == RequestStatus.RUNNING, (rid, request.status)
+        assert len(blocks) * kv.block_size >= request.num_computed_tokens, rid
+        refs.update(b.block_id for b in blocks)
+    for request in scheduler.running:
+        assert request.request_id in kv.req_blocks, request.request_id
+    for request in scheduler.waiting:
+        assert request.request_id not in kv.req_blocks and request.status <= RequestStatus.PREEMPTED
+    free_ids = pool.free_queue.block_ids()
+    assert len(free_ids) == pool.num_free_blocks == len(set(free_ids))
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
+        assert (block.ref_cnt == 0) == (block.prev_free is not None), block
+    assert set(free_ids) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash == block_hash
+    assert scheduler.num_running_seqs == sum(r.num_seqs for r in scheduler.running)
+    assert len(scheduler.requests) == len(scheduler.running) + len(scheduler.waiting)
+
+
+def assert_pool_full(scheduler: Scheduler) -> None:
+    """Every usable block is free again (no leak)."""
+    pool = scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks, (pool.num_free_blocks, pool.num_usable_blocks)
+    assert not scheduler.kv.req_blocks

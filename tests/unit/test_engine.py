@@ -1,0 +1,259 @@
+"""Engine (in-process asyncio loop) with FakeRunner: streams, n>1, abort, generate, errors."""
+
+import asyncio
+import threading
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.outputs import EngineRequest, FinishReason
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.testing import FakeRunner, assert_pool_full, run_steps
+
+CFG = SchedulerConfig(block_size=4, num_blocks=64, max_model_len=128, max_num_batched_tokens=32)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def make_engine(delay_s=0.0, **kw):
+    return Engine(CFG, FakeRunner(CFG.block_size, CFG.num_blocks, delay_s=delay_s), **kw)
+
+
+def prompts(k):
+    return [list(range(i * 10, i * 10 + 3 + 2 * i)) for i in range(k)]
+
+
+def scheduler_reference(prompt_list, params):
+    s = Scheduler(CFG)
+    for i, p in enumerate(prompt_list):
+        s.add_request(EngineRequest(f"x{i}", p, params))
+    t = run_steps(s, FakeRunner(CFG.block_size, CFG.num_blocks))
+    return [t.tokens[(f"x{i}", 0)] for i in range(len(prompt_list))]
+
+
+async def collect(stream):
+    return [d async for d in stream]
+
+
+def test_streams_deliver_deltas_until_final():
+    async def main():
+        engine = make_engine()
+        streams = [engine.add_request(EngineRequest(f"r{i}", p, GREEDY)) for i, p in enumerate(prompts(6))]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    expected = scheduler_reference(prompts(6), GREEDY)
+    for deltas, tokens in zip(results, expected):
+        assert [t for d in deltas for t in d.new_token_ids] == tokens
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert deltas[-1].finish_reason == FinishReason.LENGTH
+    assert_pool_full(engine.scheduler)
+    assert engine.stats.num_generation_tokens == 6 * 12
+    engine.close()
+
+
+def test_n_sequences_multiplexed_on_one_stream():
+    async def main():
+        engine = make_engine()
+        params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=5)
+        return await collect(engine.add_request(EngineRequest("p", list(range(10)), params)))
+
+    deltas = asyncio.run(main())
+    assert {d.request_id for d in deltas} == {"p"}
+    assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2, 3]
+    assert all(sum(len(d.new_token_ids) for d in deltas if d.index == i) == 5 for i in range(4))
+
+
+def test_abort_mid_stream_frees_blocks_and_ends_stream():
+    async def main():
+        engine = make_engine(delay_s=0.002)
+        stream = engine.add_request(EngineRequest("a", list(range(20)), SamplingParams(temperature=0.0, max_tokens=100)))
+        other = engine.add_request(EngineRequest("b", list(range(5)), SamplingParams(temperature=0.0, max_tokens=30)))
+        seen = []
+        async for delta in stream:
+            seen.append(delta)
+            if len(seen) == 3:
+                engine.abort("a")
+        await collect(other)
+        return engine, seen
+
+    engine, seen = asyncio.run(main())
+    assert seen[-1].finish_reason == FinishReason.ABORT and seen[-1].new_token_ids == []
+    assert len(seen) <= 5  # 3 read + at most 1 already queued + the final (the step in flight is dropped)
+    assert_pool_full(engine.scheduler)
+    assert engine.stats.num_aborted_seqs == 1
+
+
+def test_aclose_aborts_a_running_request():
+    async def main():
+        engine = make_engine(delay_s=0.001)
+        stream = engine.add_request(EngineRequest("a", list(range(20)), SamplingParams(temperature=0.0, max_tokens=100)))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        while engine._loop_task is not None and not engine._loop_task.done():
+            await asyncio.sleep(0.005)
+        return engine
+
+    engine = asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+    assert_pool_full(engine.scheduler)
+
+
+def test_event_loop_stays_free_while_the_runner_works():
+    ticks = []
+    runner_threads = set()
+
+    class Recording(FakeRunner):
+        def execute(self, so):
+            runner_threads.add(threading.current_thread())
+            return super().execute(so)
+
+    async def ticker(stop):
+        while not stop.is_set():
+            ticks.append(1)
+            await asyncio.sleep(0.001)
+
+    async def main():
+        engine = Engine(CFG, Recording(CFG.block_size, CFG.num_blocks, delay_s=0.02))
+        stop = asyncio.Event()
+        task = asyncio.create_task(ticker(stop))
+        await collect(engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))))
+        stop.set()
+        await task
+        return engine
+
+    engine = asyncio.run(main())
+    assert len(ticks) >= 10  # 3 steps x 20 ms of runner time, the loop kept ticking
+    assert len(runner_threads) == 1 and threading.main_thread() not in runner_threads  # one worker thread
+
+
+def test_generate_sync_helper_and_prefix_cache():
+    engine = make_engine()
+    shared = list(range(100, 130))
+    results = engine.generate([shared + [1], shared + [2]], GREEDY)  # admitted together: no hit
+    again = engine.generate([shared + [3]], GREEDY)[0]
+    assert [r.num_cached_tokens for r in results] == [0, 0] and again.num_cached_tokens == 28
+    assert [r.sequences[0].token_ids for r in results] == scheduler_reference([shared + [1], shared + [2]], GREEDY)
+    assert results[0].sequences[0].finish_reason == FinishReason.LENGTH
+    forked = engine.generate([list(range(9))], SamplingParams(temperature=0.0, n=3, max_tokens=4))[0]
+    assert len({tuple(s.token_ids) for s in forked.sequences}) == 1 and len(forked.sequences) == 3
+    engine.close()
+
+
+def test_runner_error_fails_streams_and_engine_recovers():
+    class Flaky(FakeRunner):
+        fail = True
+
+        def execute(self, so):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("worker died")
+            return super().execute(so)
+
+    async def main():
+        engine = Engine(CFG, Flaky(CFG.block_size, CFG.num_blocks))
+        stream = engine.add_request(EngineRequest("a", [1, 2, 3], GREEDY))
+        with pytest.raises(RuntimeError, match="worker died"):
+            await collect(stream)
+        assert_pool_full(engine.scheduler)
+        deltas = await collect(engine.add_request(EngineRequest("b", [1, 2, 3], GREEDY)))
+        return deltas
+
+    assert sum(len(d.new_token_ids) for d in asyncio.run(main())) == 12
+
+
+def test_async_runner_and_injected_clock():
+    now = [100.0]
+
+    class AsyncRunner:
+        def __init__(self):
+            self.inner = FakeRunner(CFG.block_size, CFG.num_blocks)
+
+        async def execute(self, so):
+            now[0] += 1.0
+            await asyncio.sleep(0)
+            return self.inner.execute(so)
+
+    async def main():
+        engine = Engine(CFG, AsyncRunner(), clock=lambda: now[0])
+        stream = engine.add_request(EngineRequest("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=3)))
+        await collect(stream)
+        return stream
+
+    stream = asyncio.run(main())
+    assert (stream.arrival_time, stream.first_token_time, stream.finish_time) == (100.0, 101.0, 103.0)
+
+
+def test_loop_stops_when_idle_and_restarts():
+    async def main():
+        engine = make_engine()
+        await collect(engine.add_request(EngineRequest("a", [1, 2], GREEDY)))
+        await asyncio.sleep(0.01)
+        assert engine._loop_task.done()
+        deltas = await collect(engine.add_request(EngineRequest("b", [1, 2], GREEDY)))
+        return deltas
+
+    assert sum(len(d.new_token_ids) for d in asyncio.run(main())) == 12
+
+
+def test_duplicate_and_invalid_requests_raise():
+    async def main():
+        engine = make_engine()
+        engine.add_request(EngineRequest("a", [1, 2], GREEDY))
+        with pytest.raises(ValueError):
+            engine.add_request(EngineRequest("a", [1, 2], GREEDY))
+        with pytest.raises(ValueError):
+            engine.add_request(EngineRequest("b", list(range(200)), GREEDY))
+        engine.abort("a")
+        return engine
+
+    engine = asyncio.run(main())
+    with pytest.raises(RuntimeError):  # outside an event loop: refused before any state changes
+        engine.add_request(EngineRequest("c", [1, 2], GREEDY))
+    assert not engine.has_unfinished_requests()
+
+
+def test_runner_death_migrates_streams_to_another_engine():
+    class DiesAfter(FakeRunner):
+        def __init__(self, *a, steps, **kw):
+            super().__init__(*a, **kw)
+            self.steps_left = steps
+
+        def execute(self, so):
+            self.steps_left -= 1
+            if self.steps_left < 0:
+                raise RuntimeError("worker died")
+            return super().execute(so)
+
+    requests = [
+        EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=15)) for i, p in enumerate(prompts(5))
+    ] + [EngineRequest("n3", list(range(30)), SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=15))]
+
+    async def run(die_after):
+        live = make_engine()
+        moved = []
+
+        def migrate(engine, error):
+            moved.append(error)
+            live.adopt(engine.take_for_migration())
+
+        dying = Engine(CFG, DiesAfter(CFG.block_size, CFG.num_blocks, steps=die_after), on_runner_error=migrate)
+        streams = [dying.add_request(q) for q in requests]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        return results, moved, live
+
+    expected, moved, _ = asyncio.run(run(die_after=10_000))
+    assert not moved
+    for die_after in (0, 1, 3, 6):
+        got, moved, live = asyncio.run(run(die_after))
+        assert len(moved) == 1
+        for deltas, want in zip(got, expected):
+            for index in {d.index for d in want}:
+                assert [t for d in deltas if d.index == index for t in d.new_token_ids] == [
+                    t for d in want if d.index == index for t in d.new_token_ids
+                ]
+            assert sorted(d.index for d in deltas if d.finished) == sorted(d.index for d in want if d.finished)
+        assert_pool_full(live.scheduler)

@@ -1,0 +1,67 @@
+"""Property: after any sequence of add/step/abort/migrate and then finishing, the pool is full."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import EngineRequest
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.testing import FakeRunner, Transcript, assert_consistent, assert_pool_full, run_steps
+
+CFG = SchedulerConfig(block_size=4, num_blocks=13, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=6)
+PREFIXES = [list(range(100, 124)), list(range(200, 212)), []]
+
+add = st.tuples(
+    st.just("add"),
+    st.integers(1, 30),  # prompt length
+    st.integers(1, 30),  # max_tokens
+    st.sampled_from([1, 1, 2, 3]),  # n
+    st.integers(0, 2),  # shared prefix family
+    st.booleans(),  # seeded sampling
+)
+ops = st.lists(
+    st.one_of(add, add, st.tuples(st.just("step"), st.integers(1, 12)), st.tuples(st.just("abort"), st.integers(0, 50)),
+              st.tuples(st.just("migrate"))),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, drain=st.sampled_from(["run", "abort"]))
+def test_pool_is_full_again_after_any_sequence(ops, drain):
+    s = Scheduler(CFG, eos_token_ids=[3])
+    runner = FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50)  # EOS now and then
+    t = Transcript()
+    added: list[str] = []
+    for k, op in enumerate(ops):
+        if op[0] == "add":
+            _, length, max_tokens, n, family, seeded = op
+            prompt = (PREFIXES[family] + list(range(k, k + length)))[:length]
+            params = SamplingParams(temperature=0.8 if seeded else 0.0, seed=k if seeded else None, n=n, max_tokens=max_tokens)
+            s.add_request(EngineRequest(f"c{k}", prompt, params))
+            added.append(f"c{k}")
+        elif op[0] == "step":
+            run_steps(s, runner, t, num_steps=op[1])
+        elif op[0] == "abort" and added:
+            t.record(s.abort_request(added[op[1] % len(added)]))
+        elif op[0] == "migrate":
+            moved = s.take_requests_for_migration()
+            assert_pool_full(s)
+            runner = FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50)  # the worker restarted
+            for request in moved:
+                s.add_migrated_request(request)
+        assert_consistent(s)
+    if drain == "abort":
+        t.record(s.abort_request(added))
+    else:
+        run_steps(s, runner, t)
+    assert_pool_full(s)
+    assert not s.has_unfinished_requests() and s.num_running_seqs == 0
+    # every sequence of every request ended exactly once (record() rejects deltas after the end)
+    expected = {(cid, i) for k, cid in enumerate(added) for i in range(_n_of(ops, cid))}
+    assert set(t.finish_reasons) == expected
+
+
+def _n_of(ops, cid):
+    return ops[int(cid[1:])][3]
