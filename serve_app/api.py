@@ -1,0 +1,126 @@
+"""The FastAPI app: routes over a ServingContext. No Ray here, so tests run it in-process.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+/health, /version. Later layers (auth, metrics, body limits) add middleware or routes to
+the app that create_api returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+
+from serve_app import chat, completions
+from serve_app.context import ServingContext
+from serve_app.errors import install_error_handlers
+from serve_app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+)
+from serve_app.sse import sse_stream
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+LARGE_BODY_BYTES = 1 << 18  # JSON bodies above this are parsed on the app's JSON thread
+
+
+def off_loop_json_route(executor: ThreadPoolExecutor) -> type[APIRoute]:
+    """A route class that parses large JSON bodies on `executor`, so a burst of multi-
+    megabyte prompts does not hold the event loop (FastAPI would json.loads them on the
+    loop; Starlette caches the result in request._json, which FastAPI then reuses)."""
+
+    class OffLoopJSONRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def route_handler(request: Request) -> Response:
+                body = await request.body()
+                if len(body) > LARGE_BODY_BYTES:
+                    try:
+                        loop = asyncio.get_running_loop()
+                        request._json = await loop.run_in_executor(executor, json.loads, body)
+                    except ValueError:
+                        pass  # FastAPI parses again on the loop and reports the JSON error
+                return await handler(request)
+
+            return route_handler
+
+    return OffLoopJSONRoute
+
+
+def create_api(ctx: ServingContext) -> FastAPI:
+    app = FastAPI(title="rayllm-serve", version=ctx.version)
+    # One thread: parses queue up instead of several threads contending with the loop for the GIL.
+    app.router.route_class = off_loop_json_route(ThreadPoolExecutor(1, thread_name_prefix="json"))
+    install_error_handlers(app)
+    app.state.ctx = ctx
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest) -> Any:
+        if body.stream:
+            chunks = await completions.prepare_stream(body, ctx)
+            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(await completions.complete(body, ctx))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest) -> Any:
+        if body.stream:
+            chunks = await chat.prepare_stream(body, ctx)
+            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(await chat.complete(body, ctx))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        card = ctx.card
+        model = {
+            "id": card.served_name,
+            "object": "model",
+            "created": card.created,
+            "owned_by": "rayllm-serve",
+            "root": card.root,
+            "parent": None,
+            "max_model_len": card.max_model_len,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest) -> dict[str, Any]:
+        ctx.card.check_model(body.model)
+        if isinstance(body, TokenizePromptRequest):
+            tokens = await ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
+        else:
+            messages = [message.as_template_dict() for message in body.messages]
+            tokens = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.card.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.card.check_model(body.model)
+        ctx.card.check_token_ids(body.tokens, "tokens")
+        return {"prompt": await ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if ctx.health is None:
+            return JSONResponse({"status": "ok", "reason": "no engine monitor configured"})
+        report = ctx.health.readiness()
+        body: dict[str, Any] = {"status": "ok" if report.ready else "unavailable", "reason": report.reason}
+        if report.status is not None and dataclasses.is_dataclass(report.status):
+            body["engine"] = dataclasses.asdict(report.status)
+        return JSONResponse(body, status_code=200 if report.ready else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": ctx.version}
+
+    return app

@@ -1,0 +1,96 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> n assistant replies.
+
+Streaming follows OpenAI: each choice opens with a delta {"role": "assistant",
+"content": ""}, then content deltas, then one chunk with its finish_reason; with
+stream_options.include_usage a last chunk carries usage and no choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve_app.context import ServingContext
+from serve_app.generation import ChoiceResult, GenerationRun
+from serve_app.logprobs import ChatLogprobs
+from serve_app.protocol import ChatCompletionRequest
+from serve_app.sampling import to_sampling_params
+
+
+async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> GenerationRun:
+    ctx.card.check_model(body.model)
+    messages = [message.as_template_dict() for message in body.messages]
+    token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len)
+    params = to_sampling_params(body, len(token_ids), ctx.card)
+    return ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings)
+
+
+def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatLogprobs | None:
+    if not body.logprobs:
+        return None
+    return ChatLogprobs(ctx.tokenizer.token_text, ctx.tokenizer.token_bytes, body.top_logprobs or 0)
+
+
+async def complete(body: ChatCompletionRequest, ctx: ServingContext) -> dict[str, Any]:
+    run = await prepare(body, ctx)
+    results = await run.collect()
+    builder = _logprobs_builder(body, ctx)
+    return {
+        "id": run.response_id,
+        "object": "chat.completion",
+        "created": int(ctx.clock()),
+        "model": ctx.card.served_name,
+        "choices": [_choice_json(result, builder) for result in results],
+        "usage": run.usage(),
+    }
+
+
+def _choice_json(result: ChoiceResult, builder: ChatLogprobs | None) -> dict[str, Any]:
+    logprobs = None
+    if builder is not None:
+        logprobs = {"content": builder.format(result.logprobs), "refusal": None}
+    return {
+        "index": result.index,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+    }
+
+
+async def prepare_stream(body: ChatCompletionRequest, ctx: ServingContext) -> AsyncIterator[dict[str, Any]]:
+    """Validates first (errors become plain 400s), then returns the chunk iterator."""
+    run = await prepare(body, ctx)
+    return _stream_chunks(body, ctx, run)
+
+
+async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext,
+                         run: GenerationRun) -> AsyncIterator[dict[str, Any]]:
+    created = int(ctx.clock())
+    builder = _logprobs_builder(body, ctx)
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        payload = {
+            "id": run.response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.card.served_name,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if body.include_usage:
+            payload["usage"] = None
+        return payload
+
+    for index in range(run.num_choices):
+        yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+    async with contextlib.aclosing(run.deltas()) as deltas:
+        async for delta in deltas:
+            logprobs = None
+            if builder is not None and delta.logprobs:
+                logprobs = {"content": builder.format(delta.logprobs), "refusal": None}
+            if delta.text or logprobs or delta.finish_reason:
+                content = {"content": delta.text} if delta.text else {}
+                yield chunk(delta.index, content, logprobs, delta.finish_reason)
+    if body.include_usage:
+        yield {"id": run.response_id, "object": "chat.completion.chunk", "created": created,
+               "model": ctx.card.served_name, "choices": [], "usage": run.usage()}

@@ -1,0 +1,112 @@
+"""Errors in OpenAI's shape, and the FastAPI handlers that guarantee every failure has it.
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}
+
+Malformed JSON, wrong types and out-of-range values are 400 (FastAPI's default is 422);
+an unknown route or model is 404; an engine that cannot be reached is 503; anything
+unexpected is a 500 in the same shape (and a bug to fix).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """Raised anywhere below a route; becomes an OpenAI error response."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class EngineUnavailableError(OpenAIError):
+    """The scheduler (or every worker) cannot be reached."""
+
+    def __init__(self, message: str = "the engine is unavailable; retry later") -> None:
+        super().__init__(message, 503, code="engine_unavailable")
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The first pydantic error as one readable message, with its field as param."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more errors)"
+    return OpenAIError(message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        error = OpenAIError(message, exc.status_code, error_type=_TYPE_BY_STATUS.get(exc.status_code))
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a route")
+        error = OpenAIError(f"internal error: {type(exc).__name__}", 500, error_type="server_error")
+        return error_response(error)
+
+    app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)

@@ -1,0 +1,100 @@
+"""Readiness from published engine status: instant to answer, truthful about the engine.
+
+A background task polls the engine's cheap status() every poll_interval_s (the scheduler
+answers it from its own loop, never waiting on a step). /health reads the last snapshot,
+so it never waits on the engine. It is NOT ready when:
+
+- no status has arrived within stale_after_s (scheduler dead, restarting or wedged);
+- no worker is alive;
+- work is pending and no engine step completed within step_deadline_s (a stuck step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from serve_app.engine_client import EngineStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    poll_interval_s: float = 0.5  # between status calls
+    status_timeout_s: float = 2.0  # a status call slower than this is a failed poll
+    stale_after_s: float = 5.0  # no status for this long: the scheduler is unreachable
+    step_deadline_s: float = 60.0  # pending work and no step for this long: the engine is stuck
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    ready: bool
+    reason: str  # "ok", or why not
+    status: EngineStatus | None  # the snapshot the verdict came from
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        fetch_status: Callable[[], Awaitable[EngineStatus]],
+        config: HealthConfig = HealthConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fetch_status = fetch_status
+        self._config = config
+        self._clock = clock
+        self._status: EngineStatus | None = None
+        self._status_time: float | None = None  # clock() when _status arrived
+        self._last_error = "no status received yet"
+        self._task: asyncio.Task[None] | None = None
+
+    async def poll_once(self) -> None:
+        try:
+            status = await asyncio.wait_for(self._fetch_status(), self._config.status_timeout_s)
+        except Exception as error:  # a dead actor, a timeout: recorded, reported by readiness()
+            self._last_error = f"{type(error).__name__}: {error}"[:300]
+            return
+        self._status = status
+        self._status_time = self._clock()
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self._config.poll_interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def readiness(self) -> HealthReport:
+        status, status_time = self._status, self._status_time
+        if status is None or status_time is None:
+            return HealthReport(False, f"engine status unavailable ({self._last_error})", None)
+        age = self._clock() - status_time
+        if age > self._config.stale_after_s:
+            reason = f"scheduler unreachable: last status {age:.1f}s ago ({self._last_error})"
+            return HealthReport(False, reason, status)
+        if status.num_live_workers == 0:
+            return HealthReport(False, f"no live workers (0 of {status.num_workers})", status)
+        if status.num_unfinished_requests > 0:
+            since_step = status.seconds_since_last_step
+            if since_step is None or since_step + age > self._config.step_deadline_s:
+                shown = "never" if since_step is None else f"{since_step + age:.1f}s ago"
+                reason = (
+                    f"engine stuck: {status.num_unfinished_requests} requests pending and the "
+                    f"last step completed {shown} (deadline {self._config.step_deadline_s}s)"
+                )
+                return HealthReport(False, reason, status)
+        return HealthReport(True, "ok", status)

@@ -1,0 +1,37 @@
+"""What the ingress knows about the served model: its name and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve_app.errors import OpenAIError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    served_name: str  # the id clients put in "model" (also listed by /v1/models)
+    root: str  # the local directory the weights and tokenizer come from
+    max_model_len: int  # tokens, prompt + output
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence unless ignore_eos
+    created: int = 0  # unix seconds, for /v1/models
+
+    def check_model(self, requested: str | None) -> None:
+        """404 unless the request names this model (or none, or its root path)."""
+        if requested is None or requested in (self.served_name, self.root):
+            return
+        raise OpenAIError(
+            f"the model {requested!r} does not exist; this server serves {self.served_name!r}",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        for token_id in token_ids:
+            if token_id >= self.vocab_size:
+                raise OpenAIError(
+                    f"{param}: token id {token_id} is out of range [0, {self.vocab_size})",
+                    param=param,
+                    code="invalid_value",
+                )

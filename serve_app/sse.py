@@ -1,0 +1,40 @@
+"""Server-sent events as OpenAI streams them: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`.
+
+An error after the response has started (headers are gone, so no status code can change)
+is sent as one `data: {"error": {...}}` event, then [DONE], as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve_app.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Encodes chunks as events and always ends with [DONE] (unless the client is gone)."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except OpenAIError as error:
+        yield sse_event(error.body())
+    except Exception as error:  # the stream has started: report in-band, never drop silently
+        logger.exception("error while streaming")
+        failure = OpenAIError(f"internal error while streaming: {type(error).__name__}", 500)
+        yield sse_event(failure.body())
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+    yield DONE

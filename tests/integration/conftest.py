@@ -1,0 +1,100 @@
+"""ONE local Ray cluster and ONE served app (the tiny model) for the whole test session.
+
+Every test talks to it over real HTTP on 127.0.0.1. Tests share the app, so each must
+leave it serving (no request left running); test_http_robustness checks exactly that.
+Shut down only what we started: serve.shutdown() and ray.shutdown(), never `ray stop`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+APP_NAME = "llm"
+ACTOR_PREFIX = "rayllm-test"
+NUM_KV_BLOCKS = 512
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:<port>
+    model_dir: Path
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def scheduler_status(self) -> Any:
+        """The scheduler actor's own status (not the ingress's cached copy)."""
+        import ray
+
+        from scheduler.actor import ACTOR_NAMESPACE, scheduler_actor_name
+
+        scheduler = ray.get_actor(scheduler_actor_name(ACTOR_PREFIX), namespace=ACTOR_NAMESPACE)
+        return ray.get(scheduler.status.remote(), timeout=30)
+
+    def wait_until_idle(self, timeout_s: float = 10.0) -> Any:
+        """Polls until no request runs and the KV pool is fully free; returns the status."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.scheduler_status()
+            idle = status.num_running == 0 and status.num_waiting == 0 and status.num_unfinished_requests == 0
+            if idle and status.num_kv_blocks_free == status.num_kv_blocks_total:
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout_s}s: {status}")
+            time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Server]:
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({
+        "model": str(tiny_model_dir),
+        "served_model_name": "tiny",
+        "name": ACTOR_PREFIX,
+        "num_kv_blocks": NUM_KV_BLOCKS,
+        "block_size": BLOCK_SIZE,
+        "max_num_batched_tokens": 1024,
+        "max_num_seqs": 64,
+        "worker_num_cpus": 1,
+    })
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    try:
+        yield Server(f"http://127.0.0.1:{port}", tiny_model_dir)
+    finally:
+        serve.shutdown()

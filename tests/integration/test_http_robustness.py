@@ -1,0 +1,126 @@
+"""Health, metadata endpoints, a free ingress loop under huge prompts, and abandoned streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+
+HUGE_PROMPT_WORDS = 300_000
+NUM_HUGE_PROMPTS = 20
+HEALTH_BUDGET_S = 0.100  # p90 of the probes
+HEALTH_WORST_S = 2.0  # a probe at the instant the bodies pass through Serve (see the test)
+
+
+def test_health_version_models(server) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        health = http.get("/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["status"] == "ok"
+        assert health.json()["engine"]["num_live_workers"] == 1
+        assert http.get("/version").json()["version"]
+        model = http.get("/v1/models").json()["data"][0]
+        assert model["id"] == "tiny" and model["max_model_len"] == 1024
+        assert model["root"] == str(server.model_dir)
+
+
+PROBER = """
+import json, sys, threading, time
+import httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+latencies = []
+with httpx.Client(base_url=sys.argv[1], timeout=10) as http:
+    print("ready", flush=True)
+    while not stop.is_set():
+        started = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - started)
+        time.sleep(0.02)
+print(json.dumps(latencies), flush=True)
+"""
+
+
+def start_prober(url: str) -> subprocess.Popen:
+    """/health probes from their own process: the client sending 36 MB cannot delay them."""
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, url], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert prober.stdout.readline().strip() == "ready"
+    return prober
+
+
+def stop_prober(prober: subprocess.Popen) -> list[float]:
+    out, _ = prober.communicate("stop\n", timeout=60)
+    assert prober.returncode == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_health_stays_fast_while_huge_prompts_are_tokenized_and_rejected(server) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "lorem " * HUGE_PROMPT_WORDS, "max_tokens": 4}).encode()
+    headers = {"content-type": "application/json"}
+
+    async def send_all() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            posts = (http.post("/v1/completions", content=body, headers=headers) for _ in range(NUM_HUGE_PROMPTS))
+            return [response.status_code for response in await asyncio.gather(*posts)]
+
+    prober = start_prober(server.url)
+    time.sleep(0.2)
+    started = time.perf_counter()
+    try:
+        statuses = asyncio.run(send_all())
+    finally:
+        busy_s = time.perf_counter() - started
+        latencies = stop_prober(prober)
+    assert statuses == [400] * NUM_HUGE_PROMPTS
+    assert len(latencies) >= 10, (len(latencies), busy_s)
+    ordered = sorted(latencies)
+    p90 = ordered[int(0.9 * (len(ordered) - 1))]
+    # The ingress loop stays free (tokenization and JSON parsing run on threads and hold
+    # the GIL for < 10 ms at a time). What is left is Serve's own transfer of 36 MB of
+    # bodies (proxy -> replica as pickled ASGI messages) competing for 2 cores: the one or
+    # two probes that land in that burst took 0.1-1.2 s here. Tokenizing on the loop
+    # stalls every probe for the whole run (one probe in 42 s when tried).
+    assert p90 < HEALTH_BUDGET_S, f"/health p90 {p90:.3f}s, slowest {ordered[-3:]} over {busy_s:.1f}s"
+    assert ordered[-1] < HEALTH_WORST_S, f"/health slowest {ordered[-3:]} over {busy_s:.1f}s"
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_abandoned_streams_free_everything(server) -> None:
+    body = {"model": "tiny", "prompt": "Tell me a long story about a robot.", "max_tokens": 300,
+            "stream": True, "ignore_eos": True, "temperature": 0}
+
+    async def open_and_abandon(http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"text":""' not in line:
+                    return  # leave mid-stream: the connection closes here
+
+    async def abandon_all() -> None:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            await asyncio.gather(*(open_and_abandon(http) for _ in range(50)))
+
+    asyncio.run(abandon_all())
+    started = time.monotonic()
+    status = server.wait_until_idle(timeout_s=5.0)
+    assert status.num_running == 0 and status.num_kv_blocks_free == status.num_kv_blocks_total
+    assert time.monotonic() - started < 5.0
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        response = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 3})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_abandoned_non_streaming_request_is_aborted(server) -> None:
+    body = {"model": "tiny", "prompt": "A very long answer please", "max_tokens": 900, "ignore_eos": True}
+    try:
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    except httpx.TimeoutException:
+        pass
+    server.wait_until_idle(timeout_s=5.0)

@@ -1,0 +1,127 @@
+"""The text layer against a real transformers tokenizer (the tiny model's byte-level BPE)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from serve_app.choice_tracker import ChoiceTracker
+from serve_app.detokenizer import IncrementalDetokenizer
+from serve_app.tokenizer import TokenizerService
+from scheduler.outputs import FinishReason, RequestOutput
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "héllo wörld, ça va? naïve café",
+    "日本語のテキストと中文文本",
+    "emoji 😀🎉👩‍👩‍👧 mixed ascii",
+    "Ελληνικά и русский текст",
+]
+
+
+@pytest.fixture(scope="module")
+def service() -> TokenizerService:
+    from tiny_model import build_tokenizer
+
+    return TokenizerService(build_tokenizer())
+
+
+def full_decode(service: TokenizerService, ids: list[int]) -> str:
+    return service.decode_on_loop(ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_full_decode_for_any_chunking(service: TokenizerService, text: str) -> None:
+    prompt = service.encode_sync("Prompt: ")
+    ids = service.encode_sync(text, add_special_tokens=False)
+    rng = random.Random(len(text))
+    for _ in range(10):
+        detokenizer = IncrementalDetokenizer(service.decode_on_loop, prompt)
+        deltas, position = [], 0
+        while position < len(ids):
+            size = rng.randint(1, 4)
+            deltas.append(detokenizer.add(ids[position : position + size]))
+            position += size
+        deltas.append(detokenizer.finish())
+        assert "".join(deltas) == full_decode(service, ids) == text
+        assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_random_token_ids_stream_like_they_decode(service: TokenizerService) -> None:
+    vocab = len(service.tokenizer)
+    rng = random.Random(7)
+    for _ in range(50):
+        ids = [rng.randrange(3, vocab) for _ in range(30)]
+        detokenizer = IncrementalDetokenizer(service.decode_on_loop, [])
+        text = "".join(detokenizer.add([token]) for token in ids) + detokenizer.finish()
+        assert text == full_decode(service, ids)
+
+
+def test_token_bytes_are_exact_and_partial_tokens_are_marked(service: TokenizerService) -> None:
+    for text in TEXTS:
+        ids = service.encode_sync(text, add_special_tokens=False)
+        assert bytes(b for token in ids for b in service.token_bytes(token)) == text.encode()
+        for token in ids:
+            piece = service.token_text(token)
+            try:
+                bytes(service.token_bytes(token)).decode()
+                assert piece == bytes(service.token_bytes(token)).decode()
+            except UnicodeDecodeError:
+                assert piece.startswith("bytes:\\x")
+
+
+def test_tracker_hides_eos_and_cuts_stop_strings_with_real_tokens(service: TokenizerService) -> None:
+    eos = service.tokenizer.eos_token_id
+    ids = service.encode_sync("Paris is the capital of France.", add_special_tokens=False)
+    tracker = ChoiceTracker(0, service.decode_on_loop, [], ["capital"], frozenset({eos}))
+    deltas = [tracker.update(RequestOutput("r", 0, [token], None, None, 1, 0)) for token in ids[:-1]]
+    texts = [delta.text for delta in deltas if delta is not None]
+    assert "".join(texts) == "Paris is the "
+    assert deltas[-1] is None  # tokens after the stop string are dropped
+    assert tracker.finish_reason == "stop"
+    plain = ChoiceTracker(0, service.decode_on_loop, [], [], frozenset({eos}))
+    first = plain.update(RequestOutput("r", 0, ids, None, None, 1, 0)).text
+    last = plain.update(RequestOutput("r", 0, [eos], None, FinishReason.STOP, 1, 0))
+    assert first + last.text == "Paris is the capital of France."
+
+
+def test_chat_template_and_encoding_run_on_the_tokenizer_thread(service: TokenizerService) -> None:
+    seen: list[str] = []
+    original = service.encode_sync
+
+    def recording_encode(text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return original(text, add_special_tokens, max_length)
+
+    service.encode_sync = recording_encode  # type: ignore[method-assign]
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        ids = asyncio.run(service.encode_chat(messages))
+        asyncio.run(service.encode("hello"))
+    finally:
+        del service.encode_sync
+    assert all(name.startswith("tokenizer") for name in seen) and len(seen) == 2
+    text = service.decode_on_loop(ids, skip_special_tokens=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_bounded_encoding_judges_huge_prompts_by_their_head(service: TokenizerService) -> None:
+    huge = "lorem ipsum " * 150_000
+    started = time.perf_counter()
+    ids = service.encode_sync(huge, max_length=1024)
+    assert len(ids) >= 1024
+    assert time.perf_counter() - started < 1.0  # the whole text takes seconds
+    assert ids[:1024] == service.encode_sync(huge[:20_000])[:1024]
+
+
+def test_bounded_encoding_is_exact_below_the_limit(service: TokenizerService) -> None:
+    text = "Paris is the capital of France. " * 40
+    assert service.encode_sync(text, max_length=100_000) == service.encode_sync(text)
+    assert service.encode_sync(text, max_length=10) == service.encode_sync(text)[:10]
+    spaced = "x" + " " * 70_000 + "y"  # over the limit: judged by its head, same leading ids
+    bounded = service.encode_sync(spaced, max_length=4096)
+    assert len(bounded) >= 4096 and bounded[:4096] == service.encode_sync(spaced)[:4096]

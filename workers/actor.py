@@ -1,0 +1,91 @@
+"""WorkerActor: the Ray shell over one ModelRunner (weights, KV pool, sampler).
+
+execute() runs in the actor's default concurrency group (one at a time: the runner is not
+re-entrant); model_info() and ping() run in a separate "control" group so they answer
+while a long step is running. ping() returns this process's incarnation id, so the
+scheduler can tell a restarted worker (empty KV pool) from the one it knew.
+
+Sizing: on a GPU node the worker takes num_gpus=1; otherwise it takes num_cpus and sets
+torch's threads to floor(num_cpus) explicitly (OMP_NUM_THREADS too, before torch loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from typing import Any
+
+import ray
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+CONTROL_GROUP = "control"
+
+
+@ray.remote(concurrency_groups={CONTROL_GROUP: 1})
+class WorkerActor:
+    """Options (resources, name, restarts) are given at creation: see create_worker."""
+
+    def __init__(self, runner_kwargs: dict[str, Any]) -> None:
+        # torch loads here, in the worker process, after OMP_NUM_THREADS is set; the
+        # processes that create workers never import torch.
+        from workers.model_runner import ModelRunner, RunnerConfig
+
+        self._runner = ModelRunner(RunnerConfig(**runner_kwargs))
+        self._incarnation = uuid.uuid4().hex
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._runner.execute(scheduler_output)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def model_info(self) -> Any:
+        return self._runner.model_info
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def ping(self) -> str:
+        return self._incarnation
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerResources:
+    num_cpus: float  # logical CPUs reserved; torch threads = floor(num_cpus) on CPU workers
+    num_gpus: int  # 1 on GPU nodes, else 0
+
+    @property
+    def num_threads(self) -> int:
+        return max(1, math.floor(self.num_cpus))
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus else "cpu"
+
+
+def worker_actor_name(app_name: str, index: int) -> str:
+    return f"{app_name}-worker-{index}"
+
+
+def create_worker(
+    runner_kwargs: dict[str, Any],
+    resources: WorkerResources,
+    *,
+    name: str,
+    namespace: str | None = None,
+    max_restarts: int = 3,
+) -> Any:
+    """A named WorkerActor (or the live one of that name) holding a ModelRunner.
+
+    runner_kwargs are workers.model_runner.RunnerConfig's fields; threads and device come
+    from `resources`.
+    """
+    config = {**runner_kwargs, "num_threads": resources.num_threads, "device": resources.device}
+    threads = str(resources.num_threads)
+    return WorkerActor.options(
+        name=name,
+        namespace=namespace,
+        get_if_exists=True,
+        num_cpus=resources.num_cpus,
+        num_gpus=resources.num_gpus,
+        max_restarts=max_restarts,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+    ).remote(config)
