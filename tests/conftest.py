@@ -1,0 +1,34 @@
+"""Shared fixtures: model directories for worker and integration tests.
+
+Ray defaults for local tests are set before anything imports ray (see shared/DESIGN.md).
+"""
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray sockets on 127.0.0.1
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Sleeping (not spinning) OpenMP workers: on a shared 2-core machine, spinning torch threads
+# fight each other and every other process; measured 5x slower steps without this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random LlamaForCausalLM (3 layers, hidden 64, 4 heads / 2 kv heads) with a
+    byte-level BPE tokenizer and a ChatML template, saved as safetensors."""
+    from tiny_model import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model converted to safetensors (once; reuses ~/.cache/rayllm when present)."""
+    from workers.loader import resolve_model_path
+
+    return resolve_model_path(None)

@@ -1,0 +1,137 @@
+"""The torch reference paged attention vs a naive dense attention, on one mixed varlen batch:
+a prefill with no prefix, a prefill whose prefix is already in the pool, a prefill chunk,
+and decodes, with scattered (non-contiguous) block tables and GQA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.kernels import get_attention_backend, torch_ref
+
+
+def naive_attention(q, keys, values, scale):
+    """q: [query_len, heads, dim]; keys/values: [seq_len, kv_heads, dim] for one sequence,
+    the queries being its last query_len positions. Dense, one query at a time."""
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(query_len):
+        position = seq_len - query_len + i
+        for head in range(num_heads):
+            k = keys[: position + 1, head // group]
+            v = values[: position + 1, head // group]
+            weights = torch.softmax((k @ q[i, head]) * scale, dim=0)
+            out[i, head] = weights @ v
+    return out
+
+
+DECODES_LAST = [(9, 9), (5, 13), (4, 12), (1, 1), (1, 7), (1, 16), (1, 21)]
+INTERLEAVED = [(1, 7), (9, 9), (1, 21), (5, 13), (1, 1), (4, 12), (1, 16)]
+SIMILAR_PREFILLS = [(6, 10), (1, 30), (5, 11), (6, 12), (1, 29), (6, 11)]  # padded into shared SDPA calls
+SHAPES = {"decodes-last": DECODES_LAST, "interleaved": INTERLEAVED, "similar-prefills": SIMILAR_PREFILLS}
+
+
+def build_mixed_batch(num_heads, num_kv_heads, head_dim=16, block_size=4, num_blocks=64, seed=0,
+                      shapes=DECODES_LAST):
+    """(query_len, seq_len) per sequence: prefill, prefix-hit prefill, chunk, decodes."""
+    generator = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    free_blocks = torch.randperm(num_blocks - 1, generator=generator) + 1  # scattered, block 0 unused
+    tables, dense_keys, dense_values, cursor = [], [], [], 0
+    max_blocks = max(math.ceil(seq_len / block_size) for _, seq_len in shapes)
+    for _, seq_len in shapes:
+        count = math.ceil(seq_len / block_size)
+        blocks = free_blocks[cursor : cursor + count].tolist()
+        cursor += count
+        tables.append(blocks + [0] * (max_blocks - count))
+        dense_keys.append(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len])
+        dense_values.append(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len])
+    query_lens = [query_len for query_len, _ in shapes]
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    return dict(
+        q=q, k_cache=k_cache, v_cache=v_cache,
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len for _, seq_len in shapes], dtype=torch.int32),
+    ), dense_keys, dense_values
+
+
+def assert_matches_naive(shapes, num_heads, num_kv_heads):
+    inputs, dense_keys, dense_values = build_mixed_batch(num_heads, num_kv_heads, shapes=shapes)
+    scale = 16**-0.5
+    out = torch_ref.paged_attention(scale=scale, **inputs)
+    starts = inputs["query_start_loc"].tolist()
+    for s, (keys, values) in enumerate(zip(dense_keys, dense_values)):
+        q = inputs["q"][starts[s] : starts[s + 1]]
+        expected = naive_attention(q, keys, values, scale)
+        torch.testing.assert_close(out[starts[s] : starts[s + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shapes", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2), (3, 1)])
+def test_paged_attention_matches_naive_on_mixed_batch(num_heads, num_kv_heads, shapes):
+    assert_matches_naive(shapes, num_heads, num_kv_heads)
+
+
+def test_grouping_pads_similar_pieces_and_splits_long_queries(monkeypatch):
+    inputs, _, _ = build_mixed_batch(4, 2, shapes=SIMILAR_PREFILLS)
+    plan = torch_ref.build_plan(inputs["block_tables"], inputs["query_start_loc"], inputs["seq_lens"], 4)
+    assert len(plan.groups) < len(SIMILAR_PREFILLS)  # fewer SDPA calls than sequences
+    assert any(group.real_queries is not None for group in plan.groups)  # some padding was used
+    # long queries cut into pieces, and groups capped in area: same results
+    monkeypatch.setattr(torch_ref, "MAX_PIECE_QUERIES", 3)
+    monkeypatch.setattr(torch_ref, "MAX_GROUP_AREA", 40)
+    plan = torch_ref.build_plan(inputs["block_tables"], inputs["query_start_loc"], inputs["seq_lens"], 4)
+    assert max(group.query_len for group in plan.groups) == 3
+    for shapes in SHAPES.values():
+        assert_matches_naive(shapes, 4, 2)
+
+
+def test_plan_is_rebuilt_when_metadata_changes_in_place():
+    inputs, dense_keys, dense_values = build_mixed_batch(4, 2)
+    scale = 0.25
+    torch_ref.paged_attention(scale=scale, **inputs)
+    # same tensor objects, new contents: the cached plan must not be reused
+    inputs["seq_lens"][-1] -= 1
+    out = torch_ref.paged_attention(scale=scale, **inputs)
+    last = inputs["q"][-1:]
+    expected = naive_attention(last, dense_keys[-1][:-1], dense_values[-1][:-1], scale)
+    torch.testing.assert_close(out[-1:], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_inference_mode_metadata_works_without_plan_cache():
+    with torch.inference_mode():
+        inputs, dense_keys, dense_values = build_mixed_batch(4, 2, seed=1)
+        out = torch_ref.paged_attention(scale=0.25, **inputs)
+        inputs["seq_lens"][-1] -= 1  # in-place change of an inference tensor: no version counter to see it
+        again = torch_ref.paged_attention(scale=0.25, **inputs)
+    expected = naive_attention(inputs["q"][-1:], dense_keys[-1][:-1], dense_values[-1][:-1], 0.25)
+    torch.testing.assert_close(again[-1:], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(out[-1:], again[-1:])
+
+
+def test_write_kv_cache_writes_each_token_to_its_slot():
+    block_size, num_kv_heads, head_dim = 4, 2, 8
+    k_cache = torch.zeros(8, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(5, num_kv_heads, head_dim)
+    v = torch.randn(5, num_kv_heads, head_dim)
+    slots = torch.tensor([3 * 4 + 2, 3 * 4 + 3, 6 * 4 + 0, 1 * 4 + 1, 7 * 4 + 3])
+    torch_ref.write_kv_cache(k, v, k_cache, v_cache, slots)
+    for token, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // block_size, slot % block_size], k[token])
+        assert torch.equal(v_cache[slot // block_size, slot % block_size], v[token])
+    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 5  # nothing else written
+    assert not k_cache[0].any()  # the null block stays untouched
+
+
+def test_backend_selector():
+    assert get_attention_backend(None, "cpu") is torch_ref
+    assert get_attention_backend("torch", "cpu") is torch_ref
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash", "cpu")

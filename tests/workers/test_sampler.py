@@ -1,0 +1,130 @@
+"""Sampler unit tests on hand-made logits, and seeded sampling through the runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_helpers import make_runner, prompts_of_lengths, run_requests
+
+from scheduler.sampling_params import SamplingParams
+from workers.sampler import Sampler, SamplingBatch, apply_penalties, position_seed
+
+VOCAB = 50
+
+
+def batch_of(params: list[SamplingParams], positions: list[int] | None = None,
+             histories: list[list[int]] | None = None, num_prompt: list[int] | None = None) -> SamplingBatch:
+    histories = histories or [[] for _ in params]
+    return SamplingBatch(
+        params=params,
+        output_positions=positions or [0] * len(params),
+        token_ids=histories,
+        num_prompt_tokens=num_prompt or [0] * len(params),
+    )
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_all_greedy_batch_is_argmax():
+    logits = random_logits(6)
+    out = Sampler().sample(logits, batch_of([SamplingParams(temperature=0.0)] * 6))
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.5, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=2.0, min_p=0.999),
+])
+def test_filters_that_keep_only_the_top_token_act_like_greedy(params):
+    logits = random_logits(8, seed=1)
+    out = Sampler(seed=3).sample(logits, batch_of([params] * 8))
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_keep_sampling_inside_the_allowed_set():
+    logits = random_logits(1, seed=2).repeat(400, 1)
+    ranked = logits[0].argsort(descending=True).tolist()
+    probs = logits[0].softmax(-1)[ranked]
+    nucleus = next(i for i in range(VOCAB) if probs[: i + 1].sum() >= 0.6) + 1
+    top_k = Sampler(seed=1).sample(logits, batch_of([SamplingParams(top_k=3)] * 400)).token_ids
+    top_p = Sampler(seed=1).sample(logits, batch_of([SamplingParams(top_p=0.6)] * 400)).token_ids
+    assert set(top_k) == set(ranked[:3])
+    assert set(top_p) == set(ranked[:nucleus])
+
+
+def test_unseeded_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().repeat(20000, 1)
+    tokens = Sampler(seed=0).sample(logits, batch_of([SamplingParams()] * 20000)).token_ids
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=3).float() / 20000
+    torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
+
+
+def test_seeded_row_depends_only_on_seed_and_position():
+    logits = random_logits(5, seed=4)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = Sampler(seed=0).sample(logits[2:3], batch_of([seeded], positions=[9])).token_ids[0]
+    others = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), seeded,
+              SamplingParams(temperature=1.0, seed=99), SamplingParams(top_k=5)]
+    batched = Sampler(seed=77).sample(logits, batch_of(others, positions=[0, 3, 9, 1, 2])).token_ids[2]
+    assert alone == batched
+    draws = {Sampler().sample(logits[2:3], batch_of([seeded], positions=[p])).token_ids[0] for p in range(40)}
+    assert len(draws) > 1  # the position matters
+    assert position_seed(1, 2) != position_seed(2, 1)
+
+
+def test_penalties_match_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.2], [2.0, -1.0, 0.5, 3.0, 1.2]])
+    prompt, output = [0, 1], [3, 3, 2]
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5,
+                               frequency_penalty=0.25, logprobs=2)
+    plain = SamplingParams(temperature=0.0)
+    batch = batch_of([plain, penalized], histories=[prompt + output] * 2, num_prompt=[2, 2])
+    # repetition (prompt + output): positive / 2, negative * 2; then presence + frequency (output only)
+    expected = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.2],
+                             [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 0.5 - 0.5, 1.2]])
+    torch.testing.assert_close(apply_penalties(logits, batch), expected)
+    out = Sampler().sample(logits, batch)
+    assert out.token_ids == [3, 4]
+    raw = torch.log_softmax(logits[1], -1)  # logprobs are of the raw logits
+    assert out.logprobs[1].logprob == pytest.approx(float(raw[4]), abs=1e-6)
+    assert [token for token, _ in out.logprobs[1].top] == [3, 0]
+
+
+def test_logprobs_zero_gives_only_the_sampled_token():
+    logits = random_logits(2, seed=5)
+    out = Sampler().sample(logits, batch_of([SamplingParams(temperature=0.0, logprobs=0),
+                                              SamplingParams(temperature=0.0)]))
+    assert out.logprobs[0].top == [] and out.logprobs[1] is None
+    assert out.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-6)
+
+
+def test_seeded_requests_same_alone_and_batched_in_the_runner(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    prompts = prompts_of_lengths([12, 5, 31, 8], runner.model_info.vocab_size, seed=9)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)
+    alone = run_requests(runner, prompts[:1], seeded)[0]
+    others = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=5, max_tokens=16, ignore_eos=True)]
+    batched = run_requests(runner, prompts, [seeded] + others, token_budget=16)[0]
+    assert alone == batched
+    different_seed = run_requests(runner, prompts[:1], SamplingParams(
+        temperature=1.0, top_p=0.95, seed=43, max_tokens=16, ignore_eos=True))[0]
+    assert different_seed != alone
+
+
+def test_seeded_request_resumed_after_preemption_continues_identically(tiny_model_dir):
+    from workers.simple_driver import SimpleDriver
+
+    runner = make_runner(tiny_model_dir)
+    prompt = prompts_of_lengths([10], runner.model_info.vocab_size, seed=11)[0]
+    seeded = SamplingParams(temperature=1.0, seed=2024, max_tokens=14, ignore_eos=True)
+    uninterrupted = run_requests(runner, [prompt], seeded)[0]
+    driver = SimpleDriver(runner)
+    driver.add_request("resumed", prompt, seeded, output_token_ids=uninterrupted[:5])  # recomputed, then sampled
+    assert driver.run()["resumed"].output_token_ids == uninterrupted

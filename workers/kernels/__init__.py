@@ -1,0 +1,31 @@
+"""Attention backends: modules exposing the same two functions.
+
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
+    paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale) -> Tensor
+
+"torch" (workers.kernels.torch_ref) is the CPU path and the oracle; "triton"
+(workers.kernels.triton_attention) is the GPU path, imported only when asked for, so CPU
+machines never need triton. It also runs on CPU tensors under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+ATTENTION_BACKENDS = {
+    "torch": "workers.kernels.torch_ref",
+    "triton": "workers.kernels.triton_attention",
+}
+
+
+def get_attention_backend(name: str | None, device: str | torch.device) -> ModuleType:
+    """The attention module for `name`; None picks triton on CUDA and torch elsewhere."""
+    device = torch.device(device)
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(ATTENTION_BACKENDS)}")
+    return importlib.import_module(ATTENTION_BACKENDS[name])

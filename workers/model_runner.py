@@ -1,0 +1,289 @@
+"""ModelRunner: executes one SchedulerOutput on our paged model and returns one ModelRunnerOutput.
+
+The runner owns the tensors (weights, the per-layer KV pool, the sampler) and a cache of
+per-request state, so a step only carries what changed (see scheduler/outputs.py). It makes
+no scheduling decisions: which tokens, which blocks, who is finished all come from the
+scheduler. One step:
+
+    drop finished requests -> add new / update cached requests -> copy blocks
+    -> flatten the scheduled tokens of every request into one batch -> forward
+    -> logits on the last row of each request that caught up -> sample -> append
+
+Block 0 of the pool is the scheduler's null block; the runner never writes it unless told to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    WorkerStateLostError,
+)
+from scheduler.sampling_params import SamplingParams
+from workers.config import ModelConfig
+from workers.loader import load_weights, resolve_model_path
+from workers.model import AttentionMetadata, KVCache
+from workers.sampler import Sampler, SamplingBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    model: str | None = None  # local HF directory, or None / "default" for SmolLM2-135M-Instruct
+    model_cache_dir: str | None = None  # where the default model is converted (None: ~/.cache/rayllm)
+    dtype: str = "float32"  # key of DTYPES; fp32 on CPU
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks per layer, block 0 included; None: from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30  # KV pool budget over all layers when num_blocks is None
+    max_model_len: int | None = None  # None: the model's own limit (see ModelConfig.max_model_len)
+    attention_backend: str | None = None  # "torch" | "triton" | None (triton on CUDA, torch otherwise)
+    linear_backend: str | None = None  # "torch" | "onednn" | None (onednn-prepacked on CPU, torch otherwise)
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    seed: int = 0  # seed of the generator shared by unseeded requests
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine needs to know about the worker's model and pool."""
+
+    model_path: str
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int  # tokens per sequence at most (prompt + output)
+    vocab_size: int
+    num_blocks: int  # KV blocks per layer, block 0 (null) included
+    block_size: int  # tokens per block
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Seconds spent in the phases of the last execute() call."""
+
+    prepare_s: float = 0.0  # state updates, block copies, index tensors (Python side)
+    forward_s: float = 0.0  # model forward + lm_head on the sampling rows
+    sample_s: float = 0.0  # sampler
+    total_s: float = 0.0  # the whole execute()
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The worker's copy of one request, kept between steps."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + output so far (the runner appends what it samples)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]  # block table
+    num_computed_tokens: int  # tokens whose KV is in the pool
+
+
+@dataclass(slots=True)
+class _StepBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_rows: torch.Tensor  # [num_sampling] int64 rows of the batch whose logits are sampled
+    sampling_states: list[RequestState] = field(default_factory=list)  # aligned with logits_rows
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers (keys and values)."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int, dtype: torch.dtype) -> int:
+    """How many blocks (the null block 0 included) fit in memory_bytes of KV pool."""
+    num_blocks = memory_bytes // kv_bytes_per_block(config, block_size, dtype)
+    if num_blocks < 2:
+        raise ValueError(f"{memory_bytes} bytes hold {num_blocks} KV blocks; need at least 2 (block 0 is null)")
+    return int(num_blocks)
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = DTYPES[config.dtype]
+        self.model_path = resolve_model_path(config.model, config.model_cache_dir)
+        self.model_config = ModelConfig.from_model_dir(self.model_path)
+        model_limit = self.model_config.max_model_len
+        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        self.model = load_weights(
+            self.model_path, self.model_config, dtype, config.device, config.attention_backend, self.max_model_len,
+            config.linear_backend,
+        )
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or num_blocks_for_memory(
+            self.model_config, config.block_size, config.kv_cache_memory_bytes, dtype
+        )
+        self.kv_caches = self._allocate_kv_caches(dtype)
+        self.sampler = Sampler(config.seed, self.device)
+        self.requests: dict[str, RequestState] = {}
+        self.last_timing = StepTiming()
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model_path=str(self.model_path),
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+
+    def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:
+        c = self.model_config
+        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # zeros, not empty: masked-out slots are still multiplied by 0 in attention, and 0 * NaN is NaN
+        return [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(c.num_layers)
+        ]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started = time.perf_counter()
+        self._update_states(scheduler_output)
+        if scheduler_output.copy_blocks:
+            self._copy_blocks(scheduler_output.copy_blocks)
+        if scheduler_output.is_empty:
+            self.last_timing = StepTiming(total_s=time.perf_counter() - started)
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self._prepare_batch(scheduler_output)
+        prepared = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
+            logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sampling_states else None
+        forwarded = time.perf_counter()
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_scheduled
+        output = self._sample(logits, batch.sampling_states) if logits is not None else ModelRunnerOutput({})
+        finished = time.perf_counter()
+        self.last_timing = StepTiming(prepared - started, forwarded - prepared, finished - forwarded, finished - started)
+        return output
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+        for cached in scheduler_output.cached_requests:
+            self._update_cached(cached)
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        return RequestState(
+            request_id=new.request_id,
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    def reset(self) -> None:
+        """Forgets every request (their KV blocks are the scheduler's to reuse)."""
+        self.requests.clear()
+
+    def _update_cached(self, cached: CachedRequestData) -> None:
+        state = self.requests.get(cached.request_id)
+        if state is None:
+            raise WorkerStateLostError(
+                f"cached request {cached.request_id!r} is unknown to this worker (never sent, or dropped)")
+        state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+
+    def _copy_blocks(self, copy_blocks: list[tuple[int, int]]) -> None:
+        sources = torch.tensor([src for src, _ in copy_blocks], device=self.device)
+        destinations = torch.tensor([dst for _, dst in copy_blocks], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
+            v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
+
+    def _prepare_batch(self, scheduler_output: SchedulerOutput) -> _StepBatch:
+        """Flatten every scheduled token into one batch; index tensors come from flat lists."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        block_rows: list[list[int]] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        token_seqs: list[int] = []  # per token: index of its sequence in the batch
+        logits_rows: list[int] = []
+        sampling_states: list[RequestState] = []
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests.get(request_id)
+            if state is None:
+                raise WorkerStateLostError(f"scheduled request {request_id!r} is unknown to this worker")
+            start = state.num_computed_tokens
+            end = start + num_scheduled
+            self._check_request(state, end)
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            token_seqs.extend([len(block_rows)] * num_scheduled)
+            block_rows.append(state.block_ids)
+            query_start_loc.append(query_start_loc[-1] + num_scheduled)
+            seq_lens.append(end)
+            if end == len(state.token_ids):  # caught up: sample from the last row
+                logits_rows.append(query_start_loc[-1] - 1)
+                sampling_states.append(state)
+        width = max(len(row) for row in block_rows)
+        block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
+        positions_tensor = torch.tensor(positions, dtype=torch.long)
+        slot_mapping = (
+            block_tables[torch.tensor(token_seqs), positions_tensor // self.block_size].long() * self.block_size
+            + positions_tensor % self.block_size
+        )
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables.to(device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        )
+        return _StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=positions_tensor.to(device),
+            metadata=metadata,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            sampling_states=sampling_states,
+        )
+
+    def _check_request(self, state: RequestState, end: int) -> None:
+        if end > len(state.token_ids):
+            raise ValueError(
+                f"request {state.request_id}: scheduled up to token {end}, the worker knows {len(state.token_ids)}"
+            )
+        if end > self.max_model_len:
+            raise ValueError(f"request {state.request_id}: {end} tokens exceed max_model_len {self.max_model_len}")
+        if -(-end // self.block_size) > len(state.block_ids):
+            raise ValueError(
+                f"request {state.request_id}: {end} tokens need {-(-end // self.block_size)} blocks, "
+                f"its table has {len(state.block_ids)}"
+            )
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> ModelRunnerOutput:
+        batch = SamplingBatch(
+            params=[state.sampling_params for state in states],
+            output_positions=[len(state.token_ids) - state.num_prompt_tokens for state in states],
+            token_ids=[state.token_ids for state in states],
+            num_prompt_tokens=[state.num_prompt_tokens for state in states],
+        )
+        result = self.sampler.sample(logits, batch)
+        sampled: dict[str, int] = {}
+        logprobs = {}
+        for state, token_id, token_logprobs in zip(states, result.token_ids, result.logprobs):
+            state.token_ids.append(token_id)
+            sampled[state.request_id] = token_id
+            if token_logprobs is not None:
+                logprobs[state.request_id] = token_logprobs
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

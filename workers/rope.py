@@ -1,0 +1,66 @@
+"""Rotary position embeddings: inverse frequencies per scaling type, and a cos/sin cache.
+
+Matches Hugging Face's Llama convention: the head is split in two halves (x1, x2) that rotate
+together ("rotate_half"), not interleaved pairs. cos/sin are computed in fp32 once for every
+position up to max_positions, then gathered by position each step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workers.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, as Hugging Face computes them for each rope_type."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    # "default", and "dynamic", which equals the default up to the original context length
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables [max_positions, head_dim // 2] and their application to q and k."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: str | torch.device):
+        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        self.max_positions = max_positions
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device)  # [max_positions, head_dim]
+        self.signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device)  # [max_positions, head_dim]
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin, [num_tokens, 1, head_dim] each, ready to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim] -> rotated copy (x1*c - x2*s, x2*c + x1*s).
+
+    Written as x * cos + swap_halves(x) * signed_sin: three kernels instead of seven."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
