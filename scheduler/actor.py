@@ -3,11 +3,12 @@
     ingress --generate(EngineRequest)--> SchedulerActor --execute(SchedulerOutput)--> WorkerActor
             <--- lists of RequestOutput --              <--- ModelRunnerOutput ---
 
-- EngineGroup (pure, no Ray) holds one scheduler.engine.Engine per worker. Each Engine's
-  loop awaits ONE Ray call per step on its worker (TimedRunner wraps the handle), so the
-  actor's event loop is free between steps: generate, abort and status never wait on a step.
-- A new request goes to the live worker with the least load (running + waiting). A
-  prefix-cache-aware router can replace `_pick_engine` without touching the actor.
+- EngineGroup (scheduler/engine_group.py, pure, no Ray) holds one scheduler.engine.Engine
+  per worker. Each Engine's loop awaits ONE Ray call per step on its worker (TimedRunner
+  wraps the handle), so the engines step concurrently and the actor's event loop is free
+  between steps: generate, abort and status never wait on a step.
+- A new request goes where the group's Router sends it (scheduler/router.py; policy and
+  knobs from RouterConfig, default prefix_aware); no live worker: NoLiveWorkerError (503).
 - generate() is a Ray streaming generator: it yields list[RequestOutput], every delta that
   accumulated since the previous yield (one per step when the reader keeps up, fewer,
   larger items when it does not). The ingress reads it with
@@ -16,201 +17,77 @@
   (possible: calls from one caller may interleave on an async actor) is remembered and
   the request is refused when it shows up.
 - status() is answered from the actor's own state (no worker call): SchedulerStatus.
+- Metrics: the engines report StepStats/RequestStats to one EngineMetrics (scheduler/
+  metrics.py), which records them twice: into ray.util.metrics (RayMetrics below: Ray's
+  Prometheus export, as ray_rayllm_*) and into a pure MetricStore that published_stats()
+  returns, with per-worker state (node, KV, running), for the ingress's /metrics and
+  /v1/server_info. A background task refreshes the gauges every METRICS_INTERVAL_S.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
+import contextvars
+import gc
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, RequestStream
-from scheduler.outputs import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.engine import Engine
+from scheduler.engine_group import (  # noqa: F401  (SchedulerStatus, NoLiveWorkerError: re-exported)
+    EngineGroup,
+    NoLiveWorkerError,
+    SchedulerStatus,
+    TimedRunner,
+    batched,
+)
+from scheduler.metrics import ENGINE_METRICS, EngineMetrics, MetricDef, MetricStore, PublishedStats, WorkerState
+from scheduler.admission import Admission, AdmissionConfig
+from scheduler.outputs import EngineRequest, RequestOutput, WorkerStateLostError
+from scheduler.router import Router, RouterConfig
 
 logger = logging.getLogger(__name__)
 
-NUM_REMEMBERED_ABORTS = 4096  # aborts of not-yet-seen request ids kept for the race above
 WORKER_PING_INTERVAL_S = 2.0
 WORKER_PING_TIMEOUT_S = 10.0
 ACTOR_NAMESPACE = "rayllm"  # named scheduler and worker actors live here (ray.get_actor(name, namespace))
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStatus:
-    """A snapshot for /health and admin views (plain values, cheap to serialize)."""
-
-    num_workers: int  # worker actors configured
-    num_live_workers: int  # of those, not known to be dead
-    num_running: int  # sequences in running batches, all workers
-    num_waiting: int  # requests queued, all workers
-    num_unfinished_requests: int  # client requests with an open stream
-    seconds_since_last_step: float | None  # worst over workers with pending work; None when idle
-    num_kv_blocks_free: int  # allocatable blocks (cached-but-free included), all workers
-    num_kv_blocks_total: int  # usable blocks (null blocks excluded), all workers
-    num_steps: int  # engine steps completed, all workers
-
-
-class TimedRunner:
-    """An async runner over a worker (a Ray handle or any object with execute()), which
-    records step times and whether the worker is alive."""
-
-    def __init__(self, worker: Any, clock: Callable[[], float] = time.monotonic,
-                 is_death: Callable[[BaseException], bool] = lambda error: False) -> None:
-        self.worker = worker
-        self._clock = clock
-        self._is_death = is_death
-        self.alive = True
-        self.num_steps = 0
-        self.last_step_end: float | None = None  # clock() when the last step returned
-        self.busy_since: float | None = None  # clock() when work became pending (set by the group)
-
-    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            result = self._call(scheduler_output)
-            if inspect.isawaitable(result):
-                result = await result
-            else:
-                await asyncio.sleep(0)  # a sync worker (tests): let other tasks run between steps
-        except BaseException as error:
-            if self._is_death(error):
-                self.alive = False
-            raise
-        self.alive = True
-        self.num_steps += 1
-        self.last_step_end = self._clock()
-        return result
-
-    def _call(self, scheduler_output: SchedulerOutput) -> Any:
-        remote = getattr(self.worker.execute, "remote", None)
-        return remote(scheduler_output) if remote is not None else self.worker.execute(scheduler_output)
-
-    def seconds_without_progress(self, now: float) -> float:
-        marks = [mark for mark in (self.last_step_end, self.busy_since) if mark is not None]
-        return now - max(marks) if marks else 0.0
-
-
-class EngineGroup:
-    """Pure: one Engine per runner, routing, aborts and status. No Ray."""
-
-    def __init__(self, engines: list[Engine], runners: list[TimedRunner],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        assert engines and len(engines) == len(runners)
-        self.engines = engines
-        self.runners = runners
-        self._clock = clock
-        self._owner: dict[str, int] = {}  # request_id -> engine index, while streaming
-        self._early_aborts: deque[str] = deque(maxlen=NUM_REMEMBERED_ABORTS)
-
-    def add_request(self, request: EngineRequest) -> RequestStream | None:
-        """The request's stream, or None if it was aborted before it arrived."""
-        if request.request_id in self._early_aborts:
-            self._early_aborts.remove(request.request_id)
-            return None
-        index = self._pick_engine()
-        engine = self.engines[index]
-        if not engine.has_unfinished_requests():
-            self.runners[index].busy_since = self._clock()
-        stream = engine.add_request(request)  # raises ValueError if it can never run
-        self._owner[request.request_id] = index
-        return stream
-
-    def _pick_engine(self) -> int:
-        live = [i for i, runner in enumerate(self.runners) if runner.alive] or list(range(len(self.runners)))
-        def load(i: int) -> tuple[int, int]:
-            scheduler_load = self.engines[i].scheduler.load()
-            return scheduler_load.num_running_seqs + scheduler_load.num_waiting_reqs, i
-        return min(live, key=load)
-
-    def abort(self, request_id: str) -> None:
-        index = self._owner.get(request_id)
-        if index is None:
-            self._early_aborts.append(request_id)
-            return
-        self.engines[index].abort(request_id)
-
-    def forget(self, request_id: str) -> None:
-        self._owner.pop(request_id, None)
-
-    def status(self) -> SchedulerStatus:
-        now = self._clock()
-        loads = [engine.scheduler.load() for engine in self.engines]
-        pending = [r for r, e in zip(self.runners, self.engines) if e.has_unfinished_requests()]
-        stalls = [runner.seconds_without_progress(now) for runner in pending]
-        return SchedulerStatus(
-            num_workers=len(self.runners),
-            num_live_workers=sum(runner.alive for runner in self.runners),
-            num_running=sum(load.num_running_seqs for load in loads),
-            num_waiting=sum(load.num_waiting_reqs for load in loads),
-            num_unfinished_requests=len(self._owner),
-            seconds_since_last_step=max(stalls) if stalls else None,
-            num_kv_blocks_free=sum(load.num_free_blocks for load in loads),
-            num_kv_blocks_total=sum(load.num_usable_blocks for load in loads),
-            num_steps=sum(runner.num_steps for runner in self.runners),
-        )
-
-
-async def batched(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[list[RequestOutput]]:
-    """Every delta that arrived since the last yield, as one list."""
-    buffer: list[RequestOutput] = []
-    wake = asyncio.Event()
-    state: dict[str, Any] = {"done": False, "error": None}
-
-    async def pump() -> None:
-        try:
-            async for output in stream:
-                buffer.append(output)
-                wake.set()
-        except Exception as error:
-            state["error"] = error
-        finally:
-            state["done"] = True
-            wake.set()
-
-    task = asyncio.create_task(pump())
-    try:
-        while True:
-            await wake.wait()
-            wake.clear()
-            finished = state["done"]  # read before taking: everything pumped is in buffer
-            if buffer:
-                batch = buffer[:]
-                buffer.clear()
-                yield batch
-            if finished:
-                if state["error"] is not None:
-                    raise state["error"]
-                return
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+METRICS_INTERVAL_S = 1.0  # gauge refresh (Ray export) and worker node lookups
+NODE_INFO_TIMEOUT_S = 5.0
 
 
 def is_actor_death(error: BaseException) -> bool:
     return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
 
 
+def is_worker_lost(error: BaseException) -> bool:
+    """A step failed because the worker died, or restarted and lost its state (issue 7)."""
+    cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
+    return is_actor_death(error) or isinstance(cause, WorkerStateLostError)
+
+
 @ray.remote
 class SchedulerActor:
     """Options (num_cpus, max_restarts, name) are given at creation: see create_scheduler."""
 
-    def __init__(self, config: SchedulerConfig, workers: list[Any], eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: SchedulerConfig, workers: list[Any], eos_token_ids: tuple[int, ...],
+                 router_config: RouterConfig | None = None, admission_config: AdmissionConfig | None = None,
+                 worker_labels: list[str] | None = None) -> None:
         self._workers = workers
-        runners = [TimedRunner(worker, is_death=is_actor_death) for worker in workers]
+        for worker in workers:  # after a restart of this actor: drop request states the old one left
+            worker.reset.remote()
+        runners = [TimedRunner(worker, is_death=is_worker_lost) for worker in workers]
         engines = [Engine(config, runner, eos_token_ids) for runner in runners]
-        self._group = EngineGroup(engines, runners)
+        admission = Admission(admission_config or AdmissionConfig(max_num_seqs=config.max_num_seqs))
+        self._group = EngineGroup(engines, runners, router=Router(router_config), admission=admission)
         self._incarnations: list[str | None] = [None] * len(workers)
         self._watch_task: asyncio.Task[None] | None = None
+        self._install_metrics(worker_labels or [str(index) for index in range(len(workers))])
+        gc.freeze()  # startup objects leave the GC's scans: no long full-collection pauses between steps
 
     async def ready(self) -> bool:
         self._ensure_watching()
@@ -218,8 +95,13 @@ class SchedulerActor:
 
     def _ensure_watching(self) -> None:
         """Starts the worker watch on the first call (also after Ray restarted this actor)."""
+        # Fresh contexts: these tasks outlive the call that starts them, and Ray would parent
+        # (and, on cancel, cancel) their worker calls to that call's task.
+        loop = asyncio.get_running_loop()
         if self._watch_task is None or self._watch_task.done():
-            self._watch_task = asyncio.get_running_loop().create_task(self._watch_workers())
+            self._watch_task = loop.create_task(self._watch_workers(), context=contextvars.Context())
+        if self._metrics_task is None or self._metrics_task.done():
+            self._metrics_task = loop.create_task(self._refresh_metrics_forever(), context=contextvars.Context())
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         self._ensure_watching()
@@ -236,9 +118,18 @@ class SchedulerActor:
     async def abort(self, request_id: str) -> None:
         self._group.abort(request_id)
 
+    async def drain(self, timeout_s: float) -> int:
+        """Shutdown: refuse new requests (503), let open ones finish for up to timeout_s,
+        abort the rest; returns how many were aborted."""
+        return await self._group.drain(timeout_s)
+
     async def status(self) -> SchedulerStatus:
         self._ensure_watching()
         return self._group.status()
+
+    async def routing_stats(self) -> dict[str, Any]:
+        """The router's counters: outcomes, requests and steps per worker (EngineGroup.routing_stats)."""
+        return self._group.routing_stats()
 
     async def _watch_workers(self) -> None:
         """Pings idle workers; a restarted worker (new incarnation) gets an empty cache."""
@@ -257,15 +148,126 @@ class SchedulerActor:
             if is_actor_death(error):
                 runner.alive = False
             return
+        self._incarnations[index] = incarnation
+        if runner.incarnation is None:
+            runner.incarnation = incarnation  # steps now carry it: a restarted worker refuses them
+        elif runner.incarnation != incarnation:
+            if engine.has_unfinished_requests():
+                runner.alive = False  # its next step fails (WorkerStateLostError) and migrates them
+                return
+            logger.warning("worker %d restarted: it rejoins with an empty cache", index)
+            engine.scheduler.take_requests_for_migration()  # resets the block accounting
+            runner.incarnation = incarnation
         runner.alive = True
-        previous, self._incarnations[index] = self._incarnations[index], incarnation
-        if previous is not None and previous != incarnation and not engine.has_unfinished_requests():
-            logger.warning("worker %d restarted: dropping its prefix cache", index)
-            engine.scheduler.take_requests_for_migration()
 
 
-def scheduler_actor_name(app_name: str) -> str:
-    return f"{app_name}-scheduler"
+    # --- metrics -------------------------------------------------------------------------------
+    def _install_metrics(self, worker_labels: list[str]) -> None:
+        """Names each engine's worker and makes one EngineMetrics every engine's stats sink."""
+        self._metric_store = MetricStore(ENGINE_METRICS)
+        self._metrics = EngineMetrics([self._metric_store, RayMetrics(ENGINE_METRICS)])
+        self._nodes: list[tuple[str | None, dict[str, str]] | None] = [None] * len(self._workers)  # (incarnation, node)
+        self._metrics_task: asyncio.Task[None] | None = None
+        for engine, label in zip(self._group.engines, worker_labels, strict=True):
+            engine.worker_label = label
+            engine.stats_sink = self._metrics
+
+    async def published_stats(self) -> PublishedStats:
+        """Metrics and worker states for the ingress (no worker call: never waits on a step)."""
+        self._ensure_watching()
+        workers = self._refresh_gauges()
+        return PublishedStats(self._metric_store.snapshot(), workers, self._group.status())
+
+    def _refresh_gauges(self) -> list[WorkerState]:
+        workers = self._worker_states()
+        self._metrics.refresh_gauges(workers)
+        self._metrics.publish_route_counts(self._group.route_counts)
+        return workers
+
+    def _worker_states(self) -> list[WorkerState]:
+        now = time.monotonic()  # the runners' clock
+        states = []
+        for index, (engine, runner) in enumerate(zip(self._group.engines, self._group.runners, strict=True)):
+            load = engine.scheduler.load()
+            node = self._nodes[index][1] if self._nodes[index] is not None else {}
+            since = None if runner.last_step_end is None else max(0.0, now - runner.last_step_end)
+            states.append(WorkerState(
+                worker=engine.worker_label or str(index), alive=runner.alive,
+                num_running_seqs=load.num_running_seqs, num_waiting_reqs=load.num_waiting_reqs,
+                num_kv_blocks_used=load.num_usable_blocks - load.num_free_blocks,
+                num_kv_blocks_total=load.num_usable_blocks, num_steps=runner.num_steps,
+                seconds_since_last_step=since, node_id=node.get("node_id"), node_ip=node.get("node_ip"),
+            ))
+        return states
+
+    async def _refresh_metrics_forever(self) -> None:
+        while True:
+            try:
+                self._refresh_gauges()
+                await self._look_up_nodes()
+            except Exception:
+                logger.exception("metrics refresh failed")
+            await asyncio.sleep(METRICS_INTERVAL_S)
+
+    async def _look_up_nodes(self) -> None:
+        """Asks each worker its node once per incarnation (a control-group call: answers mid-step)."""
+        for index, worker in enumerate(self._workers):
+            known = self._nodes[index]
+            if known is not None and known[0] == self._incarnations[index]:
+                continue
+            try:
+                node = await asyncio.wait_for(worker.node_info.remote(), NODE_INFO_TIMEOUT_S)
+            except Exception:  # dead or busy: try again on the next refresh
+                continue
+            self._nodes[index] = (self._incarnations[index], node)
+
+
+class RayMetrics:
+    """MetricsBackend over ray.util.metrics: values recorded here reach Ray's Prometheus
+    export (names prefixed `ray_`, counters suffixed `_total`) and the dashboard. Only
+    usable inside a Ray process (an actor, a Serve replica, a connected driver)."""
+
+    def __init__(self, metrics: Iterable[MetricDef]) -> None:
+        from ray.util import metrics as ray_metrics
+
+        self._metrics: dict[str, tuple[Any, tuple[str, ...]]] = {}
+        for metric in metrics:
+            if metric.kind == "counter":
+                made = ray_metrics.Counter(metric.name, description=metric.help, tag_keys=metric.labels)
+            elif metric.kind == "gauge":
+                made = ray_metrics.Gauge(metric.name, description=metric.help, tag_keys=metric.labels)
+            else:
+                made = ray_metrics.Histogram(metric.name, description=metric.help,
+                                             boundaries=list(metric.buckets), tag_keys=metric.labels)
+            self._metrics[metric.name] = (made, metric.labels)
+        self._tags: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}  # (name, values) -> tags
+
+    def _get(self, name: str, labels: tuple[str, ...]) -> tuple[Any, dict[str, str] | None]:
+        metric, keys = self._metrics[name]
+        if not keys:
+            return metric, None
+        tags = self._tags.get((name, labels))
+        if tags is None:
+            tags = self._tags[(name, labels)] = dict(zip(keys, labels, strict=True))
+        return metric, tags
+
+    def inc(self, name: str, value: float = 1.0, labels: tuple[str, ...] = ()) -> None:
+        if value > 0:  # Ray refuses 0
+            metric, tags = self._get(name, labels)
+            metric.inc(value, tags=tags)
+
+    def set(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        metric, tags = self._get(name, labels)
+        metric.set(value, tags=tags)
+
+    def observe(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        metric, tags = self._get(name, labels)
+        metric.observe(value, tags=tags)
+
+
+def scheduler_actor_name(app_name: str, shard: int = 0) -> str:
+    """Shard 0 keeps the unsharded name, so single-shard tooling finds it."""
+    return f"{app_name}-scheduler" if shard == 0 else f"{app_name}-scheduler-{shard}"
 
 
 def create_scheduler(
@@ -277,8 +279,12 @@ def create_scheduler(
     num_cpus: float = 0.25,
     max_restarts: int = 3,
     namespace: str = ACTOR_NAMESPACE,
+    router_config: RouterConfig | None = None,
+    admission_config: AdmissionConfig | None = None,
+    worker_labels: list[str] | None = None,
 ) -> Any:
-    """A named SchedulerActor (or the live one of that name)."""
+    """A named SchedulerActor (or the live one of that name); router_config None: defaults.
+    worker_labels name the workers in metrics and server info (unique across shards; None: 0..n-1)."""
     return SchedulerActor.options(
         name=name,
         namespace=namespace,
@@ -286,4 +292,4 @@ def create_scheduler(
         num_cpus=num_cpus,
         max_restarts=max_restarts,
         max_concurrency=10_000,  # async actor: concurrent streams, not threads
-    ).remote(config, workers, eos_token_ids)
+    ).remote(config, workers, eos_token_ids, router_config, admission_config, worker_labels=worker_labels)

@@ -9,6 +9,11 @@ the next add_request starts it again. A step is schedule -> runner.execute -> up
 which torch and CUDA prefer), so the event loop stays free to take requests and aborts while
 the model runs; an `async def execute` (e.g. a Ray actor handle wrapper) is awaited directly.
 
+The loop task runs in a fresh contextvars.Context, not in the context of the request that
+happened to start it: it outlives that request, and Ray parents every call made in a
+request's context to that request's task, so cancelling a disconnected client's call would
+otherwise cancel the worker step of every request in the batch.
+
 If the runner raises, the scheduler's state is reset (the worker's state is unknown) and,
 by default, every unfinished request's stream gets the exception; the engine stays usable.
 With `on_runner_error`, the caller decides instead: e.g. `take_for_migration()` here and
@@ -18,6 +23,7 @@ With `on_runner_error`, the caller decides instead: e.g. `take_for_migration()` 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import inspect
 import time
@@ -38,7 +44,7 @@ from scheduler.outputs import (
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.stats import CumulativeStats, StepStats
+from scheduler.stats import CumulativeStats, RequestStats, StatsSink, StepStats
 
 
 class Runner(Protocol):
@@ -58,6 +64,12 @@ class RequestStream:
         self.arrival_time = arrival_time  # seconds, engine clock
         self.first_token_time: float | None = None  # seconds, engine clock, first delta with tokens
         self.finish_time: float | None = None  # seconds, engine clock, last final delta
+        self.scheduled_time: float | None = None  # seconds, engine clock, first scheduled for compute
+        self.num_prompt_tokens = 0  # as the deltas report it
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, as the deltas report it
+        self.num_generation_tokens = 0  # tokens put, every sequence
+        self.finish_reasons: list[str] = []  # one per finished sequence, in finishing order
+        self._last_token_times: dict[int, float] = {}  # sequence index -> engine clock of its latest token
         self.engine = engine  # the engine that owns the request now (changes on migration)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._num_unread_finals = num_seqs  # final deltas not yet handed to the reader
@@ -66,19 +78,51 @@ class RequestStream:
     def finished(self) -> bool:
         return self.num_unfinished_seqs == 0
 
-    def put(self, output: RequestOutput, now: float) -> None:
-        if output.new_token_ids and self.first_token_time is None:
-            self.first_token_time = now
+    def put(self, output: RequestOutput, now: float) -> float | None:
+        """Queues the delta; returns the gap since the sequence's previous token (an
+        inter-token latency), or None for a first token or a delta without tokens."""
+        gap = None
+        if output.new_token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            previous = self._last_token_times.get(output.index)
+            gap = None if previous is None else now - previous
+            self._last_token_times[output.index] = now
+            self.num_generation_tokens += len(output.new_token_ids)
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
+            self.finish_reasons.append(output.finish_reason.value)
             self.num_unfinished_seqs -= 1
             assert self.num_unfinished_seqs >= 0, self.request_id
             if self.num_unfinished_seqs == 0:
                 self.finish_time = now
         self._queue.put_nowait(output)
+        return gap
 
     def fail(self, error: BaseException) -> None:
+        """Ends the stream with `error` (its unfinished sequences count as "error" in stats)."""
+        self.finish_reasons.extend(["error"] * self.num_unfinished_seqs)
         self.num_unfinished_seqs = 0
+        self.finish_time = self.engine.clock()
         self._queue.put_nowait(error)
+        self.engine._report_finished(self)
+
+    def stats(self, worker: str | None) -> RequestStats:
+        """This request's stats (complete once it has finished)."""
+        return RequestStats(
+            request_id=self.request_id,
+            worker=worker,
+            finish_reasons=list(self.finish_reasons),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_seqs=len(self.finish_reasons) or 1,
+            arrival_time=self.arrival_time,
+            scheduled_time=self.scheduled_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time if self.finish_time is not None else self.arrival_time,
+        )
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -132,12 +176,16 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         scheduler: Scheduler | None = None,
         on_runner_error: Callable[[Engine, Exception], None] | None = None,
+        stats_sink: StatsSink | None = None,
+        worker_label: str | None = None,
     ) -> None:
         self.config = config
         self.runner = runner  # execute(SchedulerOutput) -> ModelRunnerOutput, sync or async
         self.clock = clock  # seconds; arrival and stream timings
         self.scheduler = scheduler or Scheduler(config, eos_token_ids)
         self.on_runner_error = on_runner_error  # (engine, error); None: fail every open stream
+        self.stats_sink = stats_sink  # gets StepStats and RequestStats; None: nobody listens
+        self.worker_label = worker_label  # names this engine's worker in stats and output.worker
         self._streams: dict[str, RequestStream] = {}  # client request id -> open stream
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-runner")
         self._runner_is_async = inspect.iscoroutinefunction(runner.execute)
@@ -160,7 +208,7 @@ class Engine:
         stream = RequestStream(request.request_id, request.sampling_params.n, self, request.arrival_time)
         self._streams[request.request_id] = stream
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = loop.create_task(self._run_loop())
+            self._loop_task = loop.create_task(self._run_loop(), context=contextvars.Context())
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -185,9 +233,11 @@ class Engine:
         if self._step_lock is None or self._step_lock[0] is not loop:
             self._step_lock = (loop, asyncio.Lock())  # generate() runs a new loop each call
         async with self._step_lock[1]:
+            started = self.clock()
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
                 return []
+            self._mark_scheduled(scheduler_output, started)
             try:
                 runner_output = await self._execute(scheduler_output)
             except Exception as error:
@@ -197,8 +247,19 @@ class Engine:
                     self._fail_all(error)
                 raise
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self._dispatch(outputs)
+            inter_token_latencies = self._dispatch(outputs)
+            step_stats = self.scheduler.last_step_stats
+            if self.stats_sink is not None and step_stats is not None:
+                self.stats_sink.on_step(self.worker_label, step_stats, self.clock() - started, inter_token_latencies)
             return outputs
+
+    def _mark_scheduled(self, scheduler_output: SchedulerOutput, now: float) -> None:
+        """Stamps the queue-time end of requests scheduled for the first time."""
+        for new_request in scheduler_output.new_requests:
+            request = self.scheduler.requests.get(new_request.request_id)
+            stream = self._streams.get(request.client_request_id) if request is not None else None
+            if stream is not None and stream.scheduled_time is None:
+                stream.scheduled_time = now
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._runner_is_async:
@@ -215,15 +276,26 @@ class Engine:
             if not outputs:
                 await asyncio.sleep(0)  # let aborts and new requests in between steps
 
-    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> list[float]:
+        """Sends the deltas to their streams; returns their inter-token latencies."""
         now = self.clock()
+        inter_token_latencies = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.put(output, now)
+            output.worker = self.worker_label
+            gap = stream.put(output, now)
+            if gap is not None:
+                inter_token_latencies.append(gap)
             if stream.finished:
                 del self._streams[output.request_id]
+                self._report_finished(stream)
+        return inter_token_latencies
+
+    def _report_finished(self, stream: RequestStream) -> None:
+        if self.stats_sink is not None:
+            self.stats_sink.on_request_finished(stream.stats(self.worker_label))
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self.take_for_migration().streams.values():  # nowhere to go: fail them
@@ -248,7 +320,7 @@ class Engine:
             stream.engine = self
             self._streams[request_id] = stream
         if migration.requests and (self._loop_task is None or self._loop_task.done()):
-            self._loop_task = loop.create_task(self._run_loop())
+            self._loop_task = loop.create_task(self._run_loop(), context=contextvars.Context())
 
     # --- offline helper -------------------------------------------------------------------------
     def generate(

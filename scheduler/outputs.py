@@ -44,6 +44,12 @@ from dataclasses import dataclass, field
 from scheduler.sampling_params import SamplingParams
 
 
+class WorkerStateLostError(KeyError):
+    """The worker does not hold state the step relies on: it restarted (empty KV pool and
+    request states) since the scheduler last saw it. The scheduler treats it as the death
+    of the worker it knew: the requests are recomputed (scheduler/engine_group.py)."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id, or a stop string seen by the ingress
     LENGTH = "length"  # max_tokens or max_model_len reached
@@ -102,6 +108,10 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0  # seconds, from the engine's clock (time.monotonic by default)
+    # Tokens this request already generated and streamed (a resubmission after a scheduler
+    # restart, n=1 only): they are outputs, not prompt, so they count toward max_tokens,
+    # penalties see them as generated, and seeded sampling keeps each token's output position.
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -115,6 +125,7 @@ class RequestOutput:
     finish_reason: FinishReason | None  # set on the last delta of the sequence
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (block-rounded)
+    worker: str | None = None  # label of the worker whose engine produced the delta (None: unnamed)
 
     @property
     def finished(self) -> bool:

@@ -89,6 +89,9 @@ class Scheduler:
         prompt = list(engine_request.prompt_token_ids)
         params = engine_request.sampling_params
         self._validate(engine_request.request_id, prompt, params.n)
+        resumed = engine_request.output_token_ids
+        if resumed:
+            self._validate_resumed(engine_request)
         request = Request(
             request_id=engine_request.request_id,
             client_request_id=engine_request.request_id,
@@ -97,6 +100,8 @@ class Scheduler:
             block_hasher=self.block_hasher,
             arrival_time=engine_request.arrival_time,
         )
+        if resumed:
+            request.append_output_token_ids(list(resumed))
         if params.n > 1 and len(prompt) == 1:
             # Nothing to compute before the fork point: the children start from scratch.
             for i in range(params.n):
@@ -316,6 +321,7 @@ class Scheduler:
         stats.num_kv_blocks_used = usage.num_used_blocks
         stats.num_kv_blocks_total = usage.num_usable_blocks
         stats.num_scheduled_tokens = batch.total_num_scheduled_tokens
+        stats.num_scheduled_seqs = len(batch.num_scheduled_tokens)
         stats.num_prompt_tokens_computed = batch.num_prompt_tokens
         stats.num_new_reqs = len(batch.new_requests)
 
@@ -338,6 +344,16 @@ class Scheduler:
         parent = self.requests.get(base)
         if parent is not None and parent.is_fork_parent and index.isdigit() and int(index) < parent.num_seqs:
             raise ValueError(f"request id {request_id!r} is reserved for a child of {base!r}")
+
+    def _validate_resumed(self, engine_request: EngineRequest) -> None:
+        params, resumed = engine_request.sampling_params, engine_request.output_token_ids
+        if params.n != 1:
+            raise ValueError("only an n=1 request can resume with output tokens")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"{len(resumed)} resumed output tokens leave none of max_tokens={params.max_tokens}")
+        num_tokens = len(engine_request.prompt_token_ids) + len(resumed)
+        if num_tokens >= self.config.max_model_len:
+            raise ValueError(f"{num_tokens} tokens leave no room in max_model_len={self.config.max_model_len}")
 
     def _enqueue(self, request: Request) -> None:
         self._register(request)

@@ -1,7 +1,7 @@
 """The FastAPI app: routes over a ServingContext. No Ray here, so tests run it in-process.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health, /version. Later layers (auth, metrics, body limits) add middleware or routes to
+/health, /version, and (serve_app/observability.py) /metrics, /live, /v1/server_info. Later layers (auth, metrics, body limits) add middleware or routes to
 the app that create_api returns.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,8 +19,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from serve_app import chat, completions
+from serve_app.auth import ApiKeyMiddleware
 from serve_app.context import ServingContext
-from serve_app.errors import install_error_handlers
+from serve_app.errors import draining_error, install_error_handlers
+from serve_app.limits import BodySizeLimitMiddleware
+from serve_app.observability import install_observability
 from serve_app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,15 +61,21 @@ def off_loop_json_route(executor: ThreadPoolExecutor) -> type[APIRoute]:
     return OffLoopJSONRoute
 
 
-def create_api(ctx: ServingContext) -> FastAPI:
+def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
+    """The app; with api_keys, every route but /health, /live and /metrics needs one (auth.py)."""
     app = FastAPI(title="rayllm-serve", version=ctx.version)
     # One thread: parses queue up instead of several threads contending with the loop for the GIL.
     app.router.route_class = off_loop_json_route(ThreadPoolExecutor(1, thread_name_prefix="json"))
     install_error_handlers(app)
     app.state.ctx = ctx
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=ctx.limits.max_body_bytes)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))  # added last: runs first
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest) -> Any:
+        if ctx.draining:
+            raise draining_error()
         if body.stream:
             chunks = await completions.prepare_stream(body, ctx)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -74,6 +83,8 @@ def create_api(ctx: ServingContext) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest) -> Any:
+        if ctx.draining:
+            raise draining_error()
         if body.stream:
             chunks = await chat.prepare_stream(body, ctx)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -111,6 +122,8 @@ def create_api(ctx: ServingContext) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if ctx.draining:
+            return JSONResponse({"status": "unavailable", "reason": "draining for shutdown"}, status_code=503)
         if ctx.health is None:
             return JSONResponse({"status": "ok", "reason": "no engine monitor configured"})
         report = ctx.health.readiness()
@@ -123,4 +136,5 @@ def create_api(ctx: ServingContext) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": ctx.version}
 
+    install_observability(app, ctx)  # /metrics, /live, /v1/server_info; its middleware goes outermost
     return app

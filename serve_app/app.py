@@ -17,6 +17,7 @@ DEPLOYING forever) and waits for the workers with a deadline.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from importlib import metadata
@@ -27,19 +28,37 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from pydantic import SecretStr
 
 from serve_app.api import create_api
-from serve_app.config import AppArgs, ResourceError, ResourcePlan, plan_resources
+from serve_app.auth import api_keys_from_env
+from serve_app.config import (
+    AppArgs,
+    ResourceError,
+    ResourcePlan,
+    check_placement,
+    plan_resources,
+    worker_bundle,
+)
 from serve_app.context import ServingContext
 from serve_app.engine_client_ray import RayEngineClient
 from serve_app.health import HealthConfig, HealthMonitor
+from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
 from serve_app.model_card import ModelCard
+from serve_app.observability import Observability
+from serve_app.resume import ResumingEngineClient
+from serve_app.sharding import ShardedEngineClient
 from serve_app.tokenizer import TokenizerService
-from scheduler.actor import ACTOR_NAMESPACE, create_scheduler, scheduler_actor_name
+from scheduler.actor import ACTOR_NAMESPACE, RayMetrics, create_scheduler, scheduler_actor_name
 from scheduler.config import SchedulerConfig
 from workers.actor import WorkerResources, create_worker, worker_actor_name
 
 logger = logging.getLogger(__name__)
+
+# AppArgs.worker_placement -> Ray placement group strategy ("none": no placement group)
+PLACEMENT_STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
 
 
 def package_version() -> str:
@@ -70,26 +89,55 @@ class EngineSupervisor:
     async def __init__(self, args: dict[str, Any]) -> None:
         self._args = AppArgs.model_validate(args)
         plan = plan_resources(self._args, ray.cluster_resources())
+        self._check_free_resources(plan)
+        self._placement_group = await self._reserve_placement(plan)
         self._workers = self._create_workers(plan)
         infos = await self._wait_for_workers()
         self._model_info = infos[0]
-        self._scheduler = self._create_scheduler(infos)
-        await self._scheduler.ready.remote()
-        logger.info("engine ready: %d workers, %s", len(self._workers), self._model_info)
+        self._schedulers = self._create_schedulers(infos)  # one per shard
+        self._scheduler = self._schedulers[0]
+        await asyncio.gather(*(scheduler.ready.remote() for scheduler in self._schedulers))
+        logger.info("engine ready: %d workers, %d scheduler shards, %s",
+                    len(self._workers), len(self._schedulers), self._model_info)
 
-    def _create_workers(self, plan: ResourcePlan) -> list[Any]:
+    def _check_free_resources(self, plan: ResourcePlan) -> None:
+        args = self._args
         available = ray.available_resources()
-        needed = plan.worker_num_cpus * self._args.num_workers + self._args.scheduler_num_cpus
+        needed = plan.worker_num_cpus * args.num_workers + args.scheduler_num_cpus * args.num_scheduler_shards
         if needed > available.get("CPU", 0.0) + 1e-9:
             raise ResourceError(
-                f"the workers and scheduler need {needed:g} CPUs but only "
+                f"the workers and schedulers need {needed:g} CPUs but only "
                 f"{available.get('CPU', 0.0):g} are free in the cluster (other apps hold the rest)"
             )
+        if args.worker_placement != "none":
+            nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+            check_placement(args, plan, nodes)
+
+    async def _reserve_placement(self, plan: ResourcePlan) -> PlacementGroup | None:
+        """One bundle per worker (its CPUs, or 1 GPU on GPU nodes), spread over the nodes as
+        worker_placement says; None for worker_placement=none. Fails after startup_timeout_s."""
+        strategy = PLACEMENT_STRATEGIES.get(self._args.worker_placement)
+        if strategy is None:
+            return None
+        group = placement_group([worker_bundle(plan)] * self._args.num_workers, strategy=strategy)
+        try:
+            await asyncio.wait_for(group.ready(), self._args.startup_timeout_s)
+        except asyncio.TimeoutError:
+            remove_placement_group(group)
+            raise ResourceError(
+                f"could not place {self._args.num_workers} workers of {worker_bundle(plan)} with "
+                f"{strategy} within {self._args.startup_timeout_s:g}s; check the nodes' free resources"
+            ) from None
+        return group
+
+    def _create_workers(self, plan: ResourcePlan) -> list[Any]:
         resources = WorkerResources(plan.worker_num_cpus, plan.worker_num_gpus)
         kwargs = runner_kwargs(self._args, plan)
+        group = self._placement_group
         return [
             create_worker(
-                kwargs, resources, name=worker_actor_name(self._args.name, index), namespace=ACTOR_NAMESPACE
+                kwargs, resources, name=worker_actor_name(self._args.name, index), namespace=ACTOR_NAMESPACE,
+                scheduling_strategy=None if group is None else PlacementGroupSchedulingStrategy(group, index),
             )
             for index in range(self._args.num_workers)
         ]
@@ -106,7 +154,8 @@ class EngineSupervisor:
                 "(startup_timeout_s); check the worker logs and the cluster's free resources"
             ) from None
 
-    def _create_scheduler(self, infos: list[Any]) -> Any:
+    def _create_schedulers(self, infos: list[Any]) -> list[Any]:
+        """One SchedulerActor per shard, each owning its slice of the workers."""
         args = self._args
         config = SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -116,14 +165,32 @@ class EngineSupervisor:
             max_model_len=min(info.max_model_len for info in infos),
             enable_prefix_caching=args.enable_prefix_caching,
         )
-        return create_scheduler(
-            config, self._workers, tuple(infos[0].eos_token_ids),
-            name=scheduler_actor_name(args.name), num_cpus=args.scheduler_num_cpus,
-        )
+        return [
+            create_scheduler(
+                config, [self._workers[index] for index in indices], tuple(infos[0].eos_token_ids),
+                name=scheduler_actor_name(args.name, shard), num_cpus=args.scheduler_num_cpus,
+                router_config=args.router_config(), admission_config=args.admission_config(),
+                worker_labels=[str(index) for index in indices],
+            )
+            for shard, indices in enumerate(args.shard_worker_indices())
+        ]
 
     async def engine(self) -> dict[str, Any]:
-        """What an ingress replica needs: the scheduler handle and the model info."""
-        return {"scheduler": self._scheduler, "model_info": self._model_info}
+        """What an ingress replica needs: the scheduler handle(s) and the model info.
+
+        "scheduler" is shard 0's handle; "schedulers" lists every shard's, by shard index.
+        """
+        return {"scheduler": self._scheduler, "schedulers": self._schedulers, "model_info": self._model_info}
+
+    async def __del__(self) -> None:
+        """Serve calls this on app deletion or redeploy, before the actors this replica owns
+        die with it: the schedulers refuse new requests (503, /health 503) and in-flight ones
+        get drain_timeout_s to finish (graceful_shutdown_timeout_s leaves room for it)."""
+        timeout = self._args.drain_timeout_s
+        results = await asyncio.gather(
+            *(scheduler.drain.remote(timeout) for scheduler in self._schedulers), return_exceptions=True
+        )
+        logger.info("drained the engine: %s requests aborted at the deadline", results)
 
 
 @serve.deployment
@@ -138,7 +205,7 @@ class OpenAIIngress:
         loop = asyncio.get_running_loop()
         model_dir = await loop.run_in_executor(None, self._local_model_dir, info.model_path)
         tokenizer = await loop.run_in_executor(None, TokenizerService.from_model_dir, model_dir)
-        client = RayEngineClient(scheduler)
+        client = self._engine_client(engine.get("schedulers") or [scheduler], info.block_size)
         self._health = HealthMonitor(client.status, HealthConfig(step_deadline_s=self._args.step_deadline_s))
         await self._health.poll_once()
         self._health.start()
@@ -150,7 +217,33 @@ class OpenAIIngress:
             eos_token_ids=tuple(info.eos_token_ids),
             created=int(time.time()),
         )
-        self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version())
+        self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
+                                   limits=self._args.server_limits(),
+                                   observability=self._observability(engine.get("schedulers") or [scheduler]))
+        # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
+        # a full collection over them paused this replica's loop for 100-300 ms under load.
+        gc.freeze()
+
+    def _engine_client(self, schedulers: list[Any], block_size: int) -> Any:
+        """One RayEngineClient per scheduler shard, each resuming its requests after a restart
+        of its scheduler (resume.py); several: a ShardedEngineClient over them."""
+        args = self._args
+        clients = [
+            ResumingEngineClient(RayEngineClient(scheduler), args.max_resumes, args.resume_timeout_s)
+            for scheduler in schedulers
+        ]
+        if len(clients) == 1:
+            return clients[0]
+        return ShardedEngineClient(clients, block_size, self._args.shard_hash_blocks)
+
+    def _observability(self, schedulers: list[Any]) -> Observability:
+        """Ingress metrics into Ray's export too, and the schedulers' published stats cached
+        in the background for /metrics and /v1/server_info (Serve's proxy echoes x-request-id)."""
+        fetchers = [scheduler.published_stats.remote for scheduler in schedulers]
+        engine_stats = EngineStatsCache(fetchers, poll_interval_s=self._args.metrics_poll_interval_s)
+        engine_stats.start()
+        metrics = IngressMetrics([RayMetrics(INGRESS_METRICS)])
+        return Observability(metrics=metrics, engine_stats=engine_stats, echo_request_id=False)
 
     def _local_model_dir(self, worker_model_path: str) -> str:
         """The worker's model directory, or this node's copy when the ingress runs elsewhere."""
@@ -161,20 +254,32 @@ class OpenAIIngress:
         return str(resolve_model_path(self._args.model, self._args.model_cache_dir))
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_api(self._ctx)
+        return create_api(self._ctx, [key.get_secret_value() for key in self._args.api_keys])
+
+    async def __del__(self) -> None:
+        """Serve has drained this replica's requests (graceful_shutdown_timeout_s); anything
+        still arriving (a kept-alive connection) gets 503 and /health says draining."""
+        if hasattr(self, "_ctx"):
+            self._ctx.draining = True
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """The application from validated args; checks resources now when Ray is up."""
     app_args = AppArgs.model_validate(args or {})
+    if not app_args.api_keys:  # the one environment read: keys travel on as SecretStr args
+        app_args.api_keys = [SecretStr(key) for key in api_keys_from_env()]
     if ray.is_initialized():
         plan_resources(app_args, ray.cluster_resources())
     plain_args = app_args.model_dump()
-    supervisor = EngineSupervisor.options(name=f"{app_args.name}-engine").bind(plain_args)
+    grace_s = app_args.drain_timeout_s + 10.0  # Serve force-kills a replica after this
+    supervisor = EngineSupervisor.options(
+        name=f"{app_args.name}-engine", graceful_shutdown_timeout_s=grace_s
+    ).bind(plain_args)
     ingress = OpenAIIngress.options(
         name=f"{app_args.name}-ingress",
         num_replicas=app_args.ingress_replicas,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus},
         max_ongoing_requests=app_args.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=grace_s,
     )
     return ingress.bind(supervisor, plain_args)

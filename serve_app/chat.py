@@ -20,10 +20,14 @@ from serve_app.sampling import to_sampling_params
 
 async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> GenerationRun:
     ctx.card.check_model(body.model)
+    ctx.limits.check_choices(body.n, 1)
     messages = [message.as_template_dict() for message in body.messages]
     token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len)
-    params = to_sampling_params(body, len(token_ids), ctx.card)
-    return ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings)
+    params = to_sampling_params(body, len(token_ids), ctx.card, ctx.limits)
+    run = ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings,
+                        timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None)
+    await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
+    return run
 
 
 def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatLogprobs | None:

@@ -73,6 +73,15 @@ class ChoiceTracker:
             self.finish_reason = output.finish_reason.value
         return ChoiceDelta(self.index, text, token_ids, output.new_logprobs, self.finish_reason)
 
+    def finish(self, reason: str) -> ChoiceDelta | None:
+        """Ends an unfinished choice here (a timeout): flushes held-back text; None if finished."""
+        if self.finished:
+            return None
+        result = self._stop_matcher.add(self._detokenizer.finish())
+        text = result.text if result.stopped else result.text + self._stop_matcher.flush()
+        self.finish_reason = FinishReason.STOP.value if result.stopped else reason
+        return ChoiceDelta(self.index, text, [], None, self.finish_reason)
+
 
 @dataclass(slots=True)
 class RequestTracker:
@@ -91,6 +100,10 @@ class RequestTracker:
     @property
     def engine_done(self) -> bool:
         return len(self.engine_finished) == len(self.choices)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(choice.num_output_tokens for choice in self.choices)
 
     def update(self, output: RequestOutput) -> ChoiceDelta | None:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)

@@ -48,12 +48,15 @@ async def prepare(body: CompletionRequest, ctx: ServingContext) -> tuple[Generat
         raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not computed)",
                           param="echo", code="unsupported")
     prompts = split_prompts(body)
+    ctx.limits.check_choices(body.n, len(prompts))
     token_lists = await prompt_token_ids(prompts, ctx)
-    params = [to_sampling_params(body, len(token_ids), ctx.card) for token_ids in token_lists]
+    params = [to_sampling_params(body, len(token_ids), ctx.card, ctx.limits) for token_ids in token_lists]
     echoes = [""] * len(prompts)
     if body.echo:  # the client's own text, or the decoded ids of a token prompt
         echoes = [p if isinstance(p, str) else await ctx.tokenizer.decode(p) for p in prompts]
-    run = ctx.start_run(ctx.new_id("cmpl"), token_lists, params, body.stop_strings)
+    run = ctx.start_run(ctx.new_id("cmpl"), token_lists, params, body.stop_strings,
+                        timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None)
+    await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
     return run, echoes
 
 

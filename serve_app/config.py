@@ -11,9 +11,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from scheduler.admission import AdmissionConfig
+from serve_app.limits import ServerLimits
+from serve_app.protocol import MAX_N
+
+from scheduler.router import RouterConfig
 
 GIB = 1 << 30
+_ROUTER_DEFAULTS = RouterConfig()
 
 
 class AppArgs(BaseModel):
@@ -55,6 +62,45 @@ class AppArgs(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
+    router_policy: Literal["prefix_aware", "round_robin", "least_loaded"] = Field(
+        "prefix_aware",
+        description="How a scheduler picks a worker for a new request (scheduler/router.py; docs/routing.md).",
+    )
+    router_balance_abs_threshold: int = Field(
+        _ROUTER_DEFAULTS.balance_abs_threshold, ge=0,
+        description="prefix_aware: load is imbalanced only if max - min pending tokens exceeds this.",
+    )
+    router_balance_rel_threshold: float = Field(
+        _ROUTER_DEFAULTS.balance_rel_threshold, ge=1.0,
+        description="prefix_aware: and only if max pending tokens exceeds this times the min.",
+    )
+    router_min_match_fraction: float = Field(
+        _ROUTER_DEFAULTS.min_match_fraction, ge=0.0, le=1.0,
+        description="prefix_aware: a cached match below this share of the prompt counts as no match.",
+    )
+    router_seq_load_tokens: int = Field(
+        _ROUTER_DEFAULTS.seq_load_tokens, ge=0,
+        description="Load charged per queued or running sequence, in tokens (its decodes ahead).",
+    )
+    router_match_in_flight: bool = Field(
+        _ROUTER_DEFAULTS.match_in_flight,
+        description="prefix_aware: prefixes that queued/running requests will compute count as matched.",
+    )
+    num_scheduler_shards: int = Field(
+        1, ge=1, le=64,
+        description="Scheduler actors, each owning num_workers / shards workers; the ingress picks a shard "
+        "by a hash of the prompt's first block. More than 1 only when one scheduler actor is the bottleneck.",
+    )
+    shard_hash_blocks: int = Field(
+        1, ge=1, le=1024,
+        description="Leading KV blocks of the prompt hashed to pick a scheduler shard (more when every "
+        "prompt starts with the same block, e.g. a default system prompt).",
+    )
+    worker_placement: Literal["spread", "strict_spread", "pack", "none"] = Field(
+        "spread",
+        description="Placement group strategy of the workers: spread (best effort over nodes), strict_spread "
+        "(one worker per node, fails if too few nodes), pack, or none (no placement group).",
+    )
     ingress_replicas: int = Field(1, ge=1, le=64, description="Replicas of the HTTP ingress deployment.")
     ingress_num_cpus: float = Field(0.25, ge=0, description="Logical CPUs per ingress replica.")
     ingress_max_ongoing_requests: int = Field(
@@ -67,11 +113,98 @@ class AppArgs(BaseModel):
     step_deadline_s: float = Field(
         60.0, gt=0, description="/health turns 503 when work is pending and no step completed this long."
     )
+    metrics_poll_interval_s: float = Field(
+        1.0, gt=0, description="How often each ingress replica refreshes the engine's published metrics "
+        "(/metrics and /v1/server_info serve the latest copy, never waiting on the engine)."
+    )
     seed: int = Field(0, description="Seed of the workers' generator for unseeded requests.")
+    # --- reliability and security (issue 7) ---
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Keys clients send as 'Authorization: Bearer <key>'; empty: build_app reads the "
+        "comma-separated RAYLLM_API_KEYS once; none anywhere: no auth. /health, /live, /metrics stay open.",
+    )
+    max_request_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
+    max_n: int = Field(MAX_N, ge=1, le=MAX_N, description="Sequences per prompt (n) at most.")
+    max_choices_per_request: int = Field(256, ge=1, description="Prompts x n of one request at most.")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="max_tokens per choice at most (larger: 400; omitted: capped); null: the context."
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Prompt tokens at most (more: 400); null: up to the context."
+    )
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, description="Deadline of a request without a 'timeout' field; null: none."
+    )
+    max_request_timeout_s: float = Field(3600.0, gt=0, description="The longest 'timeout' a request may ask for.")
+    max_queued_requests: int | None = Field(
+        1024, ge=0, description="Requests queued beyond the running seats, all workers of a shard; more: 429."
+    )
+    max_queued_tokens: int | None = Field(
+        1 << 20, ge=1, description="Prompt tokens waiting to be computed, per shard; more: 429."
+    )
+    queue_retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429, seconds.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On shutdown, in-flight requests get this long to finish; then they are aborted."
+    )
+    max_resumes: int = Field(
+        3, ge=0, description="Times one request is resubmitted after its scheduler actor died and restarted."
+    )
+    resume_timeout_s: float = Field(
+        60.0, gt=0, description="How long a request waits for a restarted scheduler before failing (503)."
+    )
 
     @property
     def kv_cache_memory_bytes(self) -> int:
         return int(self.kv_cache_memory_gb * GIB)
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> AppArgs:
+        if self.num_scheduler_shards > self.num_workers:
+            raise ValueError(
+                f"num_scheduler_shards={self.num_scheduler_shards} exceeds num_workers={self.num_workers}: "
+                "every shard needs at least one worker"
+            )
+        return self
+
+    def server_limits(self) -> ServerLimits:
+        return ServerLimits(
+            max_body_bytes=self.max_request_body_bytes,
+            max_n=self.max_n,
+            max_choices=self.max_choices_per_request,
+            max_tokens=self.max_output_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            default_timeout_s=self.request_timeout_s,
+            max_timeout_s=self.max_request_timeout_s,
+        )
+
+    def admission_config(self) -> AdmissionConfig:
+        return AdmissionConfig(
+            max_queued_requests=self.max_queued_requests,
+            max_queued_tokens=self.max_queued_tokens,
+            max_num_seqs=self.max_num_seqs,
+            retry_after_s=self.queue_retry_after_s,
+        )
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            policy=self.router_policy,
+            balance_abs_threshold=self.router_balance_abs_threshold,
+            balance_rel_threshold=self.router_balance_rel_threshold,
+            min_match_fraction=self.router_min_match_fraction,
+            seq_load_tokens=self.router_seq_load_tokens,
+            match_in_flight=self.router_match_in_flight,
+        )
+
+    def shard_worker_indices(self) -> list[list[int]]:
+        """Worker indices of each scheduler shard: contiguous, sizes differing by at most 1."""
+        base, extra = divmod(self.num_workers, self.num_scheduler_shards)
+        shards, start = [], 0
+        for shard in range(self.num_scheduler_shards):
+            size = base + (shard < extra)
+            shards.append(list(range(start, start + size)))
+            start += size
+        return shards
 
 
 class ResourceError(RuntimeError):
@@ -102,14 +235,44 @@ def plan_resources(args: AppArgs, cluster: dict[str, float]) -> ResourcePlan:
     use_gpu = args.worker_device == "cuda" or (args.worker_device == "auto" and 0 < args.num_workers <= cluster_gpus)
     worker_gpus = 1 if use_gpu else 0
     worker_cpus = min(args.worker_num_cpus, 1.0) if use_gpu else args.worker_num_cpus
-    total_cpus = (
-        args.num_workers * worker_cpus + args.scheduler_num_cpus + args.ingress_replicas * args.ingress_num_cpus
-    )
+    scheduler_cpus = args.scheduler_num_cpus * args.num_scheduler_shards
+    total_cpus = args.num_workers * worker_cpus + scheduler_cpus + args.ingress_replicas * args.ingress_num_cpus
     if total_cpus > cluster_cpus + 1e-9:
         raise ResourceError(
-            f"the app needs {total_cpus:g} CPUs ({args.num_workers} workers x {worker_cpus:g} + scheduler "
-            f"{args.scheduler_num_cpus:g} + {args.ingress_replicas} ingress replicas x "
+            f"the app needs {total_cpus:g} CPUs ({args.num_workers} workers x {worker_cpus:g} + "
+            f"{args.num_scheduler_shards} schedulers x {args.scheduler_num_cpus:g} + "
+            f"{args.ingress_replicas} ingress replicas x "
             f"{args.ingress_num_cpus:g}) but the cluster has {cluster_cpus:g}; lower num_workers, "
             f"worker_num_cpus or ingress_replicas, or add nodes"
         )
     return ResourcePlan(worker_cpus, worker_gpus, total_cpus, worker_gpus * args.num_workers)
+
+
+def worker_bundle(plan: ResourcePlan) -> dict[str, float]:
+    """The resources of one worker, as a placement group bundle."""
+    bundle = {"CPU": plan.worker_num_cpus}
+    if plan.worker_num_gpus:
+        bundle["GPU"] = float(plan.worker_num_gpus)
+    return bundle
+
+
+def check_placement(args: AppArgs, plan: ResourcePlan, nodes: list[dict[str, float]]) -> None:
+    """Checks that the workers can be placed on the cluster's nodes (each node's total
+    resources, e.g. from ray.nodes()): a worker never spans nodes, and strict_spread needs
+    one node per worker. Raises ResourceError saying what to change."""
+    bundle = worker_bundle(plan)
+    fits = [min(int(node.get(key, 0.0) / need + 1e-9) for key, need in bundle.items()) for node in nodes]
+    num_fitting_nodes = sum(1 for fit in fits if fit >= 1)
+    needs = ", ".join(f"{need:g} {key}" for key, need in bundle.items())
+    if num_fitting_nodes == 0:
+        raise ResourceError(f"no node of the cluster's {len(nodes)} has the {needs} one worker needs")
+    if args.worker_placement == "strict_spread" and num_fitting_nodes < args.num_workers:
+        raise ResourceError(
+            f"worker_placement=strict_spread puts each of the {args.num_workers} workers on its own node, "
+            f"but only {num_fitting_nodes} nodes have {needs}; use worker_placement=spread or add nodes"
+        )
+    if sum(fits) < args.num_workers:
+        raise ResourceError(
+            f"the nodes hold only {sum(fits)} workers of {needs} each, not {args.num_workers}; "
+            "lower num_workers or worker_num_cpus, or add nodes"
+        )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -11,7 +10,9 @@ from serve_app.choice_tracker import make_request_tracker
 from serve_app.engine_client import EngineClient
 from serve_app.generation import GenerationRun
 from serve_app.health import HealthMonitor
+from serve_app.limits import ServerLimits
 from serve_app.model_card import ModelCard
+from serve_app.observability import Observability, new_request_id
 from serve_app.tokenizer import TokenizerService
 from scheduler.outputs import EngineRequest
 from scheduler.sampling_params import SamplingParams
@@ -25,7 +26,10 @@ class ServingContext:
     health: HealthMonitor | None = None  # None: /health reports only that the ingress is up
     clock: Callable[[], float] = time.time  # unix seconds, for "created"
     version: str = "0.0.0"
-    new_id: Callable[[str], str] = field(default=lambda prefix: f"{prefix}-{uuid.uuid4().hex}")
+    new_id: Callable[[str], str] = new_request_id  # "<prefix>-<x-request-id or a uuid>"
+    limits: ServerLimits = field(default_factory=ServerLimits)  # body size, n, tokens, timeouts
+    draining: bool = False  # set on shutdown: new generation requests get 503, /health 503
+    observability: Observability | None = None  # metrics, request ids, logs; None: made by create_api
 
     def start_run(
         self,
@@ -33,6 +37,8 @@ class ServingContext:
         prompts: list[list[int]],
         params: list[SamplingParams],
         stop_strings: list[str],
+        timeout_s: float | None = None,
+        client_timeout: bool = False,
     ) -> GenerationRun:
         """One engine request per prompt; choice indexes run prompt by prompt, n each."""
         requests, trackers = [], []
@@ -48,4 +54,4 @@ class ServingContext:
             )
             requests.append(EngineRequest(request_id, token_ids, sampling))
             first_index += sampling.n
-        return GenerationRun(base_id, self.engine, requests, trackers)
+        return GenerationRun(base_id, self.engine, requests, trackers, timeout_s, client_timeout)

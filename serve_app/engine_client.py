@@ -2,7 +2,7 @@
 
 The routes depend only on this protocol, so tests inject an in-process engine (or a
 scripted fake) and the Ray deployment injects RayEngineClient (engine_client_ray.py).
-A later retrying client (resubmitting after a scheduler restart) wraps the same protocol.
+ResumingEngineClient (resume.py) wraps the Ray client to resubmit after a scheduler restart.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, draining_error, queue_full_error
+from scheduler.admission import DrainingError, QueueFullError
 from scheduler.outputs import EngineRequest, RequestOutput
 
 
@@ -50,6 +51,10 @@ class InProcessEngineClient:
             stream = self._engine.add_request(request)
         except ValueError as error:  # the engine can never run it
             raise OpenAIError(f"the engine refused the request: {error}", 400, code="invalid_request") from None
+        except QueueFullError as error:  # an EngineGroup's admission
+            raise queue_full_error(str(error), error.retry_after_s) from None
+        except DrainingError:
+            raise draining_error() from None
         try:
             async for output in stream:
                 yield output

@@ -41,6 +41,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         error_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -48,6 +49,7 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.headers = headers  # extra response headers (Retry-After, WWW-Authenticate)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
@@ -60,6 +62,20 @@ class EngineUnavailableError(OpenAIError):
         super().__init__(message, 503, code="engine_unavailable")
 
 
+class SchedulerGoneError(EngineUnavailableError):
+    """The scheduler actor itself died mid-call (Ray restarts it): a request may be resubmitted."""
+
+
+def queue_full_error(message: str, retry_after_s: int) -> OpenAIError:
+    """429 with Retry-After: the engine's waiting queue is full."""
+    return OpenAIError(message, 429, code="queue_full", headers={"Retry-After": str(max(0, retry_after_s))})
+
+
+def draining_error() -> OpenAIError:
+    return OpenAIError("the server is shutting down and takes no new requests; retry on another replica",
+                       503, code="server_draining")
+
+
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
@@ -67,7 +83,7 @@ def error_body(
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:

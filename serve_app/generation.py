@@ -2,8 +2,14 @@
 
 An engine request is aborted (its KV blocks freed at once) whenever we stop reading it
 before the engine has finished every sequence: a stop string ended all its choices, the
-client went away (the handler task is cancelled), or an error was raised. abort() is
-synchronous and fire-and-forget, so it is safe in the finally block of a cancelled task.
+client went away (the handler task is cancelled), its deadline passed, or an error was
+raised. abort() is synchronous and fire-and-forget, so it is safe in the finally block of a
+cancelled task.
+
+GenerationRun.start() submits every engine request and waits for each one's first delta
+before the route answers, so a refusal (400, 429 queue full, 503 draining or unavailable,
+408/504 timeout with nothing generated) is an HTTP status, also for streams, never an error
+event after a 200.
 """
 
 from __future__ import annotations
@@ -15,23 +21,53 @@ from typing import TypeVar
 
 from serve_app.choice_tracker import ChoiceDelta, RequestTracker
 from serve_app.engine_client import EngineClient
+from serve_app.errors import OpenAIError
+from serve_app.observability import observe_finish, observe_output
 from scheduler.outputs import EngineRequest, TokenLogprobs
 
 T = TypeVar("T")
 
 
+TIMEOUT_FINISH_REASON = "timeout"
+
+
+def request_timeout_error(status: int = 504) -> OpenAIError:
+    """Nothing was generated before the deadline: 408 when the client's own `timeout` set it
+    (its constraint, not a server fault), 504 when the server's default did."""
+    return OpenAIError("the request timed out before any token was generated", status,
+                       code="timeout", error_type="timeout_error")
+
+
 async def stream_choices(
-    engine: EngineClient, request: EngineRequest, tracker: RequestTracker
+    engine: EngineClient, request: EngineRequest, tracker: RequestTracker, deadline: float | None = None,
+    timeout_status: int = 504,
 ) -> AsyncIterator[ChoiceDelta]:
-    """ChoiceDeltas of one engine request until all its choices have finished."""
+    """ChoiceDeltas of one engine request until all its choices have finished.
+
+    deadline (event loop time): then unfinished choices end with finish_reason "timeout",
+    or, when no token came at all, request_timeout_error() is raised.
+    """
     outputs = engine.generate(request)
     try:
-        async for output in outputs:
+        while not tracker.finished:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    output = await anext(outputs)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                if tracker.num_output_tokens == 0:
+                    raise request_timeout_error(timeout_status) from None
+                for choice in tracker.choices:
+                    final = choice.finish(TIMEOUT_FINISH_REASON)
+                    if final is not None:
+                        observe_finish(final)
+                        yield final
+                break
             delta = tracker.update(output)
+            observe_output(output, delta)  # the HTTP request's record: tokens, worker, TTFT
             if delta is not None:
                 yield delta
-            if tracker.finished:
-                break
     finally:
         if not tracker.engine_done:
             engine.abort(request.request_id)
@@ -43,6 +79,30 @@ async def _close(iterator: AsyncIterator[object]) -> None:
     close = getattr(iterator, "aclose", None)
     if close is not None:
         await close()
+
+
+async def prime(iterator: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Waits for the iterator's first item now (its errors raise here); returns an iterator
+    over every item, the first included. Closing either closes the original."""
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        return _chain([], iterator)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await _close(iterator)
+        raise
+    return _chain([first], iterator)
+
+
+async def _chain(head: list[T], iterator: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        for item in head:
+            yield item
+        async for item in iterator:
+            yield item
+    finally:
+        await _close(iterator)
 
 
 async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[T]:
@@ -91,22 +151,46 @@ class GenerationRun:
         engine: EngineClient,
         requests: list[EngineRequest],
         trackers: list[RequestTracker],
+        timeout_s: float | None = None,
+        client_timeout: bool = False,
     ) -> None:
         assert len(requests) == len(trackers)
         self.response_id = response_id  # the id the client sees ("cmpl-...", "chatcmpl-...")
         self._engine = engine
         self._requests = requests
         self.trackers = trackers
+        # event loop time at which unfinished choices end with "timeout"; None: no deadline
+        self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        self.timeout_status = 408 if client_timeout else 504  # nothing generated by the deadline
+        self._primed: list[AsyncIterator[ChoiceDelta]] | None = None  # set by start()
 
     @property
     def num_choices(self) -> int:
         return sum(len(tracker.choices) for tracker in self.trackers)
 
-    def deltas(self) -> AsyncIterator[ChoiceDelta]:
+    async def start(self) -> None:
+        """Submits every engine request and waits for each one's first delta (see module doc)."""
         streams = [
-            stream_choices(self._engine, request, tracker)
+            stream_choices(self._engine, request, tracker, self.deadline, self.timeout_status)
             for request, tracker in zip(self._requests, self.trackers)
         ]
+        results = await asyncio.gather(*(prime(stream) for stream in streams), return_exceptions=True)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await _close(result)
+            raise errors[0]
+        self._primed = results  # type: ignore[assignment]
+
+    def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas as they come (continues start(), or starts now)."""
+        streams, self._primed = self._primed, None
+        if streams is None:
+            streams = [
+                stream_choices(self._engine, request, tracker, self.deadline, self.timeout_status)
+                for request, tracker in zip(self._requests, self.trackers)
+            ]
         return merge(streams)
 
     async def collect(self) -> list[ChoiceResult]:

@@ -86,15 +86,19 @@ class HealthMonitor:
         if age > self._config.stale_after_s:
             reason = f"scheduler unreachable: last status {age:.1f}s ago ({self._last_error})"
             return HealthReport(False, reason, status)
+        if getattr(status, "draining", False):
+            return HealthReport(False, "the engine is draining for shutdown", status)
         if status.num_live_workers == 0:
             return HealthReport(False, f"no live workers (0 of {status.num_workers})", status)
-        if status.num_unfinished_requests > 0:
-            since_step = status.seconds_since_last_step
-            if since_step is None or since_step + age > self._config.step_deadline_s:
-                shown = "never" if since_step is None else f"{since_step + age:.1f}s ago"
+        # seconds_since_last_step is None when no worker has work pending (it counts from the
+        # later of the last step's end and the moment work arrived): nothing can be stuck then,
+        # even if a request is still open (its last delta not yet read, or queued for admission).
+        since_step = status.seconds_since_last_step
+        if status.num_unfinished_requests > 0 and since_step is not None:
+            if since_step + age > self._config.step_deadline_s:
                 reason = (
-                    f"engine stuck: {status.num_unfinished_requests} requests pending and the "
-                    f"last step completed {shown} (deadline {self._config.step_deadline_s}s)"
+                    f"engine stuck: {status.num_unfinished_requests} requests pending and no step "
+                    f"completed for {since_step + age:.1f}s (deadline {self._config.step_deadline_s}s)"
                 )
                 return HealthReport(False, reason, status)
         return HealthReport(True, "ok", status)

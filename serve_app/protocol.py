@@ -18,6 +18,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_K = 1 << 20  # above any vocabulary: the same as keeping every token
+MAX_TIMEOUT_S = 86_400.0  # the server's max_timeout_s clamps further
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -39,7 +41,7 @@ class _SamplingFields(_Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: probability mass kept.")
     top_k: int | None = Field(
-        None, ge=-1, description="Keep the k most likely tokens; None, 0 or -1 keep all."
+        None, ge=-1, le=MAX_TOP_K, description="Keep the k most likely tokens; None, 0 or -1 keep all."
     )
     min_p: float = Field(
         0.0, ge=0.0, le=1.0, description="Drop tokens below min_p times the top probability."
@@ -67,6 +69,11 @@ class _SamplingFields(_Body):
     stream: bool = Field(False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Options for streaming.")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
+    timeout: float | None = Field(
+        None, gt=0.0, le=MAX_TIMEOUT_S,
+        description="Seconds until the server stops generating: unfinished choices end with "
+        "finish_reason 'timeout' (408 if nothing was generated). null: the server's default.",
+    )
 
     @field_validator("stop")
     @classmethod

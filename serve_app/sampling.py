@@ -15,6 +15,7 @@ Stop strings are not in SamplingParams: the ingress matches them on text.
 from __future__ import annotations
 
 from serve_app.errors import OpenAIError
+from serve_app.limits import ServerLimits
 from serve_app.model_card import ModelCard
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.sampling_params import SamplingParams
@@ -48,8 +49,26 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, card: Mode
     return requested
 
 
+def resolve_limited_max_tokens(
+    requested: int | None, num_prompt_tokens: int, card: ModelCard, limits: ServerLimits
+) -> int:
+    """resolve_max_tokens under the operator's limits: max_prompt_tokens and max_tokens
+    (an explicit max_tokens above it is a 400; an omitted one is capped by it)."""
+    if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
+        raise OpenAIError(
+            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {limits.max_prompt_tokens}",
+            param="prompt", code="context_length_exceeded")
+    if limits.max_tokens is not None and requested is not None and requested > limits.max_tokens:
+        raise OpenAIError(
+            f"max_tokens is {requested}; this server generates at most {limits.max_tokens} per choice",
+            param="max_tokens", code="invalid_value")
+    max_tokens = resolve_max_tokens(requested, num_prompt_tokens, card)
+    return max_tokens if limits.max_tokens is None else min(max_tokens, limits.max_tokens)
+
+
 def to_sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, card: ModelCard
+    body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, card: ModelCard,
+    limits: ServerLimits | None = None,
 ) -> SamplingParams:
     """Validated body + prompt length -> SamplingParams; raises OpenAIError (400)."""
     if isinstance(body, ChatCompletionRequest):
@@ -58,10 +77,11 @@ def to_sampling_params(
     else:
         requested_max_tokens = body.max_tokens
         num_logprobs = body.logprobs
+    limits = limits or ServerLimits()
     stop_token_ids = tuple(body.stop_token_ids or ())
     card.check_token_ids(list(stop_token_ids), "stop_token_ids")
     return SamplingParams(
-        max_tokens=resolve_max_tokens(requested_max_tokens, num_prompt_tokens, card),
+        max_tokens=resolve_limited_max_tokens(requested_max_tokens, num_prompt_tokens, card, limits),
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,

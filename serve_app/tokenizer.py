@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -44,6 +45,8 @@ class TokenizerService:
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._byte_decoder = _byte_level_decoder(tokenizer)
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # (op, seconds) of each call on the tokenizer thread: "encode", "encode_chat", "decode"
+        self.on_timing: Callable[[str, float], None] | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> TokenizerService:
@@ -51,7 +54,12 @@ class TokenizerService:
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        call = functools.partial(fn, *args, **kwargs)
+        if self.on_timing is None:
+            return await loop.run_in_executor(self._executor, call)
+        result, seconds = await loop.run_in_executor(self._executor, _timed, call)
+        self.on_timing(fn.__name__.strip("_").removesuffix("_sync"), seconds)
+        return result
 
     async def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         return await self._run(self.encode_sync, text, add_special_tokens, max_length)
@@ -142,6 +150,12 @@ class TokenizerService:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _timed(call: Callable[[], T]) -> tuple[T, float]:
+    started = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - started
 
 
 def _byte_level_decoder(tokenizer: Any) -> dict[str, int] | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, WorkerStateLostError
 
 CONTROL_GROUP = "control"
 
@@ -35,8 +35,17 @@ class WorkerActor:
         self._runner = ModelRunner(RunnerConfig(**runner_kwargs))
         self._incarnation = uuid.uuid4().hex
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, incarnation: str | None = None) -> ModelRunnerOutput:
+        """One step. `incarnation`: the one the scheduler's block accounting belongs to; a
+        step meant for an earlier incarnation (this worker restarted since) is refused."""
+        if incarnation is not None and incarnation != self._incarnation:
+            raise WorkerStateLostError(f"this worker restarted: step was for incarnation {incarnation}")
         return self._runner.execute(scheduler_output)
+
+    def reset(self) -> None:
+        """Drops every request state (a restarted scheduler starts from nothing). Runs in
+        the default group, so never during a step."""
+        self._runner.reset()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def model_info(self) -> Any:
@@ -45,6 +54,16 @@ class WorkerActor:
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> str:
         return self._incarnation
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def node_info(self) -> dict[str, str]:
+        """Where this worker runs (for /v1/server_info)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (placement checks, admin views)."""
+        return ray.get_runtime_context().get_node_id()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,11 +91,13 @@ def create_worker(
     name: str,
     namespace: str | None = None,
     max_restarts: int = 3,
+    scheduling_strategy: Any = None,
 ) -> Any:
     """A named WorkerActor (or the live one of that name) holding a ModelRunner.
 
     runner_kwargs are workers.model_runner.RunnerConfig's fields; threads and device come
-    from `resources`.
+    from `resources`. scheduling_strategy: e.g. a PlacementGroupSchedulingStrategy that pins
+    the worker to its bundle (multi-node spreading); None: Ray's default placement.
     """
     config = {**runner_kwargs, "num_threads": resources.num_threads, "device": resources.device}
     threads = str(resources.num_threads)
@@ -87,5 +108,6 @@ def create_worker(
         num_cpus=resources.num_cpus,
         num_gpus=resources.num_gpus,
         max_restarts=max_restarts,
+        scheduling_strategy=scheduling_strategy,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
     ).remote(config)

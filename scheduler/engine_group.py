@@ -1,0 +1,375 @@
+"""EngineGroup: one in-process Engine per worker, routing, aborts and status. Pure: no Ray.
+
+    SchedulerActor (scheduler/actor.py, the Ray shell)
+        EngineGroup
+            Router (scheduler/router.py) ── picks a worker per new request
+            Engine 0 ── its own loop task ── TimedRunner 0 ── worker 0
+            Engine 1 ── its own loop task ── TimedRunner 1 ── worker 1   ...
+
+- Each Engine runs its own step loop (a task on the actor's event loop) and awaits ONE
+  call per step on its worker through a TimedRunner, so the engines step concurrently: a
+  slow worker delays only its own requests, never another worker's steps. A worker that is
+  an awaitable handle (a Ray actor) is awaited; a plain object with a blocking execute()
+  (tests, in-process benchmarks) runs on the runner's own thread.
+- A new request is routed once by the Router over the live workers' schedulers (exact
+  prefix matches and loads; the policy and its knobs are RouterConfig). Each decision's
+  outcome is counted in `route_counts` (RouteOutcome value -> requests) for metrics.
+  n>1 requests are routed once: their worker's Scheduler forks the children there.
+- Dead workers (TimedRunner.alive False) are never chosen; with none alive, add_request
+  raises NoLiveWorkerError (the ingress answers 503).
+- abort() frees the request's blocks at once. An abort that arrives before its request
+  (calls from one caller may interleave on an async actor) is remembered and the request is
+  refused when it shows up.
+- status() is answered from the group's own state (no worker call): SchedulerStatus.
+- Admission (scheduler/admission.py) runs before routing: a bounded queue (QueueFullError,
+  HTTP 429) and drain() (DrainingError, HTTP 503; open requests finish, the rest is aborted
+  at the deadline).
+- A worker that dies (its TimedRunner's is_death says so) loses nothing: the failed step's
+  engine hands over every request (Engine.take_for_migration; its block accounting is
+  dropped) and each is routed to a live worker, recomputed from prompt + tokens so far, its
+  stream going on without a gap or a duplicate. With no live worker the requests wait
+  (worker_restart_timeout_s) for one to come back. Any other runner error fails the streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.admission import Admission, AdmissionConfig
+from scheduler.engine import Engine, Migration, RequestStream
+from scheduler.outputs import EngineRequest, FinishReason, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.router import Route, Router, route_request
+
+logger = logging.getLogger(__name__)
+
+NUM_REMEMBERED_ABORTS = 4096  # aborts of not-yet-seen request ids kept for the race above
+
+
+class NoLiveWorkerError(RuntimeError):
+    """Every worker of the group is dead: nothing can take a request now (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatus:
+    """A snapshot for /health and admin views (plain values, cheap to serialize)."""
+
+    num_workers: int  # worker actors configured
+    num_live_workers: int  # of those, not known to be dead
+    num_running: int  # sequences in running batches, all workers
+    num_waiting: int  # requests queued, all workers
+    num_unfinished_requests: int  # client requests with an open stream
+    seconds_since_last_step: float | None  # worst over workers with pending work; None when idle
+    num_kv_blocks_free: int  # allocatable blocks (cached-but-free included), all workers
+    num_kv_blocks_total: int  # usable blocks (null blocks excluded), all workers
+    num_steps: int  # engine steps completed, all workers
+    draining: bool = False  # shutting down: new requests are refused, open ones finish
+    num_rejected_requests: int = 0  # refused by admission since start (queue full, draining)
+    num_migrated_requests: int = 0  # client requests moved off a dead worker since start
+
+
+class TimedRunner:
+    """An async runner over a worker (a Ray handle or any object with execute()), which
+    records step times and whether the worker is alive."""
+
+    def __init__(self, worker: Any, clock: Callable[[], float] = time.monotonic,
+                 is_death: Callable[[BaseException], bool] = lambda error: False) -> None:
+        self.worker = worker
+        self._clock = clock
+        self._is_death = is_death
+        self.alive = True
+        self.num_steps = 0
+        self.busy_s = 0.0  # clock seconds spent inside execute() calls that returned
+        self.last_step_end: float | None = None  # clock() when the last step returned
+        self.busy_since: float | None = None  # clock() when work became pending (set by the group)
+        # The worker incarnation this engine's block accounting belongs to (set by the actor's
+        # ping); sent with each step, so a restarted worker refuses it (WorkerStateLostError).
+        self.incarnation: str | None = None
+        self._executor: ThreadPoolExecutor | None = None  # a blocking worker's own thread, made on first use
+
+    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started = self._clock()
+        try:
+            result = await self._call(scheduler_output)
+        except BaseException as error:
+            if self._is_death(error):
+                self.alive = False
+            raise
+        self.alive = True
+        self.num_steps += 1
+        self.last_step_end = self._clock()
+        self.busy_s += self.last_step_end - started
+        return result
+
+    async def _call(self, scheduler_output: SchedulerOutput) -> Any:
+        remote = getattr(self.worker.execute, "remote", None)
+        if remote is not None:  # a Ray actor handle: an ObjectRef, awaited
+            if self.incarnation is not None:
+                return await remote(scheduler_output, self.incarnation)
+            return await remote(scheduler_output)
+        if inspect.iscoroutinefunction(self.worker.execute):
+            return await self.worker.execute(scheduler_output)
+        # A blocking worker (tests, in-process benchmarks): on this runner's own thread, so the
+        # event loop and every other runner go on while it computes.
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timed-runner")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.worker.execute, scheduler_output)
+
+    def seconds_without_progress(self, now: float) -> float:
+        marks = [mark for mark in (self.last_step_end, self.busy_since) if mark is not None]
+        return now - max(marks) if marks else 0.0
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+class EngineGroup:
+    """Pure: one Engine per runner, routing, aborts and status. No Ray."""
+
+    def __init__(self, engines: list[Engine], runners: list[TimedRunner],
+                 clock: Callable[[], float] = time.monotonic, router: Router | None = None,
+                 admission: Admission | None = None, worker_restart_timeout_s: float = 120.0) -> None:
+        assert engines and len(engines) == len(runners)
+        self.engines = engines
+        self.runners = runners
+        self.admission = admission or Admission(AdmissionConfig(max_num_seqs=engines[0].config.max_num_seqs))
+        self.worker_restart_timeout_s = worker_restart_timeout_s  # parked requests wait this long for a live worker
+        self.num_migrated_requests = 0  # client requests moved off a dead worker
+        self._parked: list[Migration] = []  # requests of dead workers while no worker is alive
+        self._unpark_task: asyncio.Task[None] | None = None
+        for index, engine in enumerate(engines):
+            if engine.on_runner_error is None:
+                engine.on_runner_error = functools.partial(self._on_runner_error, index)
+        self.router = router or Router()
+        self.route_counts: Counter[str] = Counter()  # RouteOutcome value -> requests routed so
+        self.routed_per_worker: Counter[int] = Counter()  # worker index -> requests routed there
+        self.last_route: Route | None = None  # the latest decision (debugging, tests)
+        self._clock = clock
+        self._owner: dict[str, int] = {}  # request_id -> engine index, while streaming
+        self._early_aborts: deque[str] = deque(maxlen=NUM_REMEMBERED_ABORTS)
+
+    def add_request(self, request: EngineRequest) -> RequestStream | None:
+        """The request's stream, or None if it was aborted before it arrived.
+
+        Raises ValueError if it can never run, NoLiveWorkerError if no worker is alive.
+        """
+        if request.request_id in self._early_aborts:
+            self._early_aborts.remove(request.request_id)
+            return None
+        live = [engine.scheduler.load() for engine, runner in zip(self.engines, self.runners) if runner.alive]
+        self.admission.check(live, len(request.prompt_token_ids))  # DrainingError, QueueFullError
+        index = self._pick_engine(request)
+        engine = self.engines[index]
+        if not engine.has_unfinished_requests():
+            self.runners[index].busy_since = self._clock()
+        stream = engine.add_request(request)  # raises ValueError if it can never run
+        self._owner[request.request_id] = index
+        return stream
+
+    def _pick_engine(self, request: EngineRequest) -> int:
+        alive = {i for i, runner in enumerate(self.runners) if runner.alive}
+        if not alive:
+            raise NoLiveWorkerError(f"none of the {len(self.runners)} workers is alive")
+        if not request.prompt_token_ids:  # the scheduler refuses it with a ValueError
+            return min(alive)
+        schedulers = {i: engine.scheduler for i, engine in enumerate(self.engines)}
+        route = route_request(self.router, schedulers, request.prompt_token_ids, alive)
+        assert route is not None and route.worker_id in alive, route
+        self.route_counts[route.outcome.value] += 1
+        self.routed_per_worker[route.worker_id] += 1
+        self.last_route = route
+        return route.worker_id
+
+    def routing_stats(self) -> dict[str, Any]:
+        """Plain counters for metrics and admin views (cheap to serialize)."""
+        return {
+            "policy": self.router.config.policy.value,
+            "route_counts": dict(self.route_counts),  # outcome -> requests
+            "routed_per_worker": [self.routed_per_worker[i] for i in range(len(self.engines))],  # requests
+            "steps_per_worker": [runner.num_steps for runner in self.runners],  # engine steps
+            "busy_s_per_worker": [runner.busy_s for runner in self.runners],  # seconds in execute()
+            "prefix_hit_tokens_per_worker": [engine.stats.num_prefix_hit_tokens for engine in self.engines],
+            "prefix_query_tokens_per_worker": [engine.stats.num_prefix_query_tokens for engine in self.engines],
+        }
+
+    def owner_of(self, request_id: str) -> int | None:
+        """The index of the worker streaming this request, or None."""
+        return self._owner.get(request_id)
+
+    def abort(self, request_id: str) -> None:
+        index = self._owner.get(request_id)
+        if index is None:
+            self._early_aborts.append(request_id)
+            return
+        if self._parked and self._abort_parked(request_id):
+            return
+        self.engines[index].abort(request_id)
+
+    # --- worker death: migrate (issue 7) ---------------------------------------------------
+    def _on_runner_error(self, index: int, engine: Engine, error: Exception) -> None:
+        """A step failed. If the worker died, its requests go on on live workers: each is
+        recomputed from prompt + tokens generated so far, so its stream has no gap and no
+        duplicate. Any other error fails them (the worker's state is unknown)."""
+        migration = engine.take_for_migration()  # drops this worker's block accounting
+        if self.runners[index].alive:
+            for stream in migration.streams.values():
+                stream.fail(error)
+            return
+        logger.warning("worker %d died (%s): moving %d requests to live workers",
+                       index, type(error).__name__, len(migration.streams))
+        self.num_migrated_requests += len(migration.streams)
+        self._place(migration)
+
+    def _place(self, migration: Migration) -> None:
+        alive = {i for i, runner in enumerate(self.runners) if runner.alive}
+        if not alive:
+            self._parked.append(migration)
+            if self._unpark_task is None or self._unpark_task.done():
+                self._unpark_task = asyncio.get_running_loop().create_task(self._unpark())
+            return
+        schedulers = {i: engine.scheduler for i, engine in enumerate(self.engines)}
+        for client_id, part in split_by_client(migration):
+            if not part.requests:  # an open stream with nothing left to run: never expected
+                part.streams[client_id].fail(RuntimeError(f"{client_id}: lost in migration"))
+                continue
+            route = route_request(self.router, schedulers, part.requests[0].prompt_token_ids, alive)
+            target = route.worker_id if route is not None else min(alive)
+            if not self.engines[target].has_unfinished_requests():
+                self.runners[target].busy_since = self._clock()
+            self.engines[target].adopt(part)
+            self._owner[client_id] = target
+
+    async def _unpark(self) -> None:
+        """Waits for a worker to come back (Ray restarts it; the ping marks it alive)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.worker_restart_timeout_s
+        while self._parked and not any(runner.alive for runner in self.runners) and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        parked, self._parked = self._parked, []
+        for migration in parked:
+            if any(runner.alive for runner in self.runners):
+                self._place(migration)
+                continue
+            error = NoLiveWorkerError(f"no worker came back within {self.worker_restart_timeout_s:g}s")
+            for client_id, stream in migration.streams.items():
+                stream.fail(error)
+                self._owner.pop(client_id, None)
+
+    def _abort_parked(self, client_id: str) -> bool:
+        """Finishes a parked request (final abort deltas); False if it is not parked."""
+        for migration in self._parked:
+            stream = migration.streams.pop(client_id, None)
+            if stream is None:
+                continue
+            mine = [r for r in migration.requests if r.client_request_id == client_id]
+            migration.requests[:] = [r for r in migration.requests if r.client_request_id != client_id]
+            now = self._clock()
+            for request in mine:
+                indices = range(request.num_seqs) if request.is_fork_parent else (request.index,)
+                for i in indices:
+                    stream.put(RequestOutput(client_id, i, [], None, FinishReason.ABORT,
+                                             request.num_prompt_tokens, request.num_cached_tokens), now)
+            return True
+        return False
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Refuses new requests from now on (DrainingError), lets the open ones finish for up
+        to timeout_s, then aborts the rest; returns how many were aborted."""
+        self.admission.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._owner and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        left = list(self._owner)
+        for request_id in left:
+            self.abort(request_id)
+        return len(left)
+
+    def forget(self, request_id: str) -> None:
+        self._owner.pop(request_id, None)
+
+    def status(self) -> SchedulerStatus:
+        now = self._clock()
+        loads = [engine.scheduler.load() for engine in self.engines]
+        pending = [r for r, e in zip(self.runners, self.engines) if e.has_unfinished_requests()]
+        stalls = [runner.seconds_without_progress(now) for runner in pending]
+        return SchedulerStatus(
+            num_workers=len(self.runners),
+            num_live_workers=sum(runner.alive for runner in self.runners),
+            num_running=sum(load.num_running_seqs for load in loads),
+            num_waiting=sum(load.num_waiting_reqs for load in loads),
+            num_unfinished_requests=len(self._owner),
+            seconds_since_last_step=max(stalls) if stalls else None,
+            num_kv_blocks_free=sum(load.num_free_blocks for load in loads),
+            num_kv_blocks_total=sum(load.num_usable_blocks for load in loads),
+            num_steps=sum(runner.num_steps for runner in self.runners),
+            draining=self.admission.draining,
+            num_rejected_requests=self.admission.num_rejected_total,
+            num_migrated_requests=self.num_migrated_requests,
+        )
+
+    def close(self) -> None:
+        for engine, runner in zip(self.engines, self.runners):
+            engine.close()
+            runner.close()
+
+
+async def batched(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[list[RequestOutput]]:
+    """Every delta that arrived since the last yield, as one list."""
+    buffer: list[RequestOutput] = []
+    wake = asyncio.Event()
+    state: dict[str, Any] = {"done": False, "error": None}
+
+    async def pump() -> None:
+        try:
+            async for output in stream:
+                buffer.append(output)
+                wake.set()
+        except Exception as error:
+            state["error"] = error
+        finally:
+            state["done"] = True
+            wake.set()
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            finished = state["done"]  # read before taking: everything pumped is in buffer
+            if buffer:
+                batch = buffer[:]
+                buffer.clear()
+                yield batch
+            if finished:
+                if state["error"] is not None:
+                    raise state["error"]
+                return
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def split_by_client(migration: Migration) -> list[tuple[str, Migration]]:
+    """One Migration per client request (its sequences and its stream), oldest first."""
+    parts: dict[str, Migration] = {}
+    for request in migration.requests:
+        client_id = request.client_request_id
+        if client_id not in parts:
+            parts[client_id] = Migration([], {client_id: migration.streams[client_id]})
+        parts[client_id].requests.append(request)
+    for client_id, stream in migration.streams.items():  # a stream with no request left: nothing to run
+        parts.setdefault(client_id, Migration([], {client_id: stream}))
+    return list(parts.items())

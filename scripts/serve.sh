@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Runs the default server (deploy/serve.yaml) on http://127.0.0.1:8000 with a local Ray.
+# Extra arguments go to `serve run` (e.g. another YAML file). Ctrl-C stops it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+exec .venv/bin/serve run "${@:-deploy/serve.yaml}"

@@ -1,0 +1,89 @@
+"""deploy/*.yaml against Ray's own Serve schema and our AppArgs, and the KubeRay RayService
+manifest's embedded serveConfigV2 (issue 5). No cluster: schema and resource checks only."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+from serve_app.config import AppArgs, check_placement, plan_resources
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SERVE_CONFIGS = ["serve.yaml", "serve-cluster.yaml"]
+
+
+def rayservice() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+
+
+def assert_known_keys(data: dict[str, Any], schema: Any, where: str) -> None:
+    """Serve's schemas ignore unknown keys; a typo must not pass silently here."""
+    known = set(schema.model_fields) | {f.alias for f in schema.model_fields.values() if f.alias}
+    assert set(data) <= known, f"{where}: unknown keys {sorted(set(data) - known)}"
+
+
+def validate_serve_config(config: dict[str, Any], where: str) -> ServeDeploySchema:
+    schema = ServeDeploySchema.model_validate(config)
+    assert_known_keys(config, ServeDeploySchema, where)
+    assert schema.applications, where
+    for app in config["applications"]:
+        ServeApplicationSchema.model_validate(app)
+        assert_known_keys(app, ServeApplicationSchema, f"{where}: {app['name']}")
+        module, _, attr = app["import_path"].partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), app["import_path"]
+        AppArgs.model_validate(app.get("args") or {})  # unknown or invalid args raise
+    return schema
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_yaml_files_match_the_serve_schema_and_app_args(name: str) -> None:
+    config = yaml.safe_load((DEPLOY / name).read_text())
+    validate_serve_config(config, name)
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    assert args.router_policy == "prefix_aware"
+
+
+def test_the_cluster_yaml_spreads_workers_over_nodes() -> None:
+    config = yaml.safe_load((DEPLOY / "serve-cluster.yaml").read_text())
+    assert config["proxy_location"] == "EveryNode"
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    assert args.worker_placement in ("spread", "strict_spread") and args.num_workers > 1
+    # e.g. a CPU head of 4 + two nodes with 2 GPUs each: one worker per GPU
+    nodes = [{"CPU": 4.0}, {"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}]
+    plan = plan_resources(args, {"CPU": 20.0, "GPU": 4.0})
+    assert plan.worker_num_gpus == 1
+    check_placement(args, plan, nodes)
+
+
+def test_rayservice_is_a_kuberay_v1_manifest() -> None:
+    manifest = rayservice()
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    cluster = manifest["spec"]["rayClusterConfig"]
+    import ray
+
+    assert cluster["rayVersion"] == ray.__version__  # the image's Ray must match the one we test on
+    assert isinstance(manifest["spec"]["serveConfigV2"], str)  # KubeRay wants the YAML as a string
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["containerPort"] for p in head["ports"]} >= {6379, 8265, 8000}
+
+
+def test_rayservice_serve_config_is_valid_and_fits_its_cluster() -> None:
+    manifest = rayservice()
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    validate_serve_config(config, "serveConfigV2")
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    cluster = manifest["spec"]["rayClusterConfig"]
+    nodes = [{"CPU": float(cluster["headGroupSpec"]["rayStartParams"]["num-cpus"])}]
+    for group in cluster["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        node = {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
+        nodes += [node] * group["replicas"]
+    totals = {key: sum(node.get(key, 0.0) for node in nodes) for key in ("CPU", "GPU")}
+    plan = plan_resources(args, totals)  # raises ResourceError if the pods cannot host the app
+    assert plan.worker_num_gpus == 1  # one worker per GPU
+    check_placement(args, plan, nodes)
