@@ -101,6 +101,7 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
             "root": card.root,
             "parent": None,
             "max_model_len": card.max_model_len,
+            "backend": card.backend,
         }
         return {"object": "list", "data": [model]}
 

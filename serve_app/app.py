@@ -78,6 +78,7 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
         "num_blocks": args.num_kv_blocks,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "max_model_len": args.max_model_len,
+        "attention_backend": args.attention_backend,
         "seed": args.seed,
     }
 
@@ -216,6 +217,7 @@ class OpenAIIngress:
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             created=int(time.time()),
+            backend={"device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend},
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(),

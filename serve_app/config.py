@@ -48,6 +48,9 @@ class AppArgs(BaseModel):
     worker_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per worker when the cluster has enough GPUs, else CPU."
     )
+    attention_backend: Literal["torch", "triton"] | None = Field(
+        None, description="Attention kernels; null: triton on GPU workers, the torch reference on CPU."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Weights and KV dtype; null: float32 on CPU, bfloat16 on GPU."
     )

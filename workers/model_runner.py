@@ -28,6 +28,7 @@ from scheduler.outputs import (
 )
 from scheduler.sampling_params import SamplingParams
 from workers.config import ModelConfig
+from workers.kernels import resolve_attention_backend_name
 from workers.loader import load_weights, resolve_model_path
 from workers.model import AttentionMetadata, KVCache
 from workers.sampler import Sampler, SamplingBatch
@@ -61,6 +62,9 @@ class ModelInfo:
     vocab_size: int
     num_blocks: int  # KV blocks per layer, block 0 (null) included
     block_size: int  # tokens per block
+    device: str = "cpu"  # torch device type the weights and KV pool live on
+    dtype: str = "float32"  # weights and KV dtype
+    attention_backend: str = "torch"  # resolved attention kernels: "torch" (reference) or "triton"
 
 
 @dataclass(slots=True)
@@ -141,6 +145,9 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            device=self.device.type,
+            dtype=self.config.dtype,
+            attention_backend=resolve_attention_backend_name(self.config.attention_backend, self.device),
         )
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:

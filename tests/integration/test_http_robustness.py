@@ -26,6 +26,8 @@ def test_health_version_models(server) -> None:
         model = http.get("/v1/models").json()["data"][0]
         assert model["id"] == "tiny" and model["max_model_len"] == 1024
         assert model["root"] == str(server.model_dir)
+        # CPU workers: fp32 and the torch reference attention (triton is the CUDA default)
+        assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "torch"}
 
 
 PROBER = """

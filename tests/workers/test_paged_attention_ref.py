@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from workers.kernels import get_attention_backend, torch_ref
+from workers.kernels import get_attention_backend, resolve_attention_backend_name, torch_ref
 
 
 def naive_attention(q, keys, values, scale):
@@ -135,3 +135,6 @@ def test_backend_selector():
     assert get_attention_backend("torch", "cpu") is torch_ref
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
+    assert resolve_attention_backend_name(None, "cpu") == "torch"
+    assert resolve_attention_backend_name(None, "cuda") == "triton"
+    assert resolve_attention_backend_name("torch", "cuda") == "torch"

@@ -21,11 +21,16 @@ ATTENTION_BACKENDS = {
 }
 
 
-def get_attention_backend(name: str | None, device: str | torch.device) -> ModuleType:
-    """The attention module for `name`; None picks triton on CUDA and torch elsewhere."""
-    device = torch.device(device)
+def resolve_attention_backend_name(name: str | None, device: str | torch.device) -> str:
+    """The backend `name` stands for on `device`: None picks triton on CUDA and torch elsewhere."""
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return name
+
+
+def get_attention_backend(name: str | None, device: str | torch.device) -> ModuleType:
+    """The attention module for `name` (see resolve_attention_backend_name)."""
+    name = resolve_attention_backend_name(name, device)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(ATTENTION_BACKENDS)}")
     return importlib.import_module(ATTENTION_BACKENDS[name])
