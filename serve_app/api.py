@@ -72,23 +72,22 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))  # added last: runs first
 
-    @app.post("/v1/completions", response_model=None)
-    async def create_completion(body: CompletionRequest) -> Any:
+    async def generate(endpoint: Any, body: CompletionRequest | ChatCompletionRequest) -> Any:
+        """endpoint: the completions or chat module (prepare_stream / complete)."""
         if ctx.draining:
             raise draining_error()
         if body.stream:
-            chunks = await completions.prepare_stream(body, ctx)
+            chunks = await endpoint.prepare_stream(body, ctx)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await completions.complete(body, ctx))
+        return JSONResponse(await endpoint.complete(body, ctx))
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest) -> Any:
+        return await generate(completions, body)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest) -> Any:
-        if ctx.draining:
-            raise draining_error()
-        if body.stream:
-            chunks = await chat.prepare_stream(body, ctx)
-            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await chat.complete(body, ctx))
+        return await generate(chat, body)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

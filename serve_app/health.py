@@ -12,13 +12,13 @@ so it never waits on the engine. It is NOT ready when:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from serve_app.engine_client import EngineStatus
+from serve_app.periodic import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class HealthMonitor:
         self._status: EngineStatus | None = None
         self._status_time: float | None = None  # clock() when _status arrived
         self._last_error = "no status received yet"
-        self._task: asyncio.Task[None] | None = None
+        self._poller = PeriodicTask(self.poll_once, self._config.poll_interval_s)
 
     async def poll_once(self) -> None:
         try:
@@ -62,21 +62,11 @@ class HealthMonitor:
         self._status = status
         self._status_time = self._clock()
 
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self._config.poll_interval_s)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._poller.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._poller.stop()
 
     def readiness(self) -> HealthReport:
         status, status_time = self._status, self._status_time

@@ -17,7 +17,6 @@ prometheus_client only formats text here: every value lives in a pure MetricStor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +37,7 @@ from scheduler.metrics import (
     MetricStore,
     PublishedStats,
 )
+from serve_app.periodic import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class EngineStatsCache:
         self._fetched_at: list[float | None] = [None] * len(self._fetchers)  # clock() per shard
         self.last_error: str | None = None
         self.text = b""  # the merged engine families of `latest`, in Prometheus text
-        self._task: asyncio.Task[None] | None = None
+        self._poller = PeriodicTask(self.refresh, self._poll_interval_s)
         self._render_executor: ThreadPoolExecutor | None = None
 
     def age_s(self) -> float | None:
@@ -130,21 +130,11 @@ class EngineStatsCache:
         loop = asyncio.get_running_loop()
         self.text = await loop.run_in_executor(self._render_executor, render_families, published)
 
-    async def _run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self._poll_interval_s)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._poller.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._poller.stop()
 
 
 # --- Prometheus text ------------------------------------------------------------------------
