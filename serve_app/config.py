@@ -51,6 +51,10 @@ class AppArgs(BaseModel):
     attention_backend: Literal["torch", "triton"] | None = Field(
         None, description="Attention kernels; null: triton on GPU workers, the torch reference on CPU."
     )
+    cuda_graph_batch_sizes: list[int] = Field(
+        [], description="Decode batch sizes captured as CUDA graphs (e.g. [1, 2, 4, 8, 16, 32]); empty: off. "
+        "Needs GPU workers with the triton backend (workers refuse otherwise). Never run on a GPU yet.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Weights and KV dtype; null: float32 on CPU, bfloat16 on GPU."
     )

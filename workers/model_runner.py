@@ -28,6 +28,7 @@ from scheduler.outputs import (
 )
 from scheduler.sampling_params import SamplingParams
 from workers.config import ModelConfig
+from workers.cuda_graphs import DecodeGraphs
 from workers.kernels import resolve_attention_backend_name
 from workers.loader import load_weights, resolve_model_path
 from workers.model import AttentionMetadata, KVCache
@@ -50,6 +51,7 @@ class RunnerConfig:
     linear_backend: str | None = None  # "torch" | "onednn" | None (onednn-prepacked on CPU, torch otherwise)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seed of the generator shared by unseeded requests
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode sizes to capture as CUDA graphs; () = off (cuda + triton only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,12 @@ class ModelRunner:
             self.model_config, config.block_size, config.kv_cache_memory_bytes, dtype
         )
         self.kv_caches = self._allocate_kv_caches(dtype)
+        self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
+        if config.cuda_graph_batch_sizes:
+            max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, tuple(config.cuda_graph_batch_sizes), max_blocks_per_seq, capture=True
+            )
         self.sampler = Sampler(config.seed, self.device)
         self.requests: dict[str, RequestState] = {}
         self.last_timing = StepTiming()
@@ -169,9 +177,16 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._prepare_batch(scheduler_output)
         prepared = time.perf_counter()
+        graph_size = None  # captured batch size this step is padded to; None: eager
+        if self.decode_graphs is not None:
+            graph_size = self.decode_graphs.padded_size(batch.input_ids.shape[0], batch.metadata.seq_lens.shape[0])
         with torch.inference_mode():
-            hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
-            logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sampling_states else None
+            if graph_size is not None:
+                logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, graph_size)
+                logits = logits[batch.logits_rows] if batch.sampling_states else None
+            else:
+                hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
+                logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sampling_states else None
         forwarded = time.perf_counter()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_scheduled
