@@ -13,7 +13,9 @@ Part "throughput": `--num-requests` prompts of seeded random token ids, lengths 
   `--output-len` tokens (no row finishes early with EOS ignored, so no decode is wasted
   on finished rows: the static batch's cost here is the padding and the batch boundary).
 The sides alternate run by run; output tokens/s of each run, the best of each side, and the
-ratio ours / HF (target >= 3x). Also: how many of the greedy sequences are identical.
+ratio ours / HF (target >= 3x). Also: how many of the greedy sequences are identical, and
+where our run's time went (steps that computed prompt tokens vs decode-only steps, median
+decode step), from a StatsSink on the engine.
 
 Part "fork": one `--fork-prompt-len`-token prompt, `--fork-output-len` tokens per sequence,
 sampled (temperature `--fork-temperature`, seeded, EOS ignored), as
@@ -128,25 +130,52 @@ async def run_engine(engine: Engine, prompts: list[list[int]], params: list[Samp
     )
 
 
-def fresh_engine(runner, args: argparse.Namespace, prefix_caching: bool = True) -> Engine:
+class StepRecorder:
+    """A StatsSink keeping (prompt tokens, sequences, seconds) per step: where the time goes."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, float]] = []
+
+    def on_step(self, worker, step, duration_s: float, inter_token_latencies_s) -> None:
+        self.steps.append((step.num_prompt_tokens_computed, step.num_scheduled_seqs, duration_s))
+
+    def on_request_finished(self, request) -> None:
+        pass
+
+    def summary(self) -> dict:
+        prefill = [s for s in self.steps if s[0] > 0]
+        decode = sorted(s[2] for s in self.steps if s[0] == 0)
+        return {
+            "steps_with_prompt_tokens": len(prefill),
+            "seconds_in_steps_with_prompt_tokens": round(sum(s[2] for s in prefill), 2),
+            "decode_only_steps": len(decode),
+            "seconds_in_decode_only_steps": round(sum(decode), 2),
+            "median_decode_step_ms": round(1e3 * decode[len(decode) // 2], 1) if decode else None,
+            "max_decode_batch": max((s[1] for s in self.steps if s[0] == 0), default=0),
+        }
+
+
+def fresh_engine(runner, args: argparse.Namespace, prefix_caching: bool = True,
+                 recorder: StepRecorder | None = None) -> Engine:
     info = runner.model_info
     config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         block_size=info.block_size, num_blocks=info.num_blocks, max_model_len=info.max_model_len,
         enable_prefix_caching=prefix_caching,
     )
-    return Engine(config, runner, eos_token_ids=info.eos_token_ids)
+    return Engine(config, runner, eos_token_ids=info.eos_token_ids, stats_sink=recorder)
 
 
 def engine_throughput(runner, args, prompts: list[list[int]], tag: str) -> tuple[ThroughputRun, list[list[int]]]:
-    engine = fresh_engine(runner, args)
+    recorder = StepRecorder()
+    engine = fresh_engine(runner, args, recorder=recorder)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     try:
         run = asyncio.run(run_engine(engine, prompts, [params] * len(prompts), tag))
     finally:
         engine.close()
     extra = {"steps": run.num_steps, "preemptions": run.num_preemptions,
-             "prompt_tokens_computed": run.num_prompt_tokens_computed}
+             "prompt_tokens_computed": run.num_prompt_tokens_computed} | recorder.summary()
     return ThroughputRun("ours", run.wall_s, run.num_output_tokens, extra), run.token_ids
 
 

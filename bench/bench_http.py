@@ -18,11 +18,11 @@
 
 Reported per run: output tokens/s, TTFT p50/p99, TPOT p50, ITL p99 for both sides, and the
 ratio HTTP / in-process output tokens/s (target >= 0.8: Ray + HTTP + ingress cost under 20%).
-During each HTTP run, the CPU seconds of every process this benchmark started (worker,
-scheduler, ingress, proxy, raylet, GCS, the client itself) are sampled from /proc, to show
-where a 2-core machine's time goes. With --repeats, run r uses prompts seeded seed + r on
-both sides (so a later HTTP run does not hit the prefix cache of an earlier one); the server
-is started once.
+During each run, the CPU seconds of every process this benchmark started (HTTP: worker,
+scheduler, ingress, proxy, raylet, GCS, the client itself; in-process: this one process)
+are read from /proc before and after, to show where a 2-core machine's time goes.
+With --repeats, run r uses prompts seeded seed + r on both sides (so a later HTTP run does
+not hit the prefix cache of an earlier one); the server is started once.
 
 OMP_WAIT_POLICY=PASSIVE is set when unset, before Ray starts, so the worker actor inherits
 it (the app itself does not set it); the worker's environment is read back and printed.
@@ -200,7 +200,8 @@ async def engine_run(engine, prompts: list[list[int]], args: argparse.Namespace,
     return list(results), time.perf_counter() - start
 
 
-def engine_phase(args: argparse.Namespace, model_dir: Path, workloads: list[list[datasets.SampleRequest]]) -> list[dict]:
+def engine_phase(args: argparse.Namespace, model_dir: Path,
+                 workloads: list[list[datasets.SampleRequest]]) -> list[dict]:
     from transformers import AutoTokenizer
 
     from scheduler.config import SchedulerConfig
@@ -219,13 +220,15 @@ def engine_phase(args: argparse.Namespace, model_dir: Path, workloads: list[list
     runs = []
     for repeat, requests in enumerate(workloads):
         prompts = [tokenizer.encode(r.prompt, add_special_tokens=True) for r in requests]  # as the ingress does
-        engine = Engine(config, runner, eos_token_ids=info.eos_token_ids)  # fresh: empty prefix cache, as the server was
+        # a fresh engine: an empty prefix cache, as the server had for these prompts
+        engine = Engine(config, runner, eos_token_ids=info.eos_token_ids)
         try:
-            load_before = load_avg()
+            load_before, cpu_before = load_avg(), cpu_seconds_by_process()
             results, duration = asyncio.run(engine_run(engine, prompts, args, f"r{repeat}"))
+            cpu = cpu_delta(cpu_before, cpu_seconds_by_process())  # the initial request included, as on the HTTP side
         finally:
             engine.close()
-        runs.append(summarize("engine", repeat, results, duration, load_before))
+        runs.append(summarize("engine", repeat, results, duration, load_before) | {"cpu_s": cpu})
         print_run(runs[-1])
     return runs
 
