@@ -133,7 +133,7 @@ class EngineSupervisor:
         return group
 
     def _create_workers(self, plan: ResourcePlan) -> list[Any]:
-        resources = WorkerResources(plan.worker_num_cpus, plan.worker_num_gpus)
+        resources = WorkerResources(plan.worker_num_cpus, plan.worker_num_gpus, self._args.worker_num_threads)
         kwargs = runner_kwargs(self._args, plan)
         group = self._placement_group
         return [

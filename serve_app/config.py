@@ -45,6 +45,11 @@ class AppArgs(BaseModel):
     worker_num_cpus: float = Field(
         1.0, gt=0, description="Logical CPUs per worker; torch threads = floor(worker_num_cpus)."
     )
+    worker_num_threads: int | None = Field(
+        None, ge=1, le=256,
+        description="Torch threads per CPU worker; null: floor(worker_num_cpus). More threads than "
+        "reserved CPUs suits a small machine where the ingress and scheduler mostly wait.",
+    )
     worker_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per worker when the cluster has enough GPUs, else CPU."
     )
