@@ -45,7 +45,7 @@ except Exception as exc:  # pragma: no cover - no ptxas in this triton install
 
 from workers.kernels import triton_attention, triton_cache  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: kernel_cases
 import kernel_cases as kc  # noqa: E402
 
 

@@ -19,8 +19,6 @@ import importlib
 import importlib.util
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,17 +42,7 @@ if isinstance(triton_attention._paged_attention_kernel, InterpretedFunction):
 pytestmark = pytest.mark.gpu
 
 
-def _load_kernel_cases():
-    if "kernel_cases" not in sys.modules:
-        path = Path(__file__).resolve().parent / "kernel_cases.py"
-        spec = importlib.util.spec_from_file_location("kernel_cases", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["kernel_cases"] = module  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules["kernel_cases"]
-
-
-kc = _load_kernel_cases()
+import kernel_cases as kc  # noqa: E402  (tests/kernel_cases.py; tests/ is on sys.path via tests/conftest.py)
 DEVICE = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,5 +1,5 @@
 """Triton kernels (workers/kernels/triton_attention.py, triton_cache.py) run in Triton's
-interpreter on CPU tensors, checked against a float64 dense oracle (tests/gpu/kernel_cases.py)
+interpreter on CPU tensors, checked against a float64 dense oracle (tests/kernel_cases.py)
 and, where it exists, the torch reference backend (workers/kernels/torch_ref.py).
 
 How the interpreter is switched on. Triton picks interpreted vs compiled when `@triton.jit`
@@ -30,7 +30,6 @@ CI runs a small grid; `-m big` runs the larger one.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import random
 import subprocess
@@ -59,17 +58,7 @@ NOT_IN_PROCESS_REASON = (
 _KERNEL_MODULES = ("workers.kernels.triton_cache", "workers.kernels.triton_attention")
 
 
-def _load_kernel_cases():
-    if "kernel_cases" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "gpu" / "kernel_cases.py"
-        spec = importlib.util.spec_from_file_location("kernel_cases", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["kernel_cases"] = module  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules["kernel_cases"]
-
-
-kc = _load_kernel_cases()
+import kernel_cases as kc  # noqa: E402  (tests/kernel_cases.py; tests/ is on sys.path via tests/conftest.py)
 
 
 def _import_interpreted_kernels() -> SimpleNamespace:
