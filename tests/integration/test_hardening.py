@@ -34,10 +34,11 @@ def test_200_abandoned_requests_free_every_block_and_the_server_serves_at_once(s
         except httpx.TimeoutException:
             return "abandoned"
 
-    async def ended_by_server(http: httpx.AsyncClient, i: int) -> dict:
+    async def ended_by_server(http: httpx.AsyncClient, i: int) -> tuple[dict, int, dict]:
         payload = {"prompt": f"Stop or time out {i}", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
         payload.update({"stop": ["e", "a", " "]} if i % 2 else {"timeout": 0.3})
-        return (await http.post("/v1/completions", json=payload)).json()
+        response = await http.post("/v1/completions", json=payload)
+        return payload, response.status_code, response.json()
 
     async def main() -> tuple[list[str], list[dict]]:
         limits = httpx.Limits(max_connections=NUM_ABANDONED + 50)
@@ -49,8 +50,15 @@ def test_200_abandoned_requests_free_every_block_and_the_server_serves_at_once(s
 
     outcomes, ended = asyncio.run(main())
     assert outcomes.count("abandoned") >= NUM_ABANDONED * 0.9, outcomes
-    for result in ended:
-        assert result["choices"][0]["finish_reason"] in ("stop", "timeout"), result
+    for payload, status_code, result in ended:
+        if "timeout" in payload and status_code == 408:
+            # documented (serve_app/generation.py): the request's own timeout expired before its
+            # first token, which 200 abandoned streams queued beside it can cause
+            assert result["error"]["code"] == "timeout", result
+            continue
+        assert status_code == 200, result
+        expected = "timeout" if "timeout" in payload else "stop"
+        assert result["choices"][0]["finish_reason"] == expected, result
         assert result["usage"]["completion_tokens"] < 600
     started = time.monotonic()
     status = server.wait_until_idle(timeout_s=5.0)
