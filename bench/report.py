@@ -103,6 +103,25 @@ def plot_latency_cdfs(result: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+def plot_cdf_overlay(runs: dict[str, dict], path: str | Path, title: str) -> None:
+    """TTFT and ITL CDFs of several servers' runs of one workload, one line per server."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, name in zip(axes, ("ttft", "itl")):
+        for label, result in runs.items():
+            values = np.sort(_latency_samples(result, None)[name])
+            if len(values):
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=label)
+        ax.set_xscale("log")
+        ax.set_title(f"{_TITLES[name]} ({title})")
+        ax.set_xlabel("ms (log scale)")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _series(results: list[dict]) -> dict[str, list[dict]]:
     series: dict[str, list[dict]] = {}
     for r in results:

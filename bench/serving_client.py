@@ -111,7 +111,10 @@ async def run_requests(cfg: RunConfig, requests: list[datasets.SampleRequest]) -
     assert 0 < len(requests) <= MAX_NUM_PROMPTS, len(requests)
     limit = cfg.max_concurrency or 0
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
+    # A new connection per request: a server that closes idle keep-alive connections
+    # (llama-server does after a few seconds) would otherwise race a request on a stale one
+    # and fail it with "Server disconnected". On loopback a connect costs well under 1 ms.
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=True)
     sem = asyncio.Semaphore(cfg.max_concurrency or len(requests))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         if cfg.initial_test:

@@ -52,7 +52,6 @@ from serve_app.resume import ResumingEngineClient
 from serve_app.sharding import ShardedEngineClient
 from serve_app.tokenizer import TokenizerService
 from scheduler.actor import ACTOR_NAMESPACE, RayMetrics, create_scheduler, scheduler_actor_name
-from scheduler.config import SchedulerConfig
 from workers.actor import WorkerResources, create_worker, worker_actor_name
 
 logger = logging.getLogger(__name__)
@@ -159,13 +158,10 @@ class EngineSupervisor:
     def _create_schedulers(self, infos: list[Any]) -> list[Any]:
         """One SchedulerActor per shard, each owning its slice of the workers."""
         args = self._args
-        config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
+        config = args.scheduler_config(
             block_size=infos[0].block_size,
             num_blocks=min(info.num_blocks for info in infos),
             max_model_len=min(info.max_model_len for info in infos),
-            enable_prefix_caching=args.enable_prefix_caching,
         )
         return [
             create_scheduler(

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> n assistant replies.
 
 Streaming follows OpenAI: each choice opens with a delta {"role": "assistant",
-"content": ""}, then content deltas, then one chunk with its finish_reason; with
+"content": ""} (sent once the first token exists, not before), then content deltas, then one chunk with its finish_reason; with
 stream_options.include_usage a last chunk carries usage and no choices.
 """
 
@@ -85,10 +85,13 @@ async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext,
             payload["usage"] = None
         return payload
 
-    for index in range(run.num_choices):
-        yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+    opened = False
     async with contextlib.aclosing(run.deltas()) as deltas:
         async for delta in deltas:
+            if not opened:  # as vLLM: no chunk before the first token exists, so TTFT is honest
+                opened = True
+                for index in range(run.num_choices):
+                    yield chunk(index, {"role": "assistant", "content": ""}, None, None)
             logprobs = None
             if builder is not None and delta.logprobs:
                 logprobs = {"content": builder.format(delta.logprobs), "refusal": None}

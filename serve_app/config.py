@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from scheduler.admission import AdmissionConfig
+from scheduler.config import SchedulerConfig
 from serve_app.limits import ServerLimits
 from serve_app.protocol import MAX_N
 
@@ -74,6 +75,11 @@ class AppArgs(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="Split long prompts over steps, beside running decodes; off: a prompt is computed whole in "
+        "one step (the step budget is raised to the model length, as vLLM does), so it stalls every stream.",
+    )
     router_policy: Literal["prefix_aware", "round_robin", "least_loaded"] = Field(
         "prefix_aware",
         description="How a scheduler picks a worker for a new request (scheduler/router.py; docs/routing.md).",
@@ -196,6 +202,21 @@ class AppArgs(BaseModel):
             max_queued_tokens=self.max_queued_tokens,
             max_num_seqs=self.max_num_seqs,
             retry_after_s=self.queue_retry_after_s,
+        )
+
+    def scheduler_config(self, *, block_size: int, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's config, given what the workers report about their KV pools."""
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)  # a whole prompt must fit one step, as in vLLM
+        return SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
 
     def router_config(self) -> RouterConfig:

