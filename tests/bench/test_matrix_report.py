@@ -33,7 +33,7 @@ def test_report_ratios_targets_and_markers(tmp_path) -> None:
     write_runs(out, "ours", "c16", [fake_run(120, 1000, 100), fake_run(140, 1200, 120)])
     write_runs(out, "vllm", "c16", [fake_run(100, 4000, 300), fake_run(100, 4000, 300)])
     write_runs(out, "llama", "c16", [fake_run(80, 9000, 90), fake_run(80, 9000, 90)])
-    write_runs(out, "ours", "shared-prefix", [fake_run(50, 500, 60, cached_token_ratio=0.8)])
+    write_runs(out, "ours-1worker", "shared-prefix", [fake_run(50, 500, 60, cached_token_ratio=0.8)])
     write_runs(out, "ours-no-prefix-cache", "shared-prefix", [fake_run(30, 900, 70, cached_token_ratio=0.0)])
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nhand-written intro\n\n" + matrix_report.RESULTS_BEGIN + "\nold\n"
@@ -51,7 +51,7 @@ def test_report_ratios_targets_and_markers(tmp_path) -> None:
     itl = next(line for line in text.splitlines() if "no worse than llama.cpp" in line)
     assert "**missed**" in itl  # 110 vs 90
     assert "not measured" in next(line for line in text.splitlines() if "5x the per-request HF" in line)
-    assert "| prefix caching | shared-prefix | out tok/s | ours: 50.0 | ours-no-prefix-cache: 30.0 |" in text
+    assert "| prefix caching | shared-prefix | out tok/s | ours-1worker: 50.0 | ours-no-prefix-cache: 30.0 |" in text
     assert (tmp_path / "benchmarks" / "c16-latency-cdf.png").stat().st_size > 0
     matrix_report.write(out, doc)  # idempotent
     assert doc.read_text() == text
