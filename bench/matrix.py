@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,7 +75,6 @@ class Server:
     max_prompts: int | None = None  # cap per cell (a server too slow for the full count)
     needs: str | None = None  # a path that exists once the peer is installed
     install: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
 
     def missing(self) -> str | None:
         if self.needs and not Path(self.needs).exists():
@@ -136,7 +135,7 @@ def start(server: Server, model_dir: Path) -> int:
     """Runs the launcher (it returns once /health answers); returns the server's PID."""
     if not port_free(server.port):
         raise SystemExit(f"port {server.port} is taken: stop whatever listens there before the matrix")
-    env = {**os.environ, "PORT": str(server.port), "MODEL": str(model_dir), "PEERS_DIR": str(PEERS_DIR), **server.env}
+    env = {**os.environ, "PORT": str(server.port), "MODEL": str(model_dir), "PEERS_DIR": str(PEERS_DIR)}
     print(f"[matrix] starting {server.name}: bash bench/peers/{server.launcher} {' '.join(server.launcher_args)}",
           flush=True)
     started = time.monotonic()

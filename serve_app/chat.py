@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> n assistant replies.
 
 Streaming follows OpenAI: each choice opens with a delta {"role": "assistant",
-"content": ""} (sent once the first token exists, not before), then content deltas, then one chunk with its finish_reason; with
-stream_options.include_usage a last chunk carries usage and no choices.
+"content": ""} (sent once every choice has its first token, not before), then content
+deltas, then one chunk with its finish_reason; with stream_options.include_usage a last
+chunk carries usage and no choices.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from serve_app.context import ServingContext
 from serve_app.generation import ChoiceResult, GenerationRun
 from serve_app.logprobs import ChatLogprobs
 from serve_app.protocol import ChatCompletionRequest
+from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
 
 
@@ -70,28 +72,19 @@ async def prepare_stream(body: ChatCompletionRequest, ctx: ServingContext) -> As
 
 async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext,
                          run: GenerationRun) -> AsyncIterator[dict[str, Any]]:
-    created = int(ctx.clock())
+    envelope = ChunkEnvelope(run.response_id, "chat.completion.chunk", int(ctx.clock()), ctx.card.served_name,
+                             body.include_usage)
     builder = _logprobs_builder(body, ctx)
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
-        payload = {
-            "id": run.response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": ctx.card.served_name,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-        }
-        if body.include_usage:
-            payload["usage"] = None
-        return payload
+        return envelope.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
-    opened = False
+    # prepare() returned this stream only once every choice had its first token (run.start()),
+    # so no chunk, not even the role, goes out before one exists
+    for index in range(run.num_choices):
+        yield chunk(index, {"role": "assistant", "content": ""}, None, None)
     async with contextlib.aclosing(run.deltas()) as deltas:
         async for delta in deltas:
-            if not opened:  # as vLLM: no chunk before the first token exists, so TTFT is honest
-                opened = True
-                for index in range(run.num_choices):
-                    yield chunk(index, {"role": "assistant", "content": ""}, None, None)
             logprobs = None
             if builder is not None and delta.logprobs:
                 logprobs = {"content": builder.format(delta.logprobs), "refusal": None}
@@ -99,5 +92,4 @@ async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext,
                 content = {"content": delta.text} if delta.text else {}
                 yield chunk(delta.index, content, logprobs, delta.finish_reason)
     if body.include_usage:
-        yield {"id": run.response_id, "object": "chat.completion.chunk", "created": created,
-               "model": ctx.card.served_name, "choices": [], "usage": run.usage()}
+        yield envelope.usage(run.usage())

@@ -17,6 +17,7 @@ from serve_app.generation import ChoiceResult, GenerationRun
 from serve_app.logprobs import CompletionLogprobs
 from serve_app.protocol import CompletionRequest
 from serve_app.sampling import to_sampling_params
+from serve_app.sse import ChunkEnvelope
 
 
 def split_prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -110,21 +111,12 @@ async def prepare_stream(body: CompletionRequest, ctx: ServingContext) -> AsyncI
 
 async def _stream_chunks(body: CompletionRequest, ctx: ServingContext, run: GenerationRun,
                          echoes: list[str]) -> AsyncIterator[dict[str, Any]]:
-    response_id = run.response_id
-    created = int(ctx.clock())
+    envelope = ChunkEnvelope(run.response_id, "text_completion", int(ctx.clock()), ctx.card.served_name,
+                             body.include_usage)
     builders = _logprob_builders(body, ctx, run, echoes)
 
     def chunk(index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
-        payload = {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": ctx.card.served_name,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-        }
-        if body.include_usage:
-            payload["usage"] = None
-        return payload
+        return envelope.choice({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
     for index, echo in enumerate(_echo_by_choice(run, echoes)):
         if echo:
@@ -135,5 +127,4 @@ async def _stream_chunks(body: CompletionRequest, ctx: ServingContext, run: Gene
             if delta.text or delta.finish_reason or (logprobs and logprobs["tokens"]):
                 yield chunk(delta.index, delta.text, logprobs, delta.finish_reason)
     if body.include_usage:
-        yield {"id": response_id, "object": "text_completion", "created": created,
-               "model": ctx.card.served_name, "choices": [], "usage": run.usage()}
+        yield envelope.usage(run.usage())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import OpenAIError
@@ -16,6 +17,31 @@ from serve_app.errors import OpenAIError
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEnvelope:
+    """What every chunk of one streamed response shares: id, object, created, model, usage."""
+
+    response_id: str
+    object: str  # "text_completion" or "chat.completion.chunk"
+    created: int
+    model: str
+    include_usage: bool  # stream_options.include_usage: "usage": null on every choice chunk
+
+    def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        payload = self._head([choice])
+        if self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk when include_usage is set: no choices, the whole response's usage."""
+        return {**self._head([]), "usage": usage}
+
+    def _head(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices}
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
