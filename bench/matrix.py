@@ -152,11 +152,12 @@ def start(server: Server, model_dir: Path) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Running, not exited (a zombie waiting for its parent to reap it counts as exited)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
         return False
-    return True
+    return bool(fields) and fields[0] != "Z"
 
 
 def stop(pid: int, port: int) -> None:
@@ -173,11 +174,27 @@ def stop(pid: int, port: int) -> None:
             time.sleep(0.5)
         if not _alive(pid) and port_free(port):
             break
-    try:
-        os.killpg(pid, signal.SIGKILL)  # stragglers of the group (the launcher used setsid)
-    except (ProcessLookupError, PermissionError):
-        pass
+    # Stragglers: the launcher used setsid, so the server's session id is its PID. Ray's actor
+    # processes leave that process group but stay in the session.
+    for member in _session_members(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     print(f"[matrix] stopped pid {pid}", flush=True)
+
+
+def _session_members(sid: int) -> list[int]:
+    """PIDs whose session id is sid, from /proc/PID/stat (the fields after the command name)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # exited meanwhile
+            continue
+        if len(fields) > 3 and int(fields[3]) == sid:
+            members.append(int(stat.parent.name))
+    return members
 
 
 def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model_dir: Path, force: bool) -> None:

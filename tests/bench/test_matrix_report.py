@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from bench import matrix, matrix_report
@@ -68,3 +72,32 @@ def test_plan_seeds_runs_caps_prompts_and_knob_cells_exist(tmp_path) -> None:
         assert (matrix.REPO / "bench" / "peers" / server.launcher).exists()
     for cell, on, off, _ in matrix_report.KNOBS:
         assert cell in matrix.SERVERS[on].cells and cell in matrix.SERVERS[off].cells
+
+
+def test_stop_ends_a_setsid_server_and_its_other_process_groups(tmp_path) -> None:
+    # like a Ray actor: a child that moves to its own process group inside the server's session
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)'])\n"
+              f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(60)\n")
+    server = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    child_file = tmp_path / "child"
+    for _ in range(200):
+        if child_file.exists() and child_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(child_file.read_text())
+    assert child in matrix._session_members(server.pid)
+    matrix.stop(server.pid, port=free_port())
+    server.wait(timeout=10)
+    for _ in range(100):
+        if child not in matrix._session_members(server.pid):
+            break
+        time.sleep(0.05)
+    assert matrix._session_members(server.pid) == []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
