@@ -207,31 +207,38 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                attention_backend: str | None = None, max_model_len: int | None = None,
                linear_backend: str | None = None):
     """ModelConfig + our paged model with the weights of model_dir (a checked local directory)."""
+    from workers.kernels import resolve_attention_backend_name
+
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
+    attention_backend = resolve_attention_backend_name(
+        attention_backend, device, dtype, (config.num_heads, config.num_kv_heads, config.head_dim))
     model = load_weights(model_dir, config, dtype, device, attention_backend, max_model_len, linear_backend)
     return config, model
 
 
 def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
-                 attention_backend: str | None = None, max_model_len: int | None = None,
-                 linear_backend: str | None = None):
+                 attention_backend: str = "torch", max_model_len: int | None = None,
+                 linear_backend: str | None = None, layer_ops: str | None = None):
     """Our PagedLlamaModel with the safetensors weights of model_dir.
 
-    attention_backend: see workers.kernels (None: triton on CUDA, torch elsewhere);
-    linear_backend: see workers.linear (None: oneDNN-prepacked on CPU, F.linear elsewhere)."""
+    attention_backend: a resolved name (see workers.kernels.resolve_attention_backend_name);
+    linear_backend: see workers.linear (None: oneDNN-prepacked on CPU, F.linear elsewhere);
+    layer_ops: see workers.layer_ops (None: our C kernels on CPU, torch elsewhere)."""
     from workers.kernels import get_attention_backend
+    from workers.layer_ops import select_layer_ops
     from workers.linear import select_linear_backend
     from workers.model import PagedLlamaModel, WeightError
 
     tensors = read_safetensors(model_dir, dtype)
-    attention = get_attention_backend(attention_backend, device)
+    attention = get_attention_backend(attention_backend)
     linear = select_linear_backend(linear_backend, device, dtype)
+    ops = select_layer_ops(layer_ops, device, dtype)
     try:
         return PagedLlamaModel.from_hf_weights(
             config, tensors, device=device, attention=attention,
-            max_positions=max_model_len or config.max_model_len, linear=linear,
+            max_positions=max_model_len or config.max_model_len, linear=linear, ops=ops,
         )
     except WeightError as error:
         raise ModelPathError(f"weights in {model_dir} do not match its config.json: {error}") from None

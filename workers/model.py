@@ -10,6 +10,15 @@ weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
 of a step are flattened into one [num_tokens, hidden] batch; attention reads and writes the
 paged KV pool through the metadata the runner builds. lm_head runs only on the rows that
 sample (compute_logits).
+
+The steps between the GEMMs (residual add + RMSNorm, rotary + KV write, SiLU * up) go
+through a LayerOps object (workers/layer_ops.py): fused C kernels on CPU, plain
+torch elsewhere. Each layer's residual add is folded into the next RMSNorm:
+
+    residual, x = add_rms_norm(residual, delta, input_norm)     # delta: the last layer's MLP output
+    delta = o_proj(attention(...))
+    residual, x = add_rms_norm(residual, delta, post_norm)
+    delta = down_proj(silu_mul(gate_up_proj(x)))
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig
-from workers.linear import OneDnnLinear, TorchLinear
-from workers.rope import RotaryEmbedding, apply_rotary
+from workers.layer_ops import NativeOps, TorchOps
+from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+from workers.rope import RotaryEmbedding
 
 
 class WeightError(ValueError):
@@ -61,19 +71,19 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 
 class PagedLlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, rope: RotaryEmbedding,
-                 attention: ModuleType, linear: TorchLinear | OneDnnLinear):
+                 final_norm: torch.Tensor, lm_head: object, rope: RotaryEmbedding,
+                 attention: ModuleType, linear: TorchLinear | OneDnnLinear | NativeLinear, ops: TorchOps | NativeOps):
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.final_norm = final_norm  # [hidden]
-        self.lm_head = lm_head  # [vocab, hidden] packed (a packed copy of the embedding when tied)
+        self.lm_head = lm_head  # [vocab, hidden] in the linear backend's form (from the embedding when tied)
         self.rope = rope
         self.attention = attention  # module with write_kv_cache and paged_attention
+        self.linear_backend = linear
         self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
+        self.ops = ops
         self.scale = config.head_dim**-0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,45 +97,39 @@ class PagedLlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
-        hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos_sin(positions)
+        eps = self.config.rms_norm_eps
+        residual, delta = F.embedding(input_ids, self.embed), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = self._decoder_layer(layer, hidden, cos, sin, metadata, kv_cache)
-        return self._rms_norm(hidden, self.final_norm)
+            residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
+            delta = self._attention(layer, x, positions, metadata, kv_cache)
+            residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
+            delta = self.linear(self.ops.silu_mul(self.linear(x, layer.gate_up, layer.gate_up_bias)),
+                                layer.down, layer.down_bias)
+        return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab]; call it on sampling rows only."""
-        return self.linear(hidden, self.lm_head).float()
+        return self.linear_backend.logits(hidden, self.lm_head)
 
-    def _decoder_layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       metadata: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                   kv_cache: KVCache) -> torch.Tensor:
+        """o_proj(attention) of the normed hidden states x; writes this step's k/v into the pool."""
         config = self.config
-        num_tokens = hidden.shape[0]
-        linear = self.linear
-        qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
-        # q and k are contiguous within each row of qkv: rotate both with one call
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, config.num_heads + config.num_kv_heads, -1)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, : config.num_heads], qk[:, config.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, config.num_kv_heads, -1)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         k_cache, v_cache = kv_cache
-        self.attention.write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        q = self.ops.rope_write_kv(qkv, positions, self.rope, config.num_heads, config.num_kv_heads,
+                                   k_cache, v_cache, metadata.slot_mapping, self.attention)
         attended = self.attention.paged_attention(
             q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, self.scale
         )
-        hidden = hidden + linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
-        gate_up = linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up, layer.gate_up_bias)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, layer.down, layer.down_bias)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
+        return self.linear(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias)
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor], device: str | torch.device,
                         attention: ModuleType, max_positions: int,
-                        linear: TorchLinear | OneDnnLinear | None = None) -> PagedLlamaModel:
+                        linear: TorchLinear | OneDnnLinear | NativeLinear | None = None,
+                        ops: TorchOps | NativeOps | None = None) -> PagedLlamaModel:
         """Build from Hugging Face tensor names (model.layers.N.self_attn.q_proj.weight, ...)."""
         linear = linear or TorchLinear()
         weights = _WeightReader(config, dict(tensors), device, linear)
@@ -134,19 +138,20 @@ class PagedLlamaModel:
         final_norm = weights.take("model.norm.weight", (config.hidden_size,))
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
-            lm_head = linear.pack(embed)
+            lm_head_plain = embed  # native keeps it as the GEMV's operand: no copy
         else:
-            lm_head = linear.pack(weights.take("lm_head.weight", (config.vocab_size, config.hidden_size)))
+            lm_head_plain = weights.take("lm_head.weight", (config.vocab_size, config.hidden_size))
+        lm_head = linear.pack(lm_head_plain)
         weights.check_all_used()
         rope = RotaryEmbedding(config, max_positions, embed.dtype, device)
-        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear)
+        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps())
 
 
 class _WeightReader:
     """Takes tensors out of a checkpoint dict by name, checking shapes, fusing projections."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device,
-                 linear: TorchLinear | OneDnnLinear):
+                 linear: TorchLinear | OneDnnLinear | NativeLinear):
         self.config = config
         self.tensors = tensors
         self.device = device

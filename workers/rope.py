@@ -50,8 +50,10 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         cos, sin = freqs.cos(), freqs.sin()
         self.max_positions = max_positions
-        self.cos = torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device)  # [max_positions, head_dim]
-        self.signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device)  # [max_positions, head_dim]
+        self.cos_f32 = torch.cat((cos, cos), dim=-1).to(device=device)  # [max_positions, head_dim] fp32
+        self.signed_sin_f32 = torch.cat((-sin, sin), dim=-1).to(device=device)  # [max_positions, head_dim] fp32
+        self.cos = self.cos_f32.to(dtype)  # the same tables in the model's dtype (the torch path)
+        self.signed_sin = self.signed_sin_f32.to(dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin, [num_tokens, 1, head_dim] each, ready to broadcast over heads."""

@@ -17,7 +17,7 @@ NEAR_TIE_EPSILON = 1e-3
 
 
 def make_runner(model_dir: Path, **overrides) -> ModelRunner:
-    settings = dict(model=str(model_dir), block_size=4, num_blocks=512, attention_backend="torch")
+    settings = dict(model=str(model_dir), dtype="float32", block_size=4, num_blocks=512, attention_backend="torch")
     settings.update(overrides)
     return ModelRunner(RunnerConfig(**settings))
 

@@ -20,7 +20,7 @@ BLOCK_SIZE = 4
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
     return ModelRunner(
-        RunnerConfig(model=str(tiny_model_dir), block_size=BLOCK_SIZE, num_blocks=400, attention_backend="torch")
+        RunnerConfig(model=str(tiny_model_dir), dtype="float32", block_size=BLOCK_SIZE, num_blocks=400)  # default kernels
     )
 
 

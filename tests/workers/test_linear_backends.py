@@ -1,11 +1,13 @@
-"""The linear backends (F.linear, oneDNN-prepacked) agree, and bad choices fail clearly."""
+"""The linear backends (F.linear, oneDNN-prepacked, oneDNN + our C GEMV) agree, and bad
+choices fail clearly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workers.linear import onednn_available, select_linear_backend
+from workers.kernels.native import native_available
+from workers.linear import GEMV_MAX_ROWS, onednn_available, select_linear_backend
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
                                   reason="torch built without oneDNN")
@@ -25,12 +27,39 @@ def test_onednn_matches_f_linear(rows):
     torch.testing.assert_close(onednn.linear(x, packed), expected - bias, atol=1e-4, rtol=1e-5)
 
 
+@needs_onednn
+@pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 9])
+def test_native_gemv_and_gemm_agree(rows, dtype):
+    """Up to GEMV_MAX_ROWS rows take the C GEMV over the plain weight, more the packed GEMM:
+    the same products, in the input dtype (linear) and in fp32 (logits)."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=generator).to(dtype)
+    weight = torch.randn(1001, 72, generator=generator).to(dtype)  # no multiple of the GEMV's tiles
+    bias = torch.randn(1001, generator=generator).to(dtype)
+    native = select_linear_backend("native", "cpu", dtype)
+    packed = native.pack(weight)
+    expected = x.double() @ weight.double().T
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    out = native.linear(x, packed, bias)
+    assert out.dtype == dtype and out.shape == (rows, 1001)
+    torch.testing.assert_close(out.double(), expected + bias.double(), **tolerance)
+    logits = native.logits(x, packed)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), expected, **tolerance)
+
+
 def test_auto_selection_and_errors():
-    expected = "onednn" if onednn_available(torch.device("cpu"), torch.float32) else "torch"
+    expected = "torch"
+    if onednn_available(torch.device("cpu"), torch.float32):
+        expected = "native" if native_available() else "onednn"
     assert select_linear_backend(None, "cpu", torch.float32).name == expected
     assert select_linear_backend(None, "cpu", torch.float16).name == "torch"
     assert select_linear_backend("torch", "cpu", torch.float32).name == "torch"
     with pytest.raises(ValueError, match="needs a CPU device"):
         select_linear_backend("onednn", "cpu", torch.float16)
+    with pytest.raises(ValueError, match="needs a CPU device"):
+        select_linear_backend("native", "cpu", torch.float16)
     with pytest.raises(ValueError, match="unknown linear backend"):
         select_linear_backend("blas", "cpu", torch.float32)

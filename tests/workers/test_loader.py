@@ -129,8 +129,9 @@ def test_model_info_and_kv_pool_sizing(tiny_model_dir):
     per_block = kv_bytes_per_block(config, 16, torch.float32)
     assert per_block == 2 * 3 * 16 * 2 * 16 * 4  # k+v, layers, tokens, kv heads, head_dim, bytes
     assert num_blocks_for_memory(config, 16, 10 * per_block + 5, torch.float32) == 10
-    runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), block_size=16, kv_cache_memory_bytes=10 * per_block,
-                                      max_model_len=4096))
+    runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), dtype="float32", block_size=16,
+                                      kv_cache_memory_bytes=10 * per_block, max_model_len=4096,
+                                      attention_backend="torch"))  # its pool layout is the one asserted
     info = runner.model_info
     assert (info.num_blocks, info.block_size, info.vocab_size, info.eos_token_ids) == (10, 16, 384, (2,))
     assert info.max_model_len == 1024  # capped by the model's max_position_embeddings

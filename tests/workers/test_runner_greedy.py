@@ -19,9 +19,13 @@ PROMPT_LENGTHS = [1, 3, 8, 17, 29, 45]  # crosses block boundaries (block_size 4
 NUM_NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def tiny_runner(tiny_model_dir):
-    return make_runner(tiny_model_dir)
+# every oracle test runs on the all-torch reference path, on our fused C layer ops with the
+# torch attention, and on the CPU default (C layer ops and our C attention kernel)
+@pytest.fixture(scope="module", params=[("torch", "torch"), ("torch", "native"), ("cpu", "native")],
+                ids=["torch", "native-ops", "cpu-default"])
+def tiny_runner(request, tiny_model_dir):
+    attention_backend, layer_ops = request.param
+    return make_runner(tiny_model_dir, attention_backend=attention_backend, layer_ops=layer_ops)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +130,8 @@ def test_finished_requests_are_dropped_from_the_runner(tiny_runner, tiny_prompts
 def test_smollm2_greedy_batch_matches_hf_generate(smollm2_dir):
     from transformers import AutoTokenizer
 
-    runner = make_runner(smollm2_dir, block_size=16, num_blocks=128, num_threads=None)
+    runner = make_runner(smollm2_dir, block_size=16, num_blocks=128, num_threads=None, attention_backend=None)
+    assert runner.model_info.attention_backend == "cpu"  # the CPU default: our C kernel
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2=",
                  "List three colors of the rainbow, please.",

@@ -288,7 +288,8 @@ def test_runner_greedy_triton_equals_torch(kernels, tmp_path, monkeypatch):
     tokens = {}
     for backend in ("torch", "triton", "perturbed"):
         name = "torch" if backend == "perturbed" else backend
-        config = model_runner.RunnerConfig(model=str(model_dir), attention_backend=name, block_size=16, num_blocks=64)
+        config = model_runner.RunnerConfig(model=str(model_dir), dtype="float32", attention_backend=name, layer_ops="torch",
+                                           block_size=16, num_blocks=64)
         runner = model_runner.ModelRunner(config)
         if backend == "triton":
             assert runner.model.attention is kernels.attention_module

@@ -1,11 +1,18 @@
-"""Attention backends: modules exposing the same two functions.
+"""Attention backends: modules exposing the same three functions.
 
+    allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> (k_cache, v_cache)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
     paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale) -> Tensor
 
-"torch" (workers.kernels.torch_ref) is the CPU path and the oracle; "triton"
-(workers.kernels.triton_attention) is the GPU path, imported only when asked for, so CPU
-machines never need triton. It also runs on CPU tensors under TRITON_INTERPRET=1.
+The pool's layout is the backend's own (whatever allocate_kv_cache returns); the runner only
+copies whole blocks (dimension 0) between requests.
+
+- "cpu" (workers.kernels.cpu_attention): our C kernel over a pool laid out for it, read in
+  place; the CPU default wherever it builds (a C compiler is present) and fits the model.
+- "torch" (workers.kernels.torch_ref): plain torch; the oracle every other backend is tested
+  against, and the CPU fallback.
+- "triton" (workers.kernels.triton_attention): the GPU path, imported only when asked for, so
+  CPU machines never need triton. It also runs on CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -16,21 +23,38 @@ from types import ModuleType
 import torch
 
 ATTENTION_BACKENDS = {
+    "cpu": "workers.kernels.cpu_attention",
     "torch": "workers.kernels.torch_ref",
     "triton": "workers.kernels.triton_attention",
 }
 
 
-def resolve_attention_backend_name(name: str | None, device: str | torch.device) -> str:
-    """The backend `name` stands for on `device`: None picks triton on CUDA and torch elsewhere."""
-    if name is None:
-        return "triton" if torch.device(device).type == "cuda" else "torch"
-    return name
+def resolve_attention_backend_name(name: str | None, device: str | torch.device, dtype: torch.dtype = torch.float32,
+                                   heads: tuple[int, int, int] | None = None, block_size: int = 16) -> str:
+    """The backend `name` stands for: None picks triton on CUDA; on CPU, our C kernel ("cpu")
+    when it builds here and supports dtype and heads ((num_heads, num_kv_heads, head_dim);
+    None: check the dtype only), else the torch reference."""
+    if name is not None and name != "cpu":
+        return name
+    if name is None and torch.device(device).type == "cuda":
+        return "triton"
+    from workers.kernels import cpu_attention
+    from workers.kernels.native import native_available, native_library
+
+    shape = heads if heads is not None else (1, 1, 64)
+    fits = torch.device(device).type == "cpu" and cpu_attention.supports(*shape, block_size, dtype)
+    if name == "cpu":  # asked for: say why it cannot be had
+        if not fits:
+            raise ValueError(f"attention backend 'cpu' needs a CPU device, fp32 or bf16, head_dim <= "
+                             f"{cpu_attention.MAX_HEAD_DIM} and block_size <= {cpu_attention.MAX_BLOCK_SIZE}; "
+                             f"got {device}, {dtype}, heads {heads}, block_size {block_size}")
+        native_library()  # NativeBuildError with the compiler's message
+        return name
+    return "cpu" if fits and native_available() else "torch"
 
 
-def get_attention_backend(name: str | None, device: str | torch.device) -> ModuleType:
-    """The attention module for `name` (see resolve_attention_backend_name)."""
-    name = resolve_attention_backend_name(name, device)
+def get_attention_backend(name: str) -> ModuleType:
+    """The attention module of a resolved backend name (see resolve_attention_backend_name)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(ATTENTION_BACKENDS)}")
     return importlib.import_module(ATTENTION_BACKENDS[name])

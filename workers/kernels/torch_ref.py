@@ -34,6 +34,14 @@ import torch
 import torch.nn.functional as F
 
 
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard pool, [num_blocks, block_size, num_kv_heads, head_dim] for K and for V,
+    zeroed (the triton kernels use the same layout)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
 def write_kv_cache(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels.torch_ref import allocate_kv_cache
 from workers.kernels.triton_cache import write_kv_cache
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["allocate_kv_cache", "paged_attention", "write_kv_cache"]
 
 _LOG2E = 1.4426950408889634
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,0 +1,112 @@
+"""Our C paged-attention kernel (workers/kernels/cpu_attention.py, csrc/paged_attention.c)
+against the float64 dense oracle (tests/kernel_cases.py) and the torch reference backend.
+
+kernel_cases builds a pool in the standard layout with each sequence's prefix in it; the
+tests copy it into the kernel's own layout (from_standard_layout), write the step's keys and
+values with the kernel's write_kv_cache, and attend. The pool is filled with NaN outside the
+slots a sequence owns: a kernel that lets one slot it should not see (past a sequence's last
+key, another sequence's block, the null block) into its output returns NaN. head_dim 64 and
+128 run the AVX-512 path on CPUs that have it; other head dims run the portable C path on
+every CPU, so both are checked wherever AVX-512 exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_cases as kc  # tests/kernel_cases.py (tests/ is on sys.path via tests/conftest.py)
+from workers.kernels import cpu_attention, get_attention_backend, resolve_attention_backend_name, torch_ref
+from workers.kernels.native import NativeBuildError, native_library
+
+try:
+    native_library()
+except NativeBuildError as error:  # no C compiler: the runner falls back to torch (tested below)
+    pytest.skip(f"the C kernels do not build here: {error}", allow_module_level=True)
+
+SPECS = {
+    "mixed": kc.MIXED_SPECS,
+    "decode": kc.DECODE_SPECS,
+    "prefill": kc.PREFILL_SPECS,
+    # a query tile of 7+ queries whose first rows end before the chunk's last key, a long
+    # context over many blocks, and a decode whose only key is its own
+    "long": [(130, 23), (257, 1), (0, 1), (64, 64)],
+}
+
+
+def _attend(batch: kc.PagedBatch, q: torch.Tensor | None = None) -> torch.Tensor:
+    """The step on our kernel: the batch's pool in its layout, this step's k/v written, attention."""
+    k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache, batch.v_cache)
+    cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    return cpu_attention.paged_attention(batch.q if q is None else q, k_cache, v_cache, batch.block_tables,
+                                         batch.query_start_loc, batch.seq_lens, batch.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 32], ids=["d64", "d128", "d32-portable"])
+@pytest.mark.parametrize("block_size,gqa", [(16, 3), (4, 1), (32, 4)])
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_matches_dense_oracle_and_torch_reference(case, block_size, gqa, head_dim, dtype):
+    shape = dict(block_size=block_size, num_kv_heads=3, num_queries_per_kv=gqa, head_dim=head_dim, dtype=dtype,
+                 seed=block_size + gqa)
+    batch = kc.make_batch(SPECS[case], **shape)
+    out = _attend(batch)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    assert not out.isnan().any(), "read a slot outside the sequence's keys"
+    assert kc.max_abs_err(out, kc.naive_attention(batch)) <= kc.ATOL[dtype]
+    # the torch reference reads whole blocks (masked), so it needs finite garbage outside the
+    # sequences' slots; on that pool both backends agree to within the same bound
+    garbage = kc.make_batch(SPECS[case], **shape, fill="garbage")
+    out = _attend(garbage)
+    torch_ref.write_kv_cache(garbage.k_new, garbage.v_new, garbage.k_cache, garbage.v_cache, garbage.slot_mapping)
+    reference = torch_ref.paged_attention(*garbage.attention_args())
+    assert (out.double() - reference.double()).abs().max().item() <= kc.ATOL[dtype]
+
+
+def test_strided_queries_and_two_threads():
+    """q as the runner passes it (a view into the fused q/k projection, rows strided) and
+    tasks spread over two OpenMP threads give the same result as one thread on a copy."""
+    batch = kc.make_batch(kc.MIXED_SPECS, block_size=16, num_kv_heads=3, num_queries_per_kv=3, head_dim=64,
+                          dtype=torch.float32, fill="garbage")
+    num_tokens, num_heads, head_dim = batch.q.shape
+    fused = torch.randn(num_tokens, num_heads + 3, head_dim)
+    fused[:, :num_heads] = batch.q
+    strided_q = fused[:, :num_heads]
+    assert not strided_q.is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(batch, batch.q.contiguous())
+        torch.set_num_threads(2)
+        two = _attend(batch, strided_q)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layout_round_trip_and_write(dtype):
+    """write_kv_cache puts each token's k and v where from_standard_layout puts the same slot."""
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 8, 3, 64
+    k_std = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_std = torch.zeros_like(k_std)
+    slots = torch.tensor([8, 9, 17, 39, 20])
+    k_new = torch.randn(len(slots), num_kv_heads, head_dim).to(dtype)
+    v_new = torch.randn(len(slots), num_kv_heads, head_dim).to(dtype)
+    torch_ref.write_kv_cache(k_new, v_new, k_std, v_std, slots)
+    expected_k, expected_v = cpu_attention.from_standard_layout(k_std, v_std)
+    k_cache, v_cache = cpu_attention.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    cpu_attention.write_kv_cache(k_new, v_new, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()  # one pool: K, V adjacent
+
+
+def test_backend_resolution_on_cpu():
+    assert resolve_attention_backend_name(None, "cpu") == "cpu"
+    assert resolve_attention_backend_name(None, "cpu", torch.bfloat16, (9, 3, 64)) == "cpu"
+    assert resolve_attention_backend_name(None, "cpu", torch.float16) == "torch"  # no fp16 C path
+    assert resolve_attention_backend_name(None, "cpu", torch.float32, (9, 3, 512)) == "torch"  # head_dim too big
+    assert resolve_attention_backend_name("torch", "cpu") == "torch"
+    assert get_attention_backend("cpu") is cpu_attention
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        resolve_attention_backend_name("cpu", "cpu", torch.float32, (9, 3, 512))

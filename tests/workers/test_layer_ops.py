@@ -1,0 +1,80 @@
+"""Our fused C layer ops (workers/layer_ops.NativeOps) against the torch reference (TorchOps)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from workers.config import RopeScaling
+from workers.kernels import torch_ref
+from workers.kernels.native import NativeBuildError, native_library
+from workers.layer_ops import NativeOps, TorchOps, select_layer_ops
+from workers.rope import RotaryEmbedding
+
+try:
+    native_library()
+except NativeBuildError as error:
+    pytest.skip(f"the C kernels do not build here: {error}", allow_module_level=True)
+
+# fp32: the same arithmetic in another order; bf16: both round their results to bf16 (the
+# reference after every op, ours once), so they differ by a few bf16 ulps
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return TorchOps(), NativeOps()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm(ops, dtype, with_delta):
+    reference, native = ops
+    residual = torch.randn(7, 96).to(dtype)
+    delta = torch.randn(7, 96).to(dtype) if with_delta else None
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    expected_residual, expected = reference.add_rms_norm(residual.clone(), delta, weight, 1e-5)
+    in_place = residual.clone()
+    new_residual, out = native.add_rms_norm(in_place, delta, weight, 1e-5)
+    assert new_residual.data_ptr() == in_place.data_ptr()  # the add happened in place
+    torch.testing.assert_close(new_residual, expected_residual, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rope_write_kv(ops, dtype):
+    reference, native = ops
+    num_heads, num_kv_heads, head_dim, num_tokens = 6, 2, 32, 9
+    config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=RopeScaling("default"))
+    rope = RotaryEmbedding(config, 64, dtype, "cpu")
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    positions = torch.tensor([0, 1, 2, 5, 17, 3, 4, 63, 40])
+    slots = torch.randperm(8 * 4)[:num_tokens]
+    pools = [torch.zeros(8, 4, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]  # torch_ref's layout
+    q_ref = reference.rope_write_kv(qkv.clone(), positions, rope, num_heads, num_kv_heads, pools[0], pools[1],
+                                    slots, torch_ref)
+    q = native.rope_write_kv(qkv.clone(), positions, rope, num_heads, num_kv_heads, pools[2], pools[3], slots,
+                             torch_ref)
+    torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(pools[2], pools[0], **TOLERANCE[dtype])  # rotated k
+    assert torch.equal(pools[3], pools[1])  # v copied exactly
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_silu_mul(ops, dtype):
+    reference, native = ops
+    gate_up = (3 * torch.randn(5, 2 * 48)).to(dtype)
+    torch.testing.assert_close(native.silu_mul(gate_up), reference.silu_mul(gate_up), **TOLERANCE[dtype])
+
+
+def test_selection():
+    assert isinstance(select_layer_ops(None, "cpu", torch.float32), NativeOps)
+    assert isinstance(select_layer_ops(None, "cpu", torch.float16), TorchOps)
+    assert isinstance(select_layer_ops("torch", "cpu", torch.float32), TorchOps)
+    with pytest.raises(ValueError, match="need a CPU device"):
+        select_layer_ops("native", "cpu", torch.float16)
+    with pytest.raises(ValueError, match="unknown layer ops"):
+        select_layer_ops("fast", "cpu", torch.float32)

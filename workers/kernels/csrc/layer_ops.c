@@ -1,0 +1,223 @@
+/* The elementwise work of a decoder layer, fused into one pass each, and a small-batch
+ * matrix-vector product (the lm_head of a decode step).
+ *
+ *   rayllm_add_rms_norm   residual += delta (optional); out = rms_norm(residual) * weight
+ *   rayllm_rope           rotate q and k inside the fused qkv rows (rotate_half convention)
+ *   rayllm_silu_mul       out = silu(gate) * up, gate and up the two halves of each row
+ *   rayllm_gemv           out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m
+ *
+ * Tensors are fp32 or bf16 (dtype 0 / 1), one dtype per call; arithmetic is fp32 and bf16
+ * results are rounded to nearest even once, at the end. Rows are contiguous unless a stride
+ * is given. Each call splits its rows (or output columns) over the OpenMP threads it is given,
+ * the elementwise ones only from 64 rows on (a decode step's few rows cost less than waking a
+ * sleeping thread).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load(const void *base, int64_t i, int dtype) {
+    return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+static inline void store(void *base, int64_t i, float value, int dtype) {
+    if (dtype == DTYPE_F32)
+        ((float *)base)[i] = value;
+    else
+        ((uint16_t *)base)[i] = f32_to_bf16(value);
+}
+
+#define MAX_WIDTH 16384 /* hidden or intermediate size, at most (one row of fp32 scratch per thread) */
+
+/* residual[t] += delta[t] (when delta is not NULL); out[t] = residual[t] / rms(residual[t]) * weight.
+ * In bf16 the sum is rounded to bf16 before it is normalised, as a bf16 model computes it. */
+int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
+                        int64_t hidden, float eps, int32_t dtype, int32_t num_threads) {
+    if (hidden > MAX_WIDTH) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_rows >= 64)
+    for (int64_t t = 0; t < num_rows; t++) {
+        float row[MAX_WIDTH];
+        const int64_t base = t * hidden;
+        float sum_squares = 0.0f;
+        if (dtype == DTYPE_F32) {
+            float *r = (float *)residual + base;
+            const float *d = delta ? (const float *)delta + base : NULL;
+            for (int64_t i = 0; i < hidden; i++) {
+                const float x = d ? r[i] + d[i] : r[i];
+                r[i] = x;
+                row[i] = x;
+                sum_squares += x * x;
+            }
+        } else {
+            uint16_t *r = (uint16_t *)residual + base;
+            const uint16_t *d = delta ? (const uint16_t *)delta + base : NULL;
+            for (int64_t i = 0; i < hidden; i++) {
+                const uint16_t rounded = d ? f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(d[i])) : r[i];
+                r[i] = rounded;
+                const float x = bf16_to_f32(rounded);
+                row[i] = x;
+                sum_squares += x * x;
+            }
+        }
+        const float inv_rms = 1.0f / sqrtf(sum_squares / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) store(out, base + i, row[i] * inv_rms * load(weight, i, dtype), dtype);
+    }
+    return 0;
+}
+
+/* qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows (q heads, then k, then v);
+ * cos, sin: [max_positions, head_dim] fp32 tables (cos repeated over both halves, sin signed:
+ * -sin for the first half, +sin for the second), so rotated x = x * cos + swap_halves(x) * sin.
+ * q and k are rotated in place (v is left alone). */
+int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const float *sin, int64_t num_tokens,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int32_t dtype, int32_t num_threads) {
+    if (head_dim > 1024 || head_dim % 2) return 1;
+    const int64_t row_width = (num_heads + 2 * num_kv_heads) * head_dim, half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_tokens > 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) { /* q heads, then k heads */
+            const int64_t at = t * row_width + h * head_dim;
+            float x[1024];
+            for (int64_t i = 0; i < head_dim; i++) x[i] = load(qkv, at + i, dtype);
+            for (int64_t i = 0; i < head_dim; i++) {
+                const float swapped = i < half ? x[i + half] : x[i - half];
+                store(qkv, at + i, x[i] * c[i] + swapped * s[i], dtype);
+            }
+        }
+    }
+    return 0;
+}
+
+/* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width]. */
+int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t dtype,
+                    int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_rows >= 64)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const int64_t in = t * 2 * width, at = t * width;
+        for (int64_t i = 0; i < width; i++) {
+            const float g = load(gate_up, in + i, dtype), u = load(gate_up, in + width + i, dtype);
+            store(out, at + i, g / (1.0f + expf(-g)) * u, dtype);
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- small-batch GEMV */
+
+#define GEMV_MAX_ROWS 8
+#define GEMV_M_TILE 4 /* x rows per pass over a weight row (4 accumulators) */
+
+/* out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < num_rows <= 8. The weight streams through
+ * memory once, in order (it is the bulk of the bytes: a decode step's GEMMs are bandwidth-bound
+ * at a few rows), each of its rows used by every x row (x stays in L1). One weight row at a
+ * time: reading 2 or 4 rows side by side (to share x loads) halved the bandwidth on a Zen 4 VM
+ * (the lm_head at one row, bf16: 2.95 ms one row at a time, 7.2 two, 6.4 four), since each
+ * concurrent row is a separate stream for the prefetchers. fp32 accumulation; bf16 products by
+ * vdpbf16ps where the CPU has it. */
+#if defined(__AVX512F__)
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* acc[j] = the 16 lanes (still to be summed) of x row m0 + j times weight row wn, over k in
+ * [0, returned k); MM is a compile-time constant in every call, so acc stays in registers. */
+static inline __attribute__((always_inline)) int64_t gemv_row(const void *x, const void *wn, int64_t m0, const int MM,
+                                                               int64_t K, int dtype, __m512 acc[GEMV_M_TILE]) {
+    for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (dtype == DTYPE_F32) {
+        const float *xf = (const float *)x, *wf = (const float *)wn;
+        for (; k + 16 <= K; k += 16) {
+            const __m512 wv = _mm512_loadu_ps(wf + k);
+            for (int j = 0; j < MM; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + (m0 + j) * K + k), wv, acc[j]);
+        }
+        return k;
+    }
+    const uint16_t *xb = (const uint16_t *)x, *wb = (const uint16_t *)wn;
+#if defined(__AVX512BF16__)
+    for (; k + 32 <= K; k += 32) { /* 32 bf16 products summed pairwise into 16 fp32 lanes */
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + k);
+        for (int j = 0; j < MM; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(xb + (m0 + j) * K + k), wv);
+    }
+#endif
+    for (; k + 16 <= K; k += 16) {
+        const __m512 wv = widen16(wb + k);
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_fmadd_ps(widen16(xb + (m0 + j) * K + k), wv, acc[j]);
+    }
+    return k;
+}
+
+static void gemv_columns(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t n0,
+                         int64_t n1, int64_t N, int64_t K, int dtype, int out_dtype) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t n = n0; n < n1; n++) {
+        const void *wn = (const char *)w + n * K * elem;
+        for (int64_t m = 0; m < rows; m += GEMV_M_TILE) {
+            const int64_t mm = rows - m < GEMV_M_TILE ? rows - m : GEMV_M_TILE;
+            __m512 acc[GEMV_M_TILE];
+            const int64_t k_done = mm == 1   ? gemv_row(x, wn, m, 1, K, dtype, acc)
+                                   : mm == 2 ? gemv_row(x, wn, m, 2, K, dtype, acc)
+                                   : mm == 3 ? gemv_row(x, wn, m, 3, K, dtype, acc)
+                                             : gemv_row(x, wn, m, 4, K, dtype, acc);
+            for (int j = 0; j < mm; j++) {
+                float sum = _mm512_reduce_add_ps(acc[j]);
+                for (int64_t k = k_done; k < K; k++) sum += load(x, (m + j) * K + k, dtype) * load(w, n * K + k, dtype);
+                if (bias) sum += load(bias, n, dtype);
+                store(out, (m + j) * N + n, sum, out_dtype);
+            }
+        }
+    }
+}
+#else
+static void gemv_columns(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t n0,
+                         int64_t n1, int64_t N, int64_t K, int dtype, int out_dtype) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < rows; m++) {
+            float sum = bias ? load(bias, n, dtype) : 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += load(x, m * K + k, dtype) * load(w, n * K + k, dtype);
+            store(out, m * N + n, sum, out_dtype);
+        }
+}
+#endif
+
+/* x: [num_rows, K] and w: [N, K] in dtype, bias: [N] in dtype or NULL, out: [num_rows, N] in out_dtype.
+ * Threads take contiguous ranges of output columns (so each reads one contiguous part of w). */
+int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64_t num_rows, int64_t N, int64_t K,
+                int32_t dtype, int32_t out_dtype, int32_t num_threads) {
+    if (num_rows > GEMV_MAX_ROWS || num_rows < 1) return 1;
+    const int threads = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && N >= 256)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+        const int64_t me = 0, team = 1;
+#endif
+        const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
+        gemv_columns(x, w, bias, out, num_rows, n0, n1, N, K, dtype, out_dtype);
+    }
+    return 0;
+}

@@ -1,0 +1,173 @@
+"""Our CPU kernels in C (workers/kernels/csrc/*.c): compiled once per machine, loaded with ctypes.
+
+The sources are plain C with OpenMP, built with the system C compiler for the CPU they run
+on (`-O3 -march=native -fopenmp`), so a fresh machine needs nothing beyond what installing
+Python packages with C extensions already needs. The shared library is cached under
+`~/.cache/rayllm/kernels/`, named by a hash of the sources, the flags, the compiler's version
+and the CPU's flags: each node of a cluster builds its own once (about a second), and a change
+of any of them builds a new one. Building writes to a temporary file and renames it into
+place, so concurrent workers never load a half-written library.
+
+OpenMP: torch's wheel ships libgomp.so.1, already loaded when this runs, so our library
+binds to the same runtime (one thread pool, not two competing ones).
+
+    library = native_library()          # NativeBuildError if there is no working compiler
+    library.rayllm_paged_attention(...)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("paged_attention.c", "layer_ops.c")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
+class NativeBuildError(RuntimeError):
+    """The C kernels could not be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rayllm" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC, else cc or gcc on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build_key(cc: str) -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    for part in (" ".join(CFLAGS), version, _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def build(target_dir: Path | None = None) -> Path:
+    """Compiles the sources into target_dir (default: cache_dir()) unless already there."""
+    cc = compiler()
+    if cc is None:
+        raise NativeBuildError("no C compiler found (set CC, or install gcc): the CPU kernels need one")
+    target_dir = target_dir or cache_dir()
+    path = target_dir / f"rayllm_kernels_{_build_key(cc)}.so"
+    if path.exists():
+        return path
+    target_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with tempfile.NamedTemporaryFile(dir=target_dir, suffix=".so.tmp", delete=False) as tmp:
+        tmp_path = Path(tmp.name)
+    command = [cc, *CFLAGS, "-o", str(tmp_path), *(str(SOURCE_DIR / name) for name in SOURCES), "-lm"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NativeBuildError(f"building the CPU kernels failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
+        os.replace(tmp_path, path)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+    logger.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - started, path)
+    return path
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use); NativeBuildError if that fails."""
+    import torch  # noqa: F401  (loads torch's libgomp first, so ours binds to it)
+
+    path = build()
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise NativeBuildError(f"loading the CPU kernels from {path} failed: {error}") from error
+    _declare(library)
+    return library
+
+
+def native_available() -> bool:
+    try:
+        native_library()
+    except NativeBuildError as error:
+        logger.warning("%s; falling back to the torch reference kernels", error)
+        return False
+    return True
+
+
+class AttentionArgs(ctypes.Structure):
+    """Mirror of AttentionArgs in csrc/paged_attention.c (same order, same types)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("query_start_loc", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("max_blocks_per_seq", ctypes.c_int64),
+        ("q_stride_token", ctypes.c_int64),
+        ("q_stride_head", ctypes.c_int64),
+        ("out_stride_token", ctypes.c_int64),
+        ("out_stride_head", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
+    "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
+    # k, v, k_stride, v_stride, k_cache, v_cache, block_stride, slot_mapping, num_tokens, num_kv_heads,
+    # head_dim, block_size, dtype, num_threads
+    "rayllm_write_kv": [_P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    # residual, delta, weight, out, num_rows, hidden, eps, dtype, num_threads
+    "rayllm_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32],
+    # qkv, positions, cos, sin, num_tokens, num_heads, num_kv_heads, head_dim, dtype, num_threads
+    "rayllm_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    # gate_up, out, num_rows, width, dtype, num_threads
+    "rayllm_silu_mul": [_P, _P, _I64, _I64, _I32, _I32],
+    # x, w, bias, out, num_rows, N, K, dtype, out_dtype, num_threads
+    "rayllm_gemv": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+}
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int

@@ -1,0 +1,125 @@
+"""The elementwise steps of a decoder layer and the lm_head, in two interchangeable forms.
+
+    ops = select_layer_ops(None, device, dtype)   # "native" on CPU where the C kernels build, else "torch"
+    residual, normed = ops.add_rms_norm(residual, delta, weight, eps)   # residual + delta, then RMSNorm
+    q = ops.rope_write_kv(qkv, positions, rope, k_cache, v_cache, slot_mapping, attention)
+    act = ops.silu_mul(gate_up)
+
+TorchOps is plain torch: the reference, and the path on GPUs. NativeOps calls our C kernels
+(workers/kernels/csrc/layer_ops.c): each step is one pass over its rows instead of three to
+eight torch ops (RMSNorm alone is five on CPU), residual adds happen in place, and rotary
+embedding rotates q and k in place (the KV write stays the attention backend's: its pool has
+its own layout). A profile of a batch-16 decode step (SmolLM2,
+fp32, 1 thread) found about 25 torch dispatches per layer around the four GEMMs; these are 4.
+(The matrix products, the lm_head included, are workers/linear.py's.)
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from workers.rope import RotaryEmbedding, apply_rotary
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class TorchOps:
+    name = "torch"
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, rms_norm(residual + delta) * weight); delta None: no add."""
+        if delta is not None:
+            residual = residual + delta
+        return residual, F.rms_norm(residual, weight.shape, weight, eps)
+
+    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
+                      num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      attention: ModuleType) -> torch.Tensor:
+        """Rotated q [num_tokens, num_heads, head_dim]; rotated k and v written to the pool."""
+        num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
+        cos, sin = rope.cos_sin(positions)
+        # q and k are contiguous within each row of qkv: rotate both with one call
+        qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+        attention.write_kv_cache(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
+        return qk[:, :num_heads]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativeOps:
+    name = "native"
+
+    def __init__(self) -> None:
+        from workers.kernels.native import native_library
+
+        self.library = native_library()
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with status {status}")
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds delta into residual IN PLACE, and returns (residual, its RMSNorm times weight)."""
+        assert residual.is_contiguous() and (delta is None or delta.is_contiguous()) and residual.dtype in _DTYPES
+        out = torch.empty_like(residual)
+        self._check(self.library.rayllm_add_rms_norm(
+            residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            residual.shape[0], residual.shape[1], eps, _DTYPES[residual.dtype], torch.get_num_threads(),
+        ), "rayllm_add_rms_norm")
+        return residual, out
+
+    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
+                      num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      attention: ModuleType) -> torch.Tensor:
+        """Rotates q and k inside qkv IN PLACE, has the attention backend write k and v to its
+        pool; returns the q view."""
+        num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
+        assert qkv.is_contiguous() and positions.dtype == torch.int64
+        self._check(self.library.rayllm_rope(
+            qkv.data_ptr(), positions.data_ptr(), rope.cos_f32.data_ptr(), rope.signed_sin_f32.data_ptr(),
+            num_tokens, num_heads, num_kv_heads, head_dim, _DTYPES[qkv.dtype], torch.get_num_threads(),
+        ), "rayllm_rope")
+        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+        k = qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim)
+        attention.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return qkv[:, :q_width].view(num_tokens, num_heads, head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        assert gate_up.is_contiguous()
+        num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(num_rows, width, dtype=gate_up.dtype)
+        self._check(self.library.rayllm_silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), num_rows, width, _DTYPES[gate_up.dtype], torch.get_num_threads(),
+        ), "rayllm_silu_mul")
+        return out
+
+
+LAYER_OPS = ("torch", "native")
+
+
+def select_layer_ops(name: str | None, device: str | torch.device, dtype: torch.dtype) -> TorchOps | NativeOps:
+    """None picks "native" on CPU (fp32/bf16) where the C kernels build, else "torch"."""
+    from workers.kernels.native import native_available
+
+    device = torch.device(device)
+    usable = device.type == "cpu" and dtype in _DTYPES
+    if name is None:
+        name = "native" if usable and native_available() else "torch"
+    if name == "torch":
+        return TorchOps()
+    if name == "native":
+        if not usable:
+            raise ValueError(f"layer ops 'native' need a CPU device and fp32/bf16, got {device} {dtype}")
+        return NativeOps()
+    raise ValueError(f"unknown layer ops {name!r}; expected one of {LAYER_OPS}")
