@@ -72,7 +72,7 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
     return {
         "model": args.model,
         "model_cache_dir": args.model_cache_dir,
-        "dtype": args.dtype or ("bfloat16" if plan.worker_num_gpus else "float32"),
+        "dtype": args.dtype,
         "block_size": args.block_size,
         "num_blocks": args.num_kv_blocks,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,

@@ -54,15 +54,18 @@ class AppArgs(BaseModel):
     worker_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per worker when the cluster has enough GPUs, else CPU."
     )
-    attention_backend: Literal["torch", "triton"] | None = Field(
-        None, description="Attention kernels; null: triton on GPU workers, the torch reference on CPU."
+    attention_backend: Literal["cpu", "torch", "triton"] | None = Field(
+        None, description="Attention kernels; null: triton on GPU workers; on CPU our C kernel (cpu), or the "
+        "torch reference where no C compiler is found. Reported in /v1/models.",
     )
     cuda_graph_batch_sizes: list[int] = Field(
         [], description="Decode batch sizes captured as CUDA graphs (e.g. [1, 2, 4, 8, 16, 32]); empty: off. "
         "Needs GPU workers with the triton backend (workers refuse otherwise). Never run on a GPU yet.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Weights and KV dtype; null: float32 on CPU, bfloat16 on GPU."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV dtype. auto: bfloat16 on GPUs and on CPUs with native bf16 "
+        "(AVX512_BF16 or AMX), float32 on other CPUs; each worker resolves it on its own node. "
+        "Reported in /v1/models.",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(
