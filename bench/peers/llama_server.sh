@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# NOT YET RUN in this repo (written from the notes in issue 9; the first real run may need fixes).
-#
 # Builds llama.cpp's llama-server from the vendored sources of the llama-cpp-python sdist
-# (about 30 min of both cores the first time), converts the model directory to an f32 GGUF
-# with the bundled convert_hf_to_gguf.py (it needs the bundled gguf-py, not PyPI's), starts
-# the server with 16 parallel slots and continuous batching, and waits until it is healthy.
-#   PORT=8300 MODEL=DIR bash bench/peers/llama_server.sh
+# (about 12 min of both cores the first time), converts the model directory to a GGUF in
+# DTYPE (f32 for float32, bf16 for bfloat16) with the bundled convert_hf_to_gguf.py (it needs
+# the bundled gguf-py, not PyPI's), starts the server with 16 parallel slots and continuous
+# batching, and waits until it is healthy.
+#   PORT=8300 MODEL=DIR DTYPE=bfloat16 bash bench/peers/llama_server.sh   # DTYPE: float32 (default) or bfloat16
 # Stop it with: kill "$(cat ~/.cache/rayllm-peers/llama_server.pid)"
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8300}
@@ -15,7 +14,13 @@ CTX=${CTX:-65536}  # total context, split evenly over the PARALLEL slots (4096 e
 SRC=$PEERS_DIR/llama-cpp-python-$VERSION
 LLAMA=$SRC/vendor/llama.cpp
 SERVER=$LLAMA/build/bin/llama-server
-GGUF=$PEERS_DIR/$(basename "$MODEL")-f32.gguf
+DTYPE=${DTYPE:-float32}  # run it in the dtype our /v1/models reports (bench/matrix.py passes it)
+case "$DTYPE" in
+    float32) OUTTYPE=f32 ;;
+    bfloat16) OUTTYPE=bf16 ;;
+    *) echo "[llama_server] DTYPE must be float32 or bfloat16, got $DTYPE" >&2; exit 2 ;;
+esac
+GGUF=$PEERS_DIR/$(basename "$MODEL")-$OUTTYPE.gguf
 
 if [ ! -x "$SERVER" ]; then
     if [ ! -d "$LLAMA" ]; then
@@ -31,7 +36,7 @@ if [ ! -x "$SERVER" ]; then
 fi
 
 if [ ! -f "$GGUF" ]; then
-    echo "[llama_server] converting $MODEL to $GGUF (f32)"
+    echo "[llama_server] converting $MODEL to $GGUF ($OUTTYPE)"
     CONVERT_VENV=$PEERS_DIR/gguf-convert-venv  # its own: sentencepiece etc. stay out of the product's venv
     if ! "$CONVERT_VENV/bin/python" -c "import sentencepiece, transformers, torch" 2>/dev/null; then
         python3.11 -m venv "$CONVERT_VENV"
@@ -39,7 +44,7 @@ if [ ! -f "$GGUF" ]; then
             transformers safetensors
     fi
     PYTHONPATH="$LLAMA/gguf-py" "$CONVERT_VENV/bin/python" "$LLAMA/convert_hf_to_gguf.py" \
-        "$MODEL" --outtype f32 --outfile "$GGUF"
+        "$MODEL" --outtype "$OUTTYPE" --outfile "$GGUF"
 fi
 
 if [ "${INSTALL_ONLY:-0}" = 1 ]; then echo "[peer] installed; INSTALL_ONLY=1, not starting"; exit 0; fi

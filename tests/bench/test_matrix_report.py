@@ -40,12 +40,15 @@ def test_report_ratios_targets_and_markers(tmp_path) -> None:
     write_runs(out, "ours-1worker", "shared-prefix", [fake_run(50, 500, 60, cached_token_ratio=0.8)])
     write_runs(out, "ours-no-prefix-cache", "shared-prefix", [fake_run(30, 900, 70, cached_token_ratio=0.0)])
     doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\nhand-written intro\n\n" + matrix_report.RESULTS_BEGIN + "\nold\n"
-                   + matrix_report.RESULTS_END + "\n\nhand-written outro\n")
-    matrix_report.write(out, doc)
+    begin, end = matrix_report.markers("bfloat16")
+    other_begin, other_end = matrix_report.markers("float32")
+    doc.write_text("# Benchmarks\n\nhand-written intro\n\n" + begin + "\nold\n" + end + "\n\n"
+                   + other_begin + "\nfp32 section\n" + other_end + "\n\nhand-written outro\n")
+    matrix_report.write(out, doc, "bfloat16")
     text = doc.read_text()
     assert "hand-written intro" in text and "hand-written outro" in text and "\nold\n" not in text
-    assert text.count(matrix_report.RESULTS_BEGIN) == 1
+    assert "\nfp32 section\n" in text  # the other dtype's section is left alone
+    assert text.count(begin) == 1 and "## Results in bfloat16" in text and "a bf16 GGUF" in text
     # per-run ratios, then the ratio of the means: (120+140)/2 / 100 = 1.30 < 1.33
     assert "| ours / vllm | 1.20 / 1.40 (1.30) |" in text
     target = next(line for line in text.splitlines() if "1.33x vLLM" in line)
@@ -56,8 +59,8 @@ def test_report_ratios_targets_and_markers(tmp_path) -> None:
     assert "**missed**" in itl  # 110 vs 90
     assert "not measured" in next(line for line in text.splitlines() if "5x the per-request HF" in line)
     assert "| prefix caching | shared-prefix | out tok/s | ours-1worker: 50.0 | ours-no-prefix-cache: 30.0 |" in text
-    assert (tmp_path / "benchmarks" / "c16-latency-cdf.png").stat().st_size > 0
-    matrix_report.write(out, doc)  # idempotent
+    assert (tmp_path / "benchmarks" / "bfloat16" / "c16-latency-cdf.png").stat().st_size > 0
+    matrix_report.write(out, doc, "bfloat16")  # idempotent
     assert doc.read_text() == text
 
 
@@ -72,6 +75,9 @@ def test_plan_seeds_runs_caps_prompts_and_knob_cells_exist(tmp_path) -> None:
         assert (matrix.REPO / "bench" / "peers" / server.launcher).exists()
     for cell, on, off, _ in matrix_report.KNOBS:
         assert cell in matrix.SERVERS[on].cells and cell in matrix.SERVERS[off].cells
+    # like for like: our servers get the dtype as an app arg, peers as DTYPE in their environment
+    assert matrix.launcher_args(ours, "bfloat16") == ["dtype=bfloat16"]
+    assert matrix.launcher_args(matrix.SERVERS["vllm"], "bfloat16") == []
 
 
 def test_stop_ends_a_setsid_server_and_its_other_process_groups(tmp_path) -> None:

@@ -1,0 +1,171 @@
+"""Where a decode step's time goes, against what its math and memory traffic cost.
+
+    .venv/bin/python -m bench.bench_runner --breakdown                      # fp32+bf16, 1+2 threads, batch 1 and 16
+    .venv/bin/python -m bench.bench_runner --breakdown --dtypes bfloat16 --threads-list 1
+
+For each dtype, thread count and batch size (sequences decoding together, each with a
+context of --prompt-len tokens), all in one process and one run:
+
+- step: the median wall time of ModelRunner.execute for a decode step (everything: input
+  preparation, the forward, the lm_head on every row, sampling);
+- GEMM-only: the same step's matrix products alone, with the model's own packed weights
+  and the step's shapes (per layer qkv, o, gate_up, down at M = batch, then the lm_head as
+  the model computes it), timed back to back in the same run;
+- step / GEMM: the issue-13 target is <= 1.3 at batch 16;
+- attention: the time inside the attention kernel and the rotary + KV-cache write of the
+  same steps (measured by timing those calls in place), and its share of the step
+  (target <= 15% at batch 16);
+- weights: the bytes a step must read once (every projection weight and the lm_head, not
+  the embedding rows), over the read bandwidth measured here with the same threads
+  (a sum over a 512 MB tensor); step / weights-read is the batch-1 target (<= 1.2).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.sampling_params import SamplingParams
+from workers.model_runner import ModelRunner, RunnerConfig
+from workers.simple_driver import SimpleDriver
+
+BANDWIDTH_BYTES = 512 << 20
+
+
+@dataclass
+class Breakdown:
+    dtype: str
+    threads: int
+    batch: int
+    step_s: float  # median decode step (ModelRunner.execute)
+    gemm_s: float  # the step's matrix products alone
+    attention_s: float  # attention kernel + rotary/KV write, per step
+    weight_read_s: float  # weight bytes / measured bandwidth
+
+    def row(self) -> str:
+        return (f"{self.dtype:>8} | {self.threads:>7} | {self.batch:>5} | {self.step_s * 1e3:8.2f} | "
+                f"{self.gemm_s * 1e3:8.2f} | {self.step_s / self.gemm_s:8.2f} | {self.attention_s * 1e3:8.2f} "
+                f"({self.attention_s / self.step_s:5.1%}) | {self.weight_read_s * 1e3:8.2f} | "
+                f"{self.step_s / self.weight_read_s:7.2f}")
+
+
+HEADER = (f"{'dtype':>8} | {'threads':>7} | {'batch':>5} | {'step ms':>8} | {'GEMM ms':>8} | {'step/GEMM':>8} | "
+          f"{'attention ms (share)':>20} | {'weights ms':>8} | {'step/weights':>7}")
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second that a sum over a 512 MB tensor reads, with torch's current threads."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    data.sum()
+    best = min(_timed(lambda: data.sum()) for _ in range(repeats))
+    return BANDWIDTH_BYTES / best
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of every weight a decode step reads once: the layers' and the lm_head's."""
+    model = runner.model
+    element = torch.empty(0, dtype=model.dtype).element_size()
+    c = runner.model_config
+    per_layer = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size + c.num_heads * c.head_dim * c.hidden_size
+    per_layer += 3 * c.intermediate_size * c.hidden_size
+    return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * element
+
+
+def gemm_only_s(runner: ModelRunner, batch: int, repeats: int) -> float:
+    """The step's matrix products alone: per layer qkv, o, gate_up, down at M = batch, then the lm_head."""
+    model, c = runner.model, runner.model_config
+    x = torch.randn(batch, c.hidden_size).to(model.dtype)
+    attended = torch.randn(batch, c.num_heads * c.head_dim).to(model.dtype)
+    act = torch.randn(batch, c.intermediate_size).to(model.dtype)
+
+    def run() -> None:
+        for layer in model.layers:
+            model.linear(x, layer.qkv, layer.qkv_bias)
+            model.linear(attended, layer.o, layer.o_bias)
+            model.linear(x, layer.gate_up, layer.gate_up_bias)
+            model.linear(act, layer.down, layer.down_bias)
+        model.compute_logits(x)
+
+    with torch.inference_mode():
+        run()
+        return statistics.median(_timed(run) for _ in range(repeats))
+
+
+@contextmanager
+def timing_attention(model):
+    """Adds the seconds spent in paged_attention and rope_write_kv to the yielded list's [0]."""
+    spent = [0.0]
+    attention, ops = model.attention, model.ops
+
+    class TimedAttention:
+        write_kv_cache = attention.write_kv_cache
+
+        @staticmethod
+        def paged_attention(*args):
+            started = time.perf_counter()
+            out = attention.paged_attention(*args)
+            spent[0] += time.perf_counter() - started
+            return out
+
+    original_rope = ops.rope_write_kv
+
+    def timed_rope(*args):
+        started = time.perf_counter()
+        out = original_rope(*args)
+        spent[0] += time.perf_counter() - started
+        return out
+
+    model.attention, ops.rope_write_kv = TimedAttention, timed_rope
+    try:
+        yield spent
+    finally:
+        model.attention = attention
+        del ops.rope_write_kv  # back to the class's method
+
+
+def decode_steps(runner: ModelRunner, batch: int, prompt_len: int, num_steps: int) -> tuple[float, float]:
+    """(median step seconds, mean attention seconds per step) over num_steps decode steps."""
+    driver = SimpleDriver(runner, token_budget=max(2048, batch * prompt_len))
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 3, ignore_eos=True)
+    generator = torch.Generator().manual_seed(batch)
+    for index in range(batch):
+        prompt = torch.randint(3, runner.model_info.vocab_size, (prompt_len,), generator=generator).tolist()
+        driver.add_request(f"b{index}", prompt, params)
+    driver.step()  # prefill
+    driver.step()  # a first decode (warm)
+    steps = []
+    with timing_attention(runner.model) as spent:
+        for _ in range(num_steps):
+            driver.step()
+            steps.append(runner.last_timing.total_s)
+    while driver.has_unfinished:
+        driver.step()
+    return statistics.median(steps), spent[0] / num_steps
+
+
+def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: list[int], prompt_len: int,
+        num_steps: int = 16, repeats: int = 5) -> list[Breakdown]:
+    results = []
+    for dtype in dtypes:
+        blocks = max(batches) * (-(-(prompt_len + num_steps + 8) // 16)) + 1
+        runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks))
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            bandwidth = read_bandwidth()
+            for batch in batches:
+                step_s, attention_s = decode_steps(runner, batch, prompt_len, num_steps)
+                results.append(Breakdown(dtype, threads, batch, step_s, gemm_only_s(runner, batch, repeats),
+                                         attention_s, weight_bytes(runner) / bandwidth))
+                print(results[-1].row(), flush=True)
+        del runner
+    return results
