@@ -26,10 +26,12 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from scheduler.sampling_params import SamplingParams
+from workers.kernels import bind_attention
 from workers.model_runner import ModelRunner, RunnerConfig
 from workers.simple_driver import SimpleDriver
 
@@ -103,34 +105,32 @@ def gemm_only_s(runner: ModelRunner, batch: int, repeats: int) -> float:
 
 @contextmanager
 def timing_attention(model):
-    """Adds the seconds spent in paged_attention and rope_write_kv to the yielded list's [0]."""
+    """Adds the seconds spent in rotary, the KV write and attention to the yielded list's [0]."""
     spent = [0.0]
-    attention, ops = model.attention, model.ops
+    backend, ops = model.attention, model.ops
 
-    class TimedAttention:
-        write_kv_cache = attention.write_kv_cache
-
-        @staticmethod
-        def paged_attention(*args):
+    def timed(function):
+        def call(*args):
             started = time.perf_counter()
-            out = attention.paged_attention(*args)
+            out = function(*args)
             spent[0] += time.perf_counter() - started
             return out
+        return call
 
-    original_rope = ops.rope_write_kv
+    class TimedBackend:  # the backend, with each step's bound write/attend and the rotary timed
+        allocate_kv_cache = staticmethod(backend.allocate_kv_cache)
 
-    def timed_rope(*args):
-        started = time.perf_counter()
-        out = original_rope(*args)
-        spent[0] += time.perf_counter() - started
-        return out
+        @staticmethod
+        def bind(metadata, scale):
+            step = bind_attention(backend, metadata, scale)
+            return SimpleNamespace(write=timed(step.write), attend=timed(step.attend))
 
-    model.attention, ops.rope_write_kv = TimedAttention, timed_rope
+    model.attention, ops.rope = TimedBackend, timed(ops.rope)
     try:
         yield spent
     finally:
-        model.attention = attention
-        del ops.rope_write_kv  # back to the class's method
+        model.attention = backend
+        del ops.rope  # back to the class's method
 
 
 def decode_steps(runner: ModelRunner, batch: int, prompt_len: int, num_steps: int) -> tuple[float, float]:

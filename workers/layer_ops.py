@@ -2,21 +2,19 @@
 
     ops = select_layer_ops(None, device, dtype)   # "native" on CPU where the C kernels build, else "torch"
     residual, normed = ops.add_rms_norm(residual, delta, weight, eps)   # residual + delta, then RMSNorm
-    q = ops.rope_write_kv(qkv, positions, rope, k_cache, v_cache, slot_mapping, attention)
+    q, k, v = ops.rope(qkv, positions, rope, num_heads, num_kv_heads)   # q and k rotated; v as is
     act = ops.silu_mul(gate_up)
 
 TorchOps is plain torch: the reference, and the path on GPUs. NativeOps calls our C kernels
 (workers/kernels/csrc/layer_ops.c): each step is one pass over its rows instead of three to
 eight torch ops (RMSNorm alone is five on CPU), residual adds happen in place, and rotary
-embedding rotates q and k in place (the KV write stays the attention backend's: its pool has
-its own layout). A profile of a batch-16 decode step (SmolLM2,
+embedding rotates q and k in place (writing k and v to the pool is the attention backend's:
+its pool has its own layout). A profile of a batch-16 decode step (SmolLM2,
 fp32, 1 thread) found about 25 torch dispatches per layer around the four GEMMs; these are 4.
 (The matrix products, the lm_head included, are workers/linear.py's.)
 """
 
 from __future__ import annotations
-
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -36,18 +34,16 @@ class TorchOps:
             residual = residual + delta
         return residual, F.rms_norm(residual, weight.shape, weight, eps)
 
-    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
-                      num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      attention: ModuleType) -> torch.Tensor:
-        """Rotated q [num_tokens, num_heads, head_dim]; rotated k and v written to the pool."""
+    def rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
+             num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rotated q, rotated k, v), [num_tokens, heads, head_dim] each, from the fused qkv rows."""
         num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
         cos, sin = rope.cos_sin(positions)
         # q and k are contiguous within each row of qkv: rotate both with one call
         qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
         qk = apply_rotary(qk, cos, sin)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
-        attention.write_kv_cache(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
-        return qk[:, :num_heads]
+        return qk[:, :num_heads], qk[:, num_heads:], v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -78,11 +74,9 @@ class NativeOps:
         ), "rayllm_add_rms_norm")
         return residual, out
 
-    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
-                      num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      attention: ModuleType) -> torch.Tensor:
-        """Rotates q and k inside qkv IN PLACE, has the attention backend write k and v to its
-        pool; returns the q view."""
+    def rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
+             num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotates q and k inside qkv IN PLACE; returns the q, k and v views."""
         num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
         assert qkv.is_contiguous() and positions.dtype == torch.int64
         self._check(self.library.rayllm_rope(
@@ -90,10 +84,9 @@ class NativeOps:
             num_tokens, num_heads, num_kv_heads, head_dim, _DTYPES[qkv.dtype], torch.get_num_threads(),
         ), "rayllm_rope")
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-        k = qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
-        v = qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim)
-        attention.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-        return qkv[:, :q_width].view(num_tokens, num_heads, head_dim)
+        return (qkv[:, :q_width].view(num_tokens, num_heads, head_dim),
+                qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim),
+                qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         assert gate_up.is_contiguous()

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig
+from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
 from workers.rope import RotaryEmbedding
@@ -98,10 +99,11 @@ class PagedLlamaModel:
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
         eps = self.config.rms_norm_eps
+        step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
         residual, delta = F.embedding(input_ids, self.embed), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
-            delta = self._attention(layer, x, positions, metadata, kv_cache)
+            delta = self._attention(layer, x, positions, step, kv_cache)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
             delta = self.linear(self.ops.silu_mul(self.linear(x, layer.gate_up, layer.gate_up_bias)),
                                 layer.down, layer.down_bias)
@@ -112,17 +114,14 @@ class PagedLlamaModel:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab]; call it on sampling rows only."""
         return self.linear_backend.logits(hidden, self.lm_head)
 
-    def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, step,
                    kv_cache: KVCache) -> torch.Tensor:
         """o_proj(attention) of the normed hidden states x; writes this step's k/v into the pool."""
         config = self.config
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-        k_cache, v_cache = kv_cache
-        q = self.ops.rope_write_kv(qkv, positions, self.rope, config.num_heads, config.num_kv_heads,
-                                   k_cache, v_cache, metadata.slot_mapping, self.attention)
-        attended = self.attention.paged_attention(
-            q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, self.scale
-        )
+        q, k, v = self.ops.rope(qkv, positions, self.rope, config.num_heads, config.num_kv_heads)
+        step.write(k, v, *kv_cache)
+        attended = step.attend(q, *kv_cache)
         return self.linear(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias)
 
     @classmethod

@@ -7,6 +7,10 @@
 The pool's layout is the backend's own (whatever allocate_kv_cache returns); the runner only
 copies whole blocks (dimension 0) between requests.
 
+The model binds a step's metadata once (bind_attention) and calls write/attend per layer; a
+backend may provide its own `bind(metadata, scale)` that does the per-step work (checks,
+argument packing) once instead of 30 times.
+
 - "cpu" (workers.kernels.cpu_attention): our C kernel over a pool laid out for it, read in
   place; the CPU default wherever it builds (a C compiler is present) and fits the model.
 - "torch" (workers.kernels.torch_ref): plain torch; the oracle every other backend is tested
@@ -51,6 +55,27 @@ def resolve_attention_backend_name(name: str | None, device: str | torch.device,
         native_library()  # NativeBuildError with the compiler's message
         return name
     return "cpu" if fits and native_available() else "torch"
+
+
+class StepAttention:
+    """One step's attention, the same metadata for every layer (the default bind)."""
+
+    def __init__(self, backend: ModuleType, metadata, scale: float) -> None:
+        self.backend, self.metadata, self.scale = backend, metadata, scale
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, self.metadata.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        m = self.metadata
+        return self.backend.paged_attention(q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                                            self.scale)
+
+
+def bind_attention(backend: ModuleType, metadata, scale: float):
+    """The step's attention (write / attend): the backend's own bind, else StepAttention."""
+    bind = getattr(backend, "bind", None)
+    return bind(metadata, scale) if bind is not None else StepAttention(backend, metadata, scale)
 
 
 def get_attention_backend(name: str) -> ModuleType:

@@ -15,25 +15,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float load(const void *base, int64_t i, int dtype) {
     return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
@@ -48,39 +33,56 @@ static inline void store(void *base, int64_t i, float value, int dtype) {
 
 #define MAX_WIDTH 16384 /* hidden or intermediate size, at most (one row of fp32 scratch per thread) */
 
+/* One row of add_rms_norm; returns nothing, writes residual (the sum) and out. */
+static void add_rms_norm_row(void *residual, const void *delta, const void *weight, void *out, int64_t hidden,
+                             float eps, int dtype) {
+    const int bf16 = dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4;
+    float sum_squares = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 squares = _mm512_setzero_ps();
+    for (; i + 16 <= hidden; i += 16) {
+        char *r = (char *)residual + i * elem;
+        __m512 x = load16(r, bf16);
+        if (delta) {
+            x = _mm512_add_ps(x, load16((const char *)delta + i * elem, bf16));
+            if (bf16) x = round_bf16(x); /* a bf16 model's residual stream is bf16 */
+            store16(r, x, bf16);
+        }
+        squares = _mm512_fmadd_ps(x, x, squares);
+    }
+    sum_squares = _mm512_reduce_add_ps(squares);
+#endif
+    for (; i < hidden; i++) {
+        float x = load(residual, i, dtype);
+        if (delta) {
+            x = bf16 ? bf16_to_f32(f32_to_bf16(x + load(delta, i, dtype))) : x + load(delta, i, dtype);
+            store(residual, i, x, dtype);
+        }
+        sum_squares += x * x;
+    }
+    const float inv_rms = 1.0f / sqrtf(sum_squares / (float)hidden + eps);
+    i = 0;
+#ifdef __AVX512F__
+    const __m512 scale = _mm512_set1_ps(inv_rms);
+    for (; i + 16 <= hidden; i += 16) {
+        const __m512 x = load16((const char *)residual + i * elem, bf16);
+        store16((char *)out + i * elem, _mm512_mul_ps(_mm512_mul_ps(x, scale), load16((const char *)weight + i * elem, bf16)), bf16);
+    }
+#endif
+    for (; i < hidden; i++) store(out, i, load(residual, i, dtype) * inv_rms * load(weight, i, dtype), dtype);
+}
+
 /* residual[t] += delta[t] (when delta is not NULL); out[t] = residual[t] / rms(residual[t]) * weight.
  * In bf16 the sum is rounded to bf16 before it is normalised, as a bf16 model computes it. */
 int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
                         int64_t hidden, float eps, int32_t dtype, int32_t num_threads) {
-    if (hidden > MAX_WIDTH) return 1;
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_rows >= 64)
-    for (int64_t t = 0; t < num_rows; t++) {
-        float row[MAX_WIDTH];
-        const int64_t base = t * hidden;
-        float sum_squares = 0.0f;
-        if (dtype == DTYPE_F32) {
-            float *r = (float *)residual + base;
-            const float *d = delta ? (const float *)delta + base : NULL;
-            for (int64_t i = 0; i < hidden; i++) {
-                const float x = d ? r[i] + d[i] : r[i];
-                r[i] = x;
-                row[i] = x;
-                sum_squares += x * x;
-            }
-        } else {
-            uint16_t *r = (uint16_t *)residual + base;
-            const uint16_t *d = delta ? (const uint16_t *)delta + base : NULL;
-            for (int64_t i = 0; i < hidden; i++) {
-                const uint16_t rounded = d ? f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(d[i])) : r[i];
-                r[i] = rounded;
-                const float x = bf16_to_f32(rounded);
-                row[i] = x;
-                sum_squares += x * x;
-            }
-        }
-        const float inv_rms = 1.0f / sqrtf(sum_squares / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++) store(out, base + i, row[i] * inv_rms * load(weight, i, dtype), dtype);
-    }
+    for (int64_t t = 0; t < num_rows; t++)
+        add_rms_norm_row((char *)residual + t * hidden * elem, delta ? (const char *)delta + t * hidden * elem : NULL,
+                         weight, (char *)out + t * hidden * elem, hidden, eps, dtype);
     return 0;
 }
 
@@ -111,12 +113,23 @@ int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const flo
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width]. */
 int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t dtype,
                     int32_t num_threads) {
+    const int bf16 = dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_rows >= 64)
     for (int64_t t = 0; t < num_rows; t++) {
-        const int64_t in = t * 2 * width, at = t * width;
-        for (int64_t i = 0; i < width; i++) {
-            const float g = load(gate_up, in + i, dtype), u = load(gate_up, in + width + i, dtype);
-            store(out, at + i, g / (1.0f + expf(-g)) * u, dtype);
+        const char *gate = (const char *)gate_up + t * 2 * width * elem, *up = gate + width * elem;
+        char *dst = (char *)out + t * width * elem;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= width; i += 16) {
+            const __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            store16(dst + i * elem, _mm512_mul_ps(silu, u), bf16);
+        }
+#endif
+        for (; i < width; i++) {
+            const float g = load(gate, i, dtype), u = load(up, i, dtype);
+            store(dst, i, g / (1.0f + expf(-g)) * u, dtype);
         }
     }
     return 0;
@@ -135,10 +148,6 @@ int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t wi
  * concurrent row is a separate stream for the prefetchers. fp32 accumulation; bf16 products by
  * vdpbf16ps where the CPU has it. */
 #if defined(__AVX512F__)
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* acc[j] = the 16 lanes (still to be summed) of x row m0 + j times weight row wn, over k in
  * [0, returned k); MM is a compile-time constant in every call, so acc stays in registers. */
 static inline __attribute__((always_inline)) int64_t gemv_row(const void *x, const void *wn, int64_t m0, const int MM,
@@ -162,8 +171,8 @@ static inline __attribute__((always_inline)) int64_t gemv_row(const void *x, con
     }
 #endif
     for (; k + 16 <= K; k += 16) {
-        const __m512 wv = widen16(wb + k);
-        for (int j = 0; j < MM; j++) acc[j] = _mm512_fmadd_ps(widen16(xb + (m0 + j) * K + k), wv, acc[j]);
+        const __m512 wv = load16(wb + k, 1);
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_fmadd_ps(load16(xb + (m0 + j) * K + k, 1), wv, acc[j]);
     }
     return k;
 }

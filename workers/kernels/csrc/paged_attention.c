@@ -40,9 +40,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 64
@@ -86,20 +85,6 @@ typedef struct {
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
     float m[MAX_ROWS], l[MAX_ROWS], correction[MAX_ROWS];
 } Scratch;
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float element(const void *base, int64_t i, int dtype) {
     return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
@@ -212,23 +197,6 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
 #define HAVE_FAST_PATH 1
 #define ROW_BATCH 4 /* rows that share each K or V load */
 
-/* e^x for x <= 0 (scores minus their running max), relative error ~2e-7: 2^(x log2 e) split
- * into 2^n * 2^f with f in [-0.5, 0.5], a degree-6 polynomial for 2^f, scalef for 2^n. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* softmax_row for 16 scores in a vector: the same update, vectorised. */
 static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, int64_t visible) {
     const __mmask16 live = visible > 0 ? (__mmask16)((1u << visible) - 1u) : 0;
@@ -245,22 +213,23 @@ static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, int64_
     w->l[r] = w->l[r] * correction + _mm512_reduce_add_ps(p);
 }
 
-/* Phase 1 for rows[0, count) of kv head g over the chunk [start, start + n): scores for up to
- * 16 keys (one lane each), then each row's softmax update. D = 16 * DV. */
-static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Scratch *w, const int64_t *rows, int count,
-                                                               const char *kb, int64_t g, int64_t start, int64_t n,
-                                                               const int DV) {
+/* Phase 1 for rows[0, RB) of kv head g over the chunk [start, start + n): scores for up to
+ * 16 keys (one lane each), then each row's softmax update. D = 16 * DV. RB and DV are
+ * compile-time constants in every call (see chunk_fast), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Scratch *w, const int64_t *rows,
+                                                               const int RB, const char *kb, int64_t g, int64_t start,
+                                                               int64_t n, const int DV) {
     const AttentionArgs *a = t->a;
     const int64_t D = 16 * DV, BS = a->block_size, slot0 = start % BS;
     const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
     __m512 even[ROW_BATCH], odd[ROW_BATCH]; /* two chains per row (alternate dims) for latency */
-    for (int i = 0; i < ROW_BATCH; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int i = 0; i < RB; i++) even[i] = odd[i] = _mm512_setzero_ps();
     if (a->dtype == DTYPE_BF16) {
         const uint16_t *kt = (const uint16_t *)kb + (g * (D / 2) * BS + slot0) * 2; /* dim pair 0, key slot0 */
         for (int64_t pair = 0; pair < D / 2; pair += 2) {
             const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(lanes, kt + pair * BS * 2);
             const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi32(lanes, kt + (pair + 1) * BS * 2);
-            for (int i = 0; i < count; i++) {
+            for (int i = 0; i < RB; i++) {
                 const uint32_t *q = (const uint32_t *)w->qb[rows[i]];
                 even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32((int)q[pair]), k0);
                 odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32((int)q[pair + 1]), k1);
@@ -271,14 +240,14 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
         for (int64_t d = 0; d < D; d += 2) {
             const __m512 k0 = _mm512_maskz_loadu_ps(lanes, kt + d * BS);
             const __m512 k1 = _mm512_maskz_loadu_ps(lanes, kt + (d + 1) * BS);
-            for (int i = 0; i < count; i++) {
+            for (int i = 0; i < RB; i++) {
                 even[i] = _mm512_fmadd_ps(_mm512_set1_ps(w->qf[rows[i]][d]), k0, even[i]);
                 odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(w->qf[rows[i]][d + 1]), k1, odd[i]);
             }
         }
     }
     const __m512 scale = _mm512_set1_ps(a->dtype == DTYPE_BF16 ? a->scale : 1.0f); /* fp32 q is prescaled */
-    for (int i = 0; i < count; i++)
+    for (int i = 0; i < RB; i++)
         softmax_row_fast(w, rows[i], _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale),
                          visible_keys(t, rows[i], start, n));
 }
@@ -320,26 +289,36 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
         for (int d = 0; d < DV; d++) _mm512_store_ps(w->acc[rows[i]] + 16 * d, out[i][d]);
 }
 
+/* rows[0, count) in batches of at most `most` rows, each batch through f with a constant row count. */
+#define FOR_ROW_BATCHES(rows, count, most, f, ...)                                              \
+    for (int64_t i_ = 0; i_ < (count);) {                                                     \
+        const int64_t left_ = (count) - i_, rb_ = left_ < (most) ? left_ : (most);           \
+        switch (rb_) {                                                                       \
+        case 4: f((rows) + i_, 4, __VA_ARGS__); break;                                       \
+        case 3: f((rows) + i_, 3, __VA_ARGS__); break;                                       \
+        case 2: f((rows) + i_, 2, __VA_ARGS__); break;                                       \
+        default: f((rows) + i_, 1, __VA_ARGS__); break;                                      \
+        }                                                                                    \
+        i_ += rb_;                                                                           \
+    }
+#define SCORES(rows, rb, ...) chunk_scores(t, w, rows, rb, __VA_ARGS__)
+#define VALUES(rows, rb, ...) chunk_values(t, w, rows, rb, __VA_ARGS__)
+
 static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scratch *w, int64_t start, int64_t n,
                                                              const int DV) {
     const AttentionArgs *a = t->a;
     const int64_t H = a->num_heads, G = t->group, block = t->table[start / a->block_size];
     const char *kb = (const char *)a->k_cache + block * a->block_stride * element_size(a);
     const char *vb = (const char *)a->v_cache + block * a->block_stride * element_size(a);
-    const int most = DV <= 4 ? ROW_BATCH : 2; /* head_dim 128: 2 rows x 8 accumulators */
+    const int64_t most_values = DV <= 4 ? ROW_BATCH : 2; /* head_dim 128: 2 rows x 8 accumulators */
     for (int64_t g = 0; g < a->num_kv_heads; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
-        for (int64_t i = 0; i < num_rows; i += ROW_BATCH) {
-            const int count = num_rows - i < ROW_BATCH ? (int)(num_rows - i) : ROW_BATCH;
-            chunk_scores(t, w, rows + i, count, kb, g, start, n, DV);
-        }
+        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
-        int64_t i = 0;
-        for (; i + most <= num_live; i += most) chunk_values(t, w, live + i, most, vb, g, start, n, DV);
-        for (; i < num_live; i++) chunk_values(t, w, live + i, 1, vb, g, start, n, DV);
+        FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV)
     }
 }
 
@@ -454,28 +433,34 @@ int rayllm_paged_attention(const AttentionArgs *a) {
 
 /* Writes this step's keys and values into the pool (layout above) at their slots:
  * k, v: [num_tokens, num_kv_heads, head_dim], token rows k_stride / v_stride elements apart
- * (views into the fused qkv rows), heads contiguous; slot_mapping[t] = block * block_size + offset. */
+ * (views into the fused qkv rows), heads contiguous; slot_mapping[t] = block * block_size + offset.
+ * Per token and kv head: K goes down a column of the transposed block (a stride of block_size
+ * * P elements between dim groups), V into its key pair's rows (a stride of P elements). */
+#define WRITE_KV(T)                                                                                      \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                            \
+        const int64_t block = slot_mapping[t] / block_size, j = slot_mapping[t] % block_size;               \
+        T *kb = (T *)k_cache + block * block_stride, *vb = (T *)v_cache + block * block_stride;           \
+        const T *kt = (const T *)k + t * k_stride, *vt = (const T *)v + t * v_stride;                     \
+        for (int64_t g = 0; g < num_kv_heads; g++) {                                                     \
+            T *kd = kb + g * head_dim * block_size + j * P;     /* (g, dim group 0, key j) */              \
+            T *vd = vb + (g * block_size + (j - j % P)) * head_dim + j % P; /* (g, key pair of j, dim 0) */ \
+            const T *ks = kt + g * head_dim, *vs = vt + g * head_dim;                                     \
+            for (int64_t d = 0; d < head_dim; d += P)                                                     \
+                for (int64_t e = 0; e < P; e++) kd[d * block_size + e] = ks[d + e];                       \
+            for (int64_t d = 0; d < head_dim; d++) vd[d * P] = vs[d];                                     \
+        }                                                                                                \
+    }
+
 int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
                     int64_t block_stride, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                     int64_t head_dim, int64_t block_size, int32_t dtype, int32_t num_threads) {
-    AttentionArgs a = {0};
-    a.num_kv_heads = num_kv_heads;
-    a.head_dim = head_dim;
-    a.block_size = block_size;
-    a.dtype = dtype;
-    if (head_dim % pack_of(dtype) != 0 || block_size % pack_of(dtype) != 0) return 1;
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_tokens > 64)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t block = slot_mapping[t] / block_size, j = slot_mapping[t] % block_size;
-        char *kb = (char *)k_cache + block * block_stride * elem, *vb = (char *)v_cache + block * block_stride * elem;
-        const char *kt = (const char *)k + t * k_stride * elem, *vt = (const char *)v + t * v_stride * elem;
-        for (int64_t g = 0; g < num_kv_heads; g++)
-            for (int64_t d = 0; d < head_dim; d++) {
-                const int64_t from = (g * head_dim + d) * elem;
-                memcpy(kb + k_offset(&a, g, j, d) * elem, kt + from, (size_t)elem);
-                memcpy(vb + v_offset(&a, g, j, d) * elem, vt + from, (size_t)elem);
-            }
+    const int64_t P = pack_of(dtype);
+    if (head_dim % P != 0 || block_size % P != 0) return 1;
+    (void)num_threads; /* a step writes at most a few thousand rows of a few hundred bytes: one thread */
+    if (dtype == DTYPE_F32) {
+        WRITE_KV(float)
+    } else {
+        WRITE_KV(uint16_t)
     }
     return 0;
 }
