@@ -31,8 +31,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "layer_ops.c")
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+SOURCES = ("paged_attention.c", "layer_ops.c")  # compiled together; they include csrc/*.h
+# Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
+# sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
+# numpy and every other library lose subnormals). These are the parts of it the kernels want.
+FAST_MATH_PARTS = ("-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+                   "-freciprocal-math", "-ffp-contract=fast")
+CFLAGS = ("-O3", "-march=native", *FAST_MATH_PARTS, "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
 class NativeBuildError(RuntimeError):
@@ -65,8 +70,8 @@ def _cpu_flags() -> str:
 
 def _build_key(cc: str) -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((SOURCE_DIR / name).read_bytes())
+    for path in sorted(SOURCE_DIR.glob("*.[ch]")):  # the sources and the headers they include
+        digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     for part in (" ".join(CFLAGS), version, _cpu_flags()):
         digest.update(part.encode())
