@@ -26,12 +26,9 @@ def test_health_version_models(server) -> None:
         model = http.get("/v1/models").json()["data"][0]
         assert model["id"] == "tiny" and model["max_model_len"] == 1024
         assert model["root"] == str(server.model_dir)
-        # CPU workers: dtype auto resolves to bf16 where the CPU has native bf16, and the
-        # attention is our C kernel (triton is the CUDA default)
-        from workers.model_runner import resolve_dtype
-
-        expected_dtype = resolve_dtype("auto", "cpu")
-        assert model["backend"] == {"device": "cpu", "dtype": expected_dtype, "attention_backend": "cpu"}
+        # the shared app pins fp32 (see conftest); on CPU the attention is our C kernel
+        # (triton is the CUDA default)
+        assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "cpu"}
 
 
 PROBER = """
