@@ -36,14 +36,18 @@ class Server:
     def openai_base_url(self) -> str:
         return f"{self.url}/v1"
 
-    def scheduler_status(self) -> Any:
-        """The scheduler actor's own status (not the ingress's cached copy)."""
+    def scheduler_call(self, method: str) -> Any:
+        """The answer of one of the scheduler actor's methods (e.g. "status"), called now."""
         import ray
 
         from scheduler.actor import ACTOR_NAMESPACE, scheduler_actor_name
 
         scheduler = ray.get_actor(scheduler_actor_name(ACTOR_PREFIX), namespace=ACTOR_NAMESPACE)
-        return ray.get(scheduler.status.remote(), timeout=30)
+        return ray.get(getattr(scheduler, method).remote(), timeout=30)
+
+    def scheduler_status(self) -> Any:
+        """The scheduler actor's own status (not the ingress's cached copy)."""
+        return self.scheduler_call("status")
 
     def wait_until_idle(self, timeout_s: float = 10.0) -> Any:
         """Polls until no request runs and the KV pool is fully free; returns the status."""

@@ -93,8 +93,8 @@ def test_aborted_requests_count_as_abort_and_free_the_gauges() -> None:
 
     async def main() -> None:
         streams = [engine.add_request(EngineRequest(f"r{i}", [1, 2, 3, 4, 5, 6], params)) for i in range(3)]
-        for _ in range(3):
-            await engine.step()
+        firsts = [await anext(stream) for stream in streams]  # the engine's own loop steps them
+        assert all(first.new_token_ids and not first.finished for first in firsts)
         metrics.refresh_gauges([gauges_of(engine)])
         assert store.value(PREFIX + "num_requests_running", ("0",)) == 3
         assert store.value(PREFIX + "kv_cache_blocks_used", ("0",)) > 0
@@ -102,6 +102,7 @@ def test_aborted_requests_count_as_abort_and_free_the_gauges() -> None:
             engine.abort(f"r{i}")
         for stream in streams:
             deltas = [d async for d in stream]
+            assert deltas, "the abort's final delta"
             assert deltas[-1].finish_reason is FinishReason.ABORT
 
     asyncio.run(main())
