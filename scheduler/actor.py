@@ -195,6 +195,7 @@ class SchedulerActor:
         for engine, label in zip(self._group.engines, worker_labels, strict=True):
             engine.worker_label = label
             engine.stats_sink = self._metrics
+        self._metrics.declare(worker_labels)  # every series at 0 before any traffic
 
     async def published_stats(self) -> PublishedStats:
         """Metrics and worker states for the ingress (no worker call: never waits on a step)."""
@@ -220,7 +221,8 @@ class SchedulerActor:
                 num_running_seqs=load.num_running_seqs, num_waiting_reqs=load.num_waiting_reqs,
                 num_kv_blocks_used=load.num_usable_blocks - load.num_free_blocks,
                 num_kv_blocks_total=load.num_usable_blocks, num_steps=runner.num_steps,
-                seconds_since_last_step=since, node_id=node.get("node_id"), node_ip=node.get("node_ip"),
+                seconds_since_last_step=since, busy_s=runner.busy_s, gap_s=runner.gap_s,
+                node_id=node.get("node_id"), node_ip=node.get("node_ip"),
             ))
         return states
 

@@ -52,6 +52,7 @@ from scheduler.router import Route, Router, route_request
 logger = logging.getLogger(__name__)
 
 NUM_REMEMBERED_ABORTS = 4096  # aborts of not-yet-seen request ids kept for the race above
+GAP_WINDOW_S = 1.0  # a pause between steps longer than this is idleness (no work), not a gap
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -88,12 +89,15 @@ class TimedRunner:
         self.alive = True
         self.num_steps = 0
         self.busy_s = 0.0  # clock seconds spent inside execute() calls that returned
+        self.gap_s = 0.0  # clock seconds from a step's return to the next step's submission, back to back
         self.last_step_end: float | None = None  # clock() when the last step returned
         self.busy_since: float | None = None  # clock() when work became pending (set by the group)
         # The worker incarnation this engine's block accounting belongs to (set by the actor's
         # ping); sent with each step, so a restarted worker refuses it (WorkerStateLostError).
         self.incarnation: str | None = None
         self._executor: ThreadPoolExecutor | None = None  # a blocking worker's own thread, made on first use
+        self._remote: Callable[..., Awaitable[ModelRunnerOutput]] | None = None  # set by _remote_execute
+        self._in_flight = 0  # steps submitted and not returned
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return await self.start(scheduler_output)
@@ -101,7 +105,11 @@ class TimedRunner:
     def start(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:
         """Hands the step to the worker NOW (a Ray call is submitted, a blocking worker's
         thread starts) and returns what to await for its result."""
-        return self._timed(self._submit(scheduler_output), self._clock())
+        now = self._clock()
+        if self.last_step_end is not None and self._in_flight == 0 and now - self.last_step_end < GAP_WINDOW_S:
+            self.gap_s += now - self.last_step_end  # the worker waited for us (no step queued)
+        self._in_flight += 1
+        return self._timed(self._submit(scheduler_output), now)
 
     async def _timed(self, pending: Awaitable[ModelRunnerOutput], started: float) -> ModelRunnerOutput:
         try:
@@ -110,6 +118,8 @@ class TimedRunner:
             if self._is_death(error):
                 self.alive = False
             raise
+        finally:
+            self._in_flight -= 1
         self.alive = True
         self.num_steps += 1
         self.last_step_end = self._clock()
@@ -117,7 +127,7 @@ class TimedRunner:
         return result
 
     def _submit(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:
-        remote = getattr(self.worker.execute, "remote", None)
+        remote = self._remote_execute()
         if remote is not None:  # a Ray actor handle: an ObjectRef, awaited
             if self.incarnation is not None:
                 return remote(scheduler_output, self.incarnation)
@@ -130,6 +140,18 @@ class TimedRunner:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timed-runner")
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._executor, self.worker.execute, scheduler_output)
+
+    def _remote_execute(self) -> Callable[..., Awaitable[ModelRunnerOutput]] | None:
+        """The worker's execute as a Ray call (None: not a Ray handle). Per-step calls leave
+        Ray's task events out: ten or more a second per worker would flood the dashboard's
+        task table and the GCS with records nobody reads (the actors and their logs stay)."""
+        if self._remote is None:
+            method = self.worker.execute
+            if getattr(method, "remote", None) is None:
+                return None
+            options = getattr(method, "options", None)
+            self._remote = (options(enable_task_events=False) if options is not None else method).remote
+        return self._remote
 
     def seconds_without_progress(self, now: float) -> float:
         marks = [mark for mark in (self.last_step_end, self.busy_since) if mark is not None]
@@ -206,6 +228,7 @@ class EngineGroup:
             "routed_per_worker": [self.routed_per_worker[i] for i in range(len(self.engines))],  # requests
             "steps_per_worker": [runner.num_steps for runner in self.runners],  # engine steps
             "busy_s_per_worker": [runner.busy_s for runner in self.runners],  # seconds in execute()
+            "gap_s_per_worker": [runner.gap_s for runner in self.runners],  # seconds between back-to-back steps
             "prefix_hit_tokens_per_worker": [engine.stats.num_prefix_hit_tokens for engine in self.engines],
             "prefix_query_tokens_per_worker": [engine.stats.num_prefix_query_tokens for engine in self.engines],
         }
