@@ -74,3 +74,40 @@ def test_a_stream_whose_client_left_is_aborted_and_frees_its_blocks(server) -> N
     status = server.wait_until_idle(timeout_s=15)
     assert status.num_unfinished_requests == 0
     assert server.scheduler_call("channel_stats")[0]["num_open_requests"] == 0
+
+
+def stream_text(url: str, body: dict) -> tuple[int, str, int, bytes]:
+    """(status, text, number of data chunks, the last event) of one streamed completion."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        status = response.status_code
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    chunks = [json.loads(event) for event in events if event.startswith("{")]
+    text = "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
+    return status, text, len(chunks), events[-1].encode() if events else b""
+
+
+def test_the_proxy_and_the_replicas_own_port_answer_alike(server) -> None:
+    """Serve's proxy (gRPC to the replica) and the ingress replica's own HTTP port (direct
+    ingress): the same health, liveness, metrics families, streams and errors."""
+    from serve_app.metrics import parse_families
+
+    assert server.url != server.proxy_url
+    answers = {}
+    for url in (server.url, server.proxy_url):
+        health = httpx.get(f"{url}/health", timeout=10)
+        live = httpx.get(f"{url}/live", timeout=10)
+        metrics = parse_families(httpx.get(f"{url}/metrics", timeout=10).text)
+        body = {"model": "tiny", "prompt": "The same on both paths", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        streamed = stream_text(url, body)
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1}, timeout=10)
+        answers[url] = (health.status_code, sorted(health.json()), live.json(), sorted(metrics), streamed,
+                        bad.status_code, sorted(bad.json()["error"]))
+        assert health.status_code == 200 and streamed[0] == 200 and streamed[3] == b"[DONE]"
+        assert bad.status_code == 400, bad.text
+        assert "x-request-id" in {k.lower() for k in health.headers}
+    direct, proxied = answers[server.url], answers[server.proxy_url]
+    assert direct == proxied
