@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=REPO / "deploy" / "serve.yaml")
     p.add_argument("--env-file", type=Path, default=REPO / "deploy" / "serve.env")
-    p.add_argument("--variant", default="shipped", help="as in bench/bench_http.py (target is ignored)")
+    p.add_argument("--variant", default="shipped", help="as in bench/bench_http.py (target=direct probes the "
+                   "ingress replica's own port)")
     p.add_argument("--model", default=None)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-prompts", type=int, default=48)
@@ -159,20 +160,24 @@ def main(argv: list[str] | None = None) -> None:
     requests = datasets.random_requests(datasets.PromptTokenizer(model_dir), num_prompts=args.num_prompts,
                                         input_len=args.input_len, output_len=args.output_len, seed=args.seed)
     app = start_app(AppLaunch(config=args.config, port=args.port, model_dir=model_dir, env=env,
-                              app_args={"served_model_name": "rayllm", **variant.app_args}))
+                              app_args={"served_model_name": "rayllm", **variant.app_args},
+                              code_dir=variant.code_dir))
     try:
+        base_url = app.base_url
+        if variant.target == "direct":
+            base_url = app.direct_url() or base_url
         exposed = [row for row in bind_audit(app.pid) if not is_loopback(row[2])]
         print(f"[{variant.name}] listening on a non-loopback address: "
               + (", ".join(f"{name} ({pid}) {address}:{port}" for name, pid, address, port in exposed) or "nothing"))
-        listed, missing = fresh_metrics(app.base_url)
+        listed, missing = fresh_metrics(base_url)
         print(f"[{variant.name}] env {env} | fresh /metrics: {len(listed)} families, "
               f"{sum(len(v) for v in listed.values())} series; dashboard families missing: {sorted(missing) or 'none'}")
         for name, label_sets in sorted(listed.items()):
             print(f"  {name}: {', '.join(json.dumps(labels) for labels in label_sets) or '(no series)'}")
-        prober = Prober("127.0.0.1", args.port, args.probe_interval_s)
+        prober = Prober("127.0.0.1", int(base_url.rsplit(":", 1)[1]), args.probe_interval_s)
         load_before = load_avg()
         prober.start()
-        long_s = asyncio.run(load(args, app.base_url, "rayllm", requests))
+        long_s = asyncio.run(load(args, base_url, "rayllm", requests))
         prober.stop_event.set()
         prober.join()
         report = probe_report(prober.samples)

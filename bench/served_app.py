@@ -62,6 +62,7 @@ class AppLaunch:
     app_args: dict[str, object] = field(default_factory=dict)  # overrides of the YAML's app args
     log_dir: Path = Path("/tmp")
     timeout_s: float = 600.0  # for /health to answer 200
+    code_dir: Path | None = None  # run another checkout's code (cwd and PYTHONPATH); None: this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +101,13 @@ def start_app(launch: AppLaunch) -> ServedApp:
     log_path = launch.log_dir / f"served-app-{launch.port}.log"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_AUTH_MODE": "disabled", **launch.env}
+    if launch.code_dir is not None:  # e.g. an earlier commit, `git archive`d: its packages come first
+        env["PYTHONPATH"] = str(launch.code_dir)
     with open(log_path, "w") as log:
         # SIGINT back to its default: started from a background job, it would inherit "ignored"
         # and `serve run` could not shut its Ray down on SIGINT (stop_app would wait, then kill).
-        proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "serve"), "run", str(config_path)], cwd=REPO,
+        proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "serve"), "run", str(config_path)],
+                                cwd=launch.code_dir or REPO,
                                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -170,6 +174,13 @@ def cpu_by_process(session_id: int) -> dict[int, tuple[str, float]]:
             continue
         found[pid] = (process_name(pid), (int(fields[11]) + int(fields[12])) / ticks)
     return found
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent not idle (user, nice, system, irq...) so far."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
