@@ -1,19 +1,22 @@
 """SchedulerActor: the Ray shell over one in-process Engine per worker.
 
-    ingress --generate(EngineRequest)--> SchedulerActor --execute(SchedulerOutput)--> WorkerActor
-            <--- lists of RequestOutput --              <--- ModelRunnerOutput ---
+    ingress replica --submit(EngineRequest, channel)--> SchedulerActor --execute(SchedulerOutput)--> WorkerActor
+                    <== outputs(channel): ONE stream ==              <--- ModelRunnerOutput ---
+                        one list of deltas per step, every request of that replica
 
 - EngineGroup (scheduler/engine_group.py, pure, no Ray) holds one scheduler.engine.Engine
   per worker. Each Engine's loop awaits ONE Ray call per step on its worker (TimedRunner
   wraps the handle), so the engines step concurrently and the actor's event loop is free
-  between steps: generate, abort and status never wait on a step.
+  between steps: submit, abort and status never wait on a step. A step's deltas are handed
+  out while the worker already runs the next step (Engine._run_loop).
 - A new request goes where the group's Router sends it (scheduler/router.py; policy and
   knobs from RouterConfig, default prefix_aware); no live worker: NoLiveWorkerError (503).
-- generate() is a Ray streaming generator: it yields list[RequestOutput], every delta that
-  accumulated since the previous yield (one per step when the reader keeps up, fewer,
-  larger items when it does not). The ingress reads it with
-  `async for ref in gen: batch = await ref`.
-- abort() frees the request's blocks at once. An abort that arrives before its generate
+- submit() queues a request and returns once it is admitted (its errors: ValueError 400,
+  QueueFullError 429, DrainingError and NoLiveWorkerError 503); False when it was aborted
+  before it arrived. Its deltas go to the replica's output channel
+  (scheduler/output_channel.py), which outputs(channel_id), a Ray streaming generator the
+  replica keeps open, yields as one list per step: one message per step per replica.
+- abort() frees the request's blocks at once. An abort that arrives before its submit
   (possible: calls from one caller may interleave on an async actor) is remembered and
   the request is refused when it shows up.
 - status() is answered from the actor's own state (no worker call): SchedulerStatus.
@@ -21,7 +24,8 @@
   metrics.py), which records them twice: into ray.util.metrics (RayMetrics below: Ray's
   Prometheus export, as ray_rayllm_*) and into a pure MetricStore that published_stats()
   returns, with per-worker state (node, KV, running), for the ingress's /metrics and
-  /v1/server_info. A background task refreshes the gauges every METRICS_INTERVAL_S.
+  /v1/server_info. A background task refreshes the gauges every METRICS_INTERVAL_S and
+  aborts the requests of output channels nobody has read for ORPHAN_AFTER_S.
 """
 
 from __future__ import annotations
@@ -44,11 +48,11 @@ from scheduler.engine_group import (  # noqa: F401  (SchedulerStatus, NoLiveWork
     NoLiveWorkerError,
     SchedulerStatus,
     TimedRunner,
-    batched,
 )
 from scheduler.metrics import ENGINE_METRICS, EngineMetrics, MetricDef, MetricStore, PublishedStats, WorkerState
 from scheduler.admission import Admission, AdmissionConfig
-from scheduler.outputs import EngineRequest, RequestOutput, WorkerStateLostError
+from scheduler.output_channel import ChannelItem, OutputChannels
+from scheduler.outputs import EngineRequest, WorkerStateLostError
 from scheduler.router import Router, RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,7 @@ class SchedulerActor:
         engines = [Engine(config, runner, eos_token_ids) for runner in runners]
         admission = Admission(admission_config or AdmissionConfig(max_num_seqs=config.max_num_seqs))
         self._group = EngineGroup(engines, runners, router=Router(router_config), admission=admission)
+        self._channels = OutputChannels(abort=self._group.abort, on_finished=self._group.forget)
         self._incarnations: list[str | None] = [None] * len(workers)
         self._watch_task: asyncio.Task[None] | None = None
         self._install_metrics(worker_labels or [str(index) for index in range(len(workers))])
@@ -103,17 +108,27 @@ class SchedulerActor:
         if self._metrics_task is None or self._metrics_task.done():
             self._metrics_task = loop.create_task(self._refresh_metrics_forever(), context=contextvars.Context())
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def submit(self, request: EngineRequest, channel_id: str) -> bool:
+        """Queues the request; its deltas go to outputs(channel_id). False: it was aborted
+        before it arrived. Raises what EngineGroup.add_request raises (refusals)."""
         self._ensure_watching()
-        stream = self._group.add_request(request)
-        if stream is None:
-            return
+        channel = self._channels.get(channel_id)
         try:
-            async for batch in batched(stream):
-                yield batch
-        finally:
-            await stream.aclose()  # aborts the request if it is still running
-            self._group.forget(request.request_id)
+            stream = self._group.add_request(request, self._channels.listener(channel, request.request_id))
+        except BaseException:
+            self._channels.refused(channel, request.request_id)
+            raise
+        if stream is None:
+            self._channels.refused(channel, request.request_id)
+            return False
+        return True
+
+    async def outputs(self, channel_id: str) -> AsyncIterator[list[ChannelItem]]:
+        """The channel's deltas, one list per step (streaming generator; one reader per
+        channel: a new call takes over from the previous one)."""
+        self._ensure_watching()
+        async for batch in self._channels.read(channel_id):
+            yield batch
 
     async def abort(self, request_id: str) -> None:
         self._group.abort(request_id)
@@ -126,6 +141,15 @@ class SchedulerActor:
     async def status(self) -> SchedulerStatus:
         self._ensure_watching()
         return self._group.status()
+
+    async def channel_stats(self) -> list[dict[str, Any]]:
+        """Per output channel: its id, open requests, items (lists) sent and deltas in them."""
+        return [
+            {"channel_id": channel.channel_id, "num_open_requests": len(channel.open_request_ids),
+             "num_batches": channel.num_batches, "num_deltas": channel.num_deltas,
+             "reader_attached": channel.unread_since is None}
+            for channel in self._channels.channels.values()
+        ]
 
     async def routing_stats(self) -> dict[str, Any]:
         """The router's counters: outcomes, requests and steps per worker (EngineGroup.routing_stats)."""
@@ -171,6 +195,7 @@ class SchedulerActor:
         for engine, label in zip(self._group.engines, worker_labels, strict=True):
             engine.worker_label = label
             engine.stats_sink = self._metrics
+        self._metrics.declare(worker_labels)  # every series at 0 before any traffic
 
     async def published_stats(self) -> PublishedStats:
         """Metrics and worker states for the ingress (no worker call: never waits on a step)."""
@@ -196,7 +221,8 @@ class SchedulerActor:
                 num_running_seqs=load.num_running_seqs, num_waiting_reqs=load.num_waiting_reqs,
                 num_kv_blocks_used=load.num_usable_blocks - load.num_free_blocks,
                 num_kv_blocks_total=load.num_usable_blocks, num_steps=runner.num_steps,
-                seconds_since_last_step=since, node_id=node.get("node_id"), node_ip=node.get("node_ip"),
+                seconds_since_last_step=since, busy_s=runner.busy_s, gap_s=runner.gap_s,
+                node_id=node.get("node_id"), node_ip=node.get("node_ip"),
             ))
         return states
 
@@ -204,6 +230,9 @@ class SchedulerActor:
         while True:
             try:
                 self._refresh_gauges()
+                num_orphans = self._channels.reap_orphans()
+                if num_orphans:
+                    logger.warning("aborted %d requests of output channels nobody reads", num_orphans)
                 await self._look_up_nodes()
             except Exception:
                 logger.exception("metrics refresh failed")

@@ -27,7 +27,7 @@ import contextvars
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,14 +51,22 @@ class Runner(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+StreamListener = Callable[["RequestStream", "RequestOutput | BaseException"], None]
+
+
 class RequestStream:
     """The deltas of one client request (every sequence of it), as an async iterator.
 
     Ends after each of the n sequences has had its final delta. `aclose()` aborts the
     request if it is still running (call it, or engine.abort, when the client goes away).
+
+    With a `listener`, every delta (and a failure) is handed to it as it is put instead of
+    queued for iteration: the Ray shell pushes them onto its ingress replica's output
+    channel (scheduler/output_channel.py), so a step costs one message per replica.
     """
 
-    def __init__(self, request_id: str, num_seqs: int, engine: Engine, arrival_time: float) -> None:
+    def __init__(self, request_id: str, num_seqs: int, engine: Engine, arrival_time: float,
+                 listener: StreamListener | None = None) -> None:
         self.request_id = request_id  # the client's id
         self.num_unfinished_seqs = num_seqs  # sequences without a final delta yet
         self.arrival_time = arrival_time  # seconds, engine clock
@@ -71,6 +79,7 @@ class RequestStream:
         self.finish_reasons: list[str] = []  # one per finished sequence, in finishing order
         self._last_token_times: dict[int, float] = {}  # sequence index -> engine clock of its latest token
         self.engine = engine  # the engine that owns the request now (changes on migration)
+        self.listener = listener  # (stream, delta or error); None: queued for `async for`
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._num_unread_finals = num_seqs  # final deltas not yet handed to the reader
 
@@ -97,15 +106,21 @@ class RequestStream:
             assert self.num_unfinished_seqs >= 0, self.request_id
             if self.num_unfinished_seqs == 0:
                 self.finish_time = now
-        self._queue.put_nowait(output)
+        self._hand_over(output)
         return gap
+
+    def _hand_over(self, item: RequestOutput | BaseException) -> None:
+        if self.listener is not None:
+            self.listener(self, item)
+        else:
+            self._queue.put_nowait(item)
 
     def fail(self, error: BaseException) -> None:
         """Ends the stream with `error` (its unfinished sequences count as "error" in stats)."""
         self.finish_reasons.extend(["error"] * self.num_unfinished_seqs)
         self.num_unfinished_seqs = 0
         self.finish_time = self.engine.clock()
-        self._queue.put_nowait(error)
+        self._hand_over(error)
         self.engine._report_finished(self)
 
     def stats(self, worker: str | None) -> RequestStats:
@@ -141,6 +156,16 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self.finished:
             self.engine.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class StepInFlight:
+    """A step handed to the runner whose result is not applied yet."""
+
+    scheduler_output: SchedulerOutput  # what the runner executes
+    started: float  # engine clock, when scheduling began
+    result: Awaitable[ModelRunnerOutput]  # the runner's answer (already running)
+    landed: float | None = None  # engine clock, when the result was applied
 
 
 @dataclass(slots=True)
@@ -194,10 +219,11 @@ class Engine:
         self._next_id = 0  # for generate()'s request ids
 
     # --- requests ------------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> RequestStream:
+    def add_request(self, request: EngineRequest, listener: StreamListener | None = None) -> RequestStream:
         """Queues a request and returns its stream. Call from inside the event loop.
 
-        Raises ValueError (from the scheduler) when the request can never run.
+        listener: see RequestStream. Raises ValueError (from the scheduler) when the request
+        can never run.
         """
         loop = asyncio.get_running_loop()  # raises outside a loop, before any state changes
         if request.arrival_time == 0.0:
@@ -205,7 +231,7 @@ class Engine:
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already streaming")
         self.scheduler.add_request(request)
-        stream = RequestStream(request.request_id, request.sampling_params.n, self, request.arrival_time)
+        stream = RequestStream(request.request_id, request.sampling_params.n, self, request.arrival_time, listener)
         self._streams[request.request_id] = stream
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._run_loop(), context=contextvars.Context())
@@ -229,29 +255,49 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------
     async def step(self) -> list[RequestOutput]:
         """One engine step; returns the deltas it produced (already sent to the streams)."""
+        async with self._lock():
+            flight = self._launch()
+            if flight is None:
+                return []
+            outputs = await self._land(flight)
+            self._deliver(flight, outputs)
+            return outputs
+
+    def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
         if self._step_lock is None or self._step_lock[0] is not loop:
             self._step_lock = (loop, asyncio.Lock())  # generate() runs a new loop each call
-        async with self._step_lock[1]:
-            started = self.clock()
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.is_empty:
-                return []
-            self._mark_scheduled(scheduler_output, started)
-            try:
-                runner_output = await self._execute(scheduler_output)
-            except Exception as error:
-                if self.on_runner_error is not None:
-                    self.on_runner_error(self, error)
-                else:
-                    self._fail_all(error)
-                raise
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            inter_token_latencies = self._dispatch(outputs)
-            step_stats = self.scheduler.last_step_stats
-            if self.stats_sink is not None and step_stats is not None:
-                self.stats_sink.on_step(self.worker_label, step_stats, self.clock() - started, inter_token_latencies)
-            return outputs
+        return self._step_lock[1]
+
+    def _launch(self) -> StepInFlight | None:
+        """Schedules a step and hands it to the runner now; None when nothing can run."""
+        started = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return None
+        self._mark_scheduled(scheduler_output, started)
+        return StepInFlight(scheduler_output, started, self._start_execute(scheduler_output))
+
+    async def _land(self, flight: StepInFlight) -> list[RequestOutput]:
+        """Waits for the step's result and applies it to the scheduler (tokens, stops)."""
+        try:
+            runner_output = await flight.result
+        except Exception as error:
+            if self.on_runner_error is not None:
+                self.on_runner_error(self, error)
+            else:
+                self._fail_all(error)
+            raise
+        flight.landed = self.clock()
+        return self.scheduler.update_from_output(flight.scheduler_output, runner_output)
+
+    def _deliver(self, flight: StepInFlight, outputs: list[RequestOutput]) -> None:
+        """Sends a landed step's deltas to their streams and its stats to the sink."""
+        inter_token_latencies = self._dispatch(outputs)
+        step_stats = self.scheduler.last_step_stats
+        if self.stats_sink is not None and step_stats is not None:
+            duration = (flight.landed or self.clock()) - flight.started
+            self.stats_sink.on_step(self.worker_label, step_stats, duration, inter_token_latencies)
 
     def _mark_scheduled(self, scheduler_output: SchedulerOutput, now: float) -> None:
         """Stamps the queue-time end of requests scheduled for the first time."""
@@ -261,20 +307,43 @@ class Engine:
             if stream is not None and stream.scheduled_time is None:
                 stream.scheduled_time = now
 
-    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _start_execute(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:
+        """The runner starts on the step before this returns where it can: a runner with
+        start() (TimedRunner: the Ray call is submitted at once) or a blocking one (its
+        thread); a plain coroutine runner starts at the loop's next turn."""
+        start = getattr(self.runner, "start", None)
+        if start is not None:
+            return start(scheduler_output)
         if self._runner_is_async:
-            return await self.runner.execute(scheduler_output)  # type: ignore[misc]
+            return asyncio.ensure_future(self.runner.execute(scheduler_output))  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.runner.execute, scheduler_output)
+        return loop.run_in_executor(self._executor, self.runner.execute, scheduler_output)
 
     async def _run_loop(self) -> None:
-        while self.scheduler.has_unfinished_requests():
-            try:
-                outputs = await self.step()
-            except Exception:
-                continue  # the streams got the error; the scheduler was reset
-            if not outputs:
-                await asyncio.sleep(0)  # let aborts and new requests in between steps
+        """Steps while requests are unfinished, overlapping each step's output work with the
+        next step's execution:
+
+            land N (await its result, update) -> launch N+1 (schedule, submit) -> deliver N
+
+        Delivering N (streams, the output channel, stats) needs none of N+1's tokens, so the
+        worker already runs N+1 while it happens; N+1 is scheduled after N landed, so it sees
+        every token, stop and free block of N (greedy and seeded outputs are unchanged).
+        """
+        async with self._lock():
+            flight: StepInFlight | None = None
+            while flight is not None or self.scheduler.has_unfinished_requests():
+                if flight is None:
+                    flight = self._launch()
+                    if flight is None:
+                        await asyncio.sleep(0)  # nothing can run now: let aborts and new requests in
+                        continue
+                try:
+                    outputs = await self._land(flight)
+                except Exception:
+                    flight = None
+                    continue  # the streams got the error (or migrated); the scheduler was reset
+                landed, flight = flight, (self._launch() if self.scheduler.has_unfinished_requests() else None)
+                self._deliver(landed, outputs)
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> list[float]:
         """Sends the deltas to their streams; returns their inter-token latencies."""

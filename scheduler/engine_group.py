@@ -34,25 +34,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from scheduler.admission import Admission, AdmissionConfig
-from scheduler.engine import Engine, Migration, RequestStream
+from scheduler.engine import Engine, Migration, RequestStream, StreamListener
 from scheduler.outputs import EngineRequest, FinishReason, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.router import Route, Router, route_request
 
 logger = logging.getLogger(__name__)
 
 NUM_REMEMBERED_ABORTS = 4096  # aborts of not-yet-seen request ids kept for the race above
+GAP_WINDOW_S = 1.0  # a pause between steps longer than this is idleness (no work), not a gap
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -89,41 +89,69 @@ class TimedRunner:
         self.alive = True
         self.num_steps = 0
         self.busy_s = 0.0  # clock seconds spent inside execute() calls that returned
+        self.gap_s = 0.0  # clock seconds from a step's return to the next step's submission, back to back
         self.last_step_end: float | None = None  # clock() when the last step returned
         self.busy_since: float | None = None  # clock() when work became pending (set by the group)
         # The worker incarnation this engine's block accounting belongs to (set by the actor's
         # ping); sent with each step, so a restarted worker refuses it (WorkerStateLostError).
         self.incarnation: str | None = None
         self._executor: ThreadPoolExecutor | None = None  # a blocking worker's own thread, made on first use
+        self._remote: Callable[..., Awaitable[ModelRunnerOutput]] | None = None  # set by _remote_execute
+        self._in_flight = 0  # steps submitted and not returned
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        started = self._clock()
+        return await self.start(scheduler_output)
+
+    def start(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:
+        """Hands the step to the worker NOW (a Ray call is submitted, a blocking worker's
+        thread starts) and returns what to await for its result."""
+        now = self._clock()
+        if self.last_step_end is not None and self._in_flight == 0 and now - self.last_step_end < GAP_WINDOW_S:
+            self.gap_s += now - self.last_step_end  # the worker waited for us (no step queued)
+        self._in_flight += 1
+        return self._timed(self._submit(scheduler_output), now)
+
+    async def _timed(self, pending: Awaitable[ModelRunnerOutput], started: float) -> ModelRunnerOutput:
         try:
-            result = await self._call(scheduler_output)
+            result = await pending
         except BaseException as error:
             if self._is_death(error):
                 self.alive = False
             raise
+        finally:
+            self._in_flight -= 1
         self.alive = True
         self.num_steps += 1
         self.last_step_end = self._clock()
         self.busy_s += self.last_step_end - started
         return result
 
-    async def _call(self, scheduler_output: SchedulerOutput) -> Any:
-        remote = getattr(self.worker.execute, "remote", None)
+    def _submit(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:
+        remote = self._remote_execute()
         if remote is not None:  # a Ray actor handle: an ObjectRef, awaited
             if self.incarnation is not None:
-                return await remote(scheduler_output, self.incarnation)
-            return await remote(scheduler_output)
+                return remote(scheduler_output, self.incarnation)
+            return remote(scheduler_output)
         if inspect.iscoroutinefunction(self.worker.execute):
-            return await self.worker.execute(scheduler_output)
+            return self.worker.execute(scheduler_output)
         # A blocking worker (tests, in-process benchmarks): on this runner's own thread, so the
         # event loop and every other runner go on while it computes.
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timed-runner")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.worker.execute, scheduler_output)
+        return loop.run_in_executor(self._executor, self.worker.execute, scheduler_output)
+
+    def _remote_execute(self) -> Callable[..., Awaitable[ModelRunnerOutput]] | None:
+        """The worker's execute as a Ray call (None: not a Ray handle). Per-step calls leave
+        Ray's task events out: ten or more a second per worker would flood the dashboard's
+        task table and the GCS with records nobody reads (the actors and their logs stay)."""
+        if self._remote is None:
+            method = self.worker.execute
+            if getattr(method, "remote", None) is None:
+                return None
+            options = getattr(method, "options", None)
+            self._remote = (options(enable_task_events=False) if options is not None else method).remote
+        return self._remote
 
     def seconds_without_progress(self, now: float) -> float:
         marks = [mark for mark in (self.last_step_end, self.busy_since) if mark is not None]
@@ -159,10 +187,11 @@ class EngineGroup:
         self._owner: dict[str, int] = {}  # request_id -> engine index, while streaming
         self._early_aborts: deque[str] = deque(maxlen=NUM_REMEMBERED_ABORTS)
 
-    def add_request(self, request: EngineRequest) -> RequestStream | None:
+    def add_request(self, request: EngineRequest, listener: StreamListener | None = None) -> RequestStream | None:
         """The request's stream, or None if it was aborted before it arrived.
 
-        Raises ValueError if it can never run, NoLiveWorkerError if no worker is alive.
+        listener: see RequestStream. Raises ValueError if it can never run,
+        NoLiveWorkerError if no worker is alive.
         """
         if request.request_id in self._early_aborts:
             self._early_aborts.remove(request.request_id)
@@ -173,7 +202,7 @@ class EngineGroup:
         engine = self.engines[index]
         if not engine.has_unfinished_requests():
             self.runners[index].busy_since = self._clock()
-        stream = engine.add_request(request)  # raises ValueError if it can never run
+        stream = engine.add_request(request, listener)  # raises ValueError if it can never run
         self._owner[request.request_id] = index
         return stream
 
@@ -199,6 +228,7 @@ class EngineGroup:
             "routed_per_worker": [self.routed_per_worker[i] for i in range(len(self.engines))],  # requests
             "steps_per_worker": [runner.num_steps for runner in self.runners],  # engine steps
             "busy_s_per_worker": [runner.busy_s for runner in self.runners],  # seconds in execute()
+            "gap_s_per_worker": [runner.gap_s for runner in self.runners],  # seconds between back-to-back steps
             "prefix_hit_tokens_per_worker": [engine.stats.num_prefix_hit_tokens for engine in self.engines],
             "prefix_query_tokens_per_worker": [engine.stats.num_prefix_query_tokens for engine in self.engines],
         }
@@ -323,43 +353,6 @@ class EngineGroup:
         for engine, runner in zip(self.engines, self.runners):
             engine.close()
             runner.close()
-
-
-async def batched(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[list[RequestOutput]]:
-    """Every delta that arrived since the last yield, as one list."""
-    buffer: list[RequestOutput] = []
-    wake = asyncio.Event()
-    state: dict[str, Any] = {"done": False, "error": None}
-
-    async def pump() -> None:
-        try:
-            async for output in stream:
-                buffer.append(output)
-                wake.set()
-        except Exception as error:
-            state["error"] = error
-        finally:
-            state["done"] = True
-            wake.set()
-
-    task = asyncio.create_task(pump())
-    try:
-        while True:
-            await wake.wait()
-            wake.clear()
-            finished = state["done"]  # read before taking: everything pumped is in buffer
-            if buffer:
-                batch = buffer[:]
-                buffer.clear()
-                yield batch
-            if finished:
-                if state["error"] is not None:
-                    raise state["error"]
-                return
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def split_by_client(migration: Migration) -> list[tuple[str, Migration]]:

@@ -26,12 +26,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from scheduler.router import RouteOutcome
 from scheduler.stats import RequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "rayllm_"
 Kind = Literal["counter", "gauge", "histogram"]
+FINISH_REASONS = ("stop", "length", "abort", "error", "mixed")  # RequestStats.finish_reason values
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -169,6 +171,17 @@ class MetricStore:
         histogram.sum += value
         histogram.count += 1
 
+    def declare(self, name: str, labels: tuple[str, ...] = ()) -> None:
+        """Creates the series at 0 (an empty histogram) if it does not exist yet, so a fresh
+        server lists every family with its label values before any traffic."""
+        metric = self.metrics[name]
+        assert len(labels) == len(metric.labels), (name, labels)
+        if metric.kind == "histogram":
+            if labels not in self._histograms[name]:
+                self._histograms[name][labels] = HistogramValue([0] * (len(metric.buckets) + 1))
+        else:
+            self._values[name].setdefault(labels, 0.0)
+
     def value(self, name: str, labels: tuple[str, ...] = ()) -> float:
         return self._values[name].get(labels, 0.0)
 
@@ -200,6 +213,8 @@ class WorkerState:
     num_kv_blocks_total: int  # usable blocks
     num_steps: int = 0  # engine steps completed
     seconds_since_last_step: float | None = None  # None: never stepped
+    busy_s: float = 0.0  # seconds a step of this worker was in flight (submitted, not returned)
+    gap_s: float = 0.0  # seconds from a step's return to the next step's submission, back to back
     node_id: str | None = None  # the Ray node the worker runs on; None: not known yet
     node_ip: str | None = None
 
@@ -262,6 +277,21 @@ class EngineMetrics:
         ):
             if value is not None:
                 self._send("observe", PREFIX + name, value)
+
+    def declare(self, worker_labels: Sequence[str]) -> None:
+        """Every engine series at 0 in the backends that can hold a zero (MetricStore): per
+        worker, per finish reason, per routing outcome. Ray's metrics cannot (a counter
+        refuses 0); they appear there at the first value, and their gauges at the first refresh."""
+        values_of = {"worker": list(worker_labels), "finish_reason": list(FINISH_REASONS),
+                     "outcome": [outcome.value for outcome in RouteOutcome]}
+        for metric in ENGINE_METRICS:
+            assert len(metric.labels) <= 1, metric.name
+            label_sets = [(value,) for value in values_of[metric.labels[0]]] if metric.labels else [()]
+            for labels in label_sets:
+                for backend in self.backends:
+                    declare = getattr(backend, "declare", None)
+                    if declare is not None:
+                        declare(metric.name, labels)
 
     # state read at publish time
     def refresh_gauges(self, workers: Iterable[WorkerState]) -> None:

@@ -203,9 +203,13 @@ class OpenAIIngress:
         loop = asyncio.get_running_loop()
         model_dir = await loop.run_in_executor(None, self._local_model_dir, info.model_path)
         tokenizer = await loop.run_in_executor(None, TokenizerService.from_model_dir, model_dir)
-        client = self._engine_client(engine.get("schedulers") or [scheduler], info.block_size)
-        self._health = HealthMonitor(client.status, HealthConfig(step_deadline_s=self._args.step_deadline_s))
-        await self._health.poll_once()
+        schedulers = engine.get("schedulers") or [scheduler]
+        client = self._engine_client(schedulers, info.block_size)
+        observability = self._observability(schedulers)
+        # One poll per period and shard (published_stats) feeds /health, /metrics and /v1/server_info.
+        self._health = HealthMonitor(observability.engine_stats.fetch_status, HealthConfig(
+            poll_interval_s=self._args.metrics_poll_interval_s, step_deadline_s=self._args.step_deadline_s))
+        await self._health.poll_once()  # a fresh /metrics lists the engine's families too
         self._health.start()
         card = ModelCard(
             served_name=self._args.served_model_name or Path(info.model_path).name,
@@ -217,8 +221,7 @@ class OpenAIIngress:
             backend={"device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend},
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
-                                   limits=self._args.server_limits(),
-                                   observability=self._observability(engine.get("schedulers") or [scheduler]))
+                                   limits=self._args.server_limits(), observability=observability)
         # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
         # a full collection over them paused this replica's loop for 100-300 ms under load.
         gc.freeze()
@@ -236,11 +239,11 @@ class OpenAIIngress:
         return ShardedEngineClient(clients, block_size, self._args.shard_hash_blocks)
 
     def _observability(self, schedulers: list[Any]) -> Observability:
-        """Ingress metrics into Ray's export too, and the schedulers' published stats cached
-        in the background for /metrics and /v1/server_info (Serve's proxy echoes x-request-id)."""
+        """Ingress metrics into Ray's export too, and the schedulers' published stats, refreshed
+        by the health monitor's poll, for /metrics and /v1/server_info (Serve's proxy echoes
+        x-request-id)."""
         fetchers = [scheduler.published_stats.remote for scheduler in schedulers]
         engine_stats = EngineStatsCache(fetchers, poll_interval_s=self._args.metrics_poll_interval_s)
-        engine_stats.start()
         metrics = IngressMetrics([RayMetrics(INGRESS_METRICS)])
         return Observability(metrics=metrics, engine_stats=engine_stats, echo_request_id=False)
 

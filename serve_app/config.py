@@ -135,8 +135,9 @@ class AppArgs(BaseModel):
         60.0, gt=0, description="/health turns 503 when work is pending and no step completed this long."
     )
     metrics_poll_interval_s: float = Field(
-        1.0, gt=0, description="How often each ingress replica refreshes the engine's published metrics "
-        "(/metrics and /v1/server_info serve the latest copy, never waiting on the engine)."
+        1.0, gt=0, description="How often each ingress replica refreshes the engine's published stats and "
+        "status, one call per scheduler shard (/health, /metrics and /v1/server_info answer from the "
+        "latest copy, never waiting on the engine)."
     )
     seed: int = Field(0, description="Seed of the workers' generator for unseeded requests.")
     # --- reliability and security (issue 7) ---

@@ -1,5 +1,21 @@
 """EngineClient over the SchedulerActor: the ingress's only Ray-facing piece for requests.
 
+One output stream per replica, fanned out here (the shape of vLLM V1's output handler):
+
+    generate(request):  queue = per-request asyncio.Queue, registered under its request id
+                        await scheduler.submit(request, channel_id)   (admission: 400/429/503 now)
+                        yield the queue's deltas until each of the n sequences has its final one
+    reader task:        async for batch in scheduler.outputs(channel_id)   (one Ray item per step)
+                            for delta in batch: queues[delta.request_id].put_nowait(delta)
+
+so a step of k streaming requests costs one Ray message, not k. The reader runs in a fresh
+context (it outlives the request that started it, and Ray would otherwise parent the
+stream to that request's task and cancel it with it). When the stream breaks, every
+request waiting on it gets the error: a dead or restarting scheduler actor is a
+SchedulerGoneError, which serve_app/resume.py turns into a resubmission; the next request
+opens a new stream. A non-final delta of a request nobody waits for (its client left, or it
+was resubmitted) gets the request aborted, so nothing runs for no one.
+
 Errors become OpenAI errors: a request the scheduler refuses (ValueError) is a 400, a dead
 or restarting actor is a 503, anything else from the engine a 500. Nothing here blocks
 the event loop: every call is awaited or fire-and-forget.
@@ -8,7 +24,10 @@ the event loop: every call is awaited or fire-and-forget.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +44,7 @@ from serve_app.errors import (
 from scheduler.admission import DrainingError, QueueFullError
 from scheduler.actor import is_actor_death
 from scheduler.engine_group import NoLiveWorkerError
+from scheduler.output_channel import ChannelItem, RequestFailed
 from scheduler.outputs import EngineRequest, RequestOutput
 
 
@@ -47,21 +67,90 @@ def engine_error(error: Exception) -> OpenAIError:
     return OpenAIError(f"engine error: {type(cause).__name__}: {cause}"[:500], 500, error_type="server_error")
 
 
+NUM_REMEMBERED_STRAYS = 4096  # request ids whose late deltas are already taken care of
+
+
 class RayEngineClient:
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, channel_id: str | None = None) -> None:
         self._scheduler = scheduler  # ActorHandle of SchedulerActor
+        self.channel_id = channel_id or uuid.uuid4().hex  # this replica's output channel there
+        self._queues: dict[str, asyncio.Queue[ChannelItem | OpenAIError]] = {}  # request id -> its deltas
+        self._reader: asyncio.Task[None] | None = None
+        self._stray_aborts: OrderedDict[str, None] = OrderedDict()  # request ids whose late deltas need no abort
+        self.num_batches = 0  # output stream items received (one per engine step with deltas for us)
+        self.num_deltas = 0  # deltas and failures in them
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise OpenAIError(f"the engine refused the request: request id {request_id!r} is already in use",
+                              400, code="invalid_request")
+        queue: asyncio.Queue[ChannelItem | OpenAIError] = asyncio.Queue()
+        self._queues[request_id] = queue  # before submit: its first delta may come before submit's answer
+        num_unfinished = request.sampling_params.n
         try:
-            refs = self._scheduler.generate.remote(request)
-            async for ref in refs:
-                batch: list[RequestOutput] = await ref
-                for output in batch:
-                    yield output
-        except OpenAIError:
+            self._ensure_reader()
+            try:
+                accepted = await self._scheduler.submit.remote(request, self.channel_id)
+            except (RayTaskError, RayActorError) as error:
+                raise engine_error(error) from None
+            if not accepted:
+                return  # aborted before it arrived
+            while num_unfinished:
+                item = await queue.get()
+                if isinstance(item, OpenAIError):
+                    raise item
+                if isinstance(item, RequestFailed):
+                    raise engine_error(item.error)
+                if item.finished:
+                    num_unfinished -= 1
+                yield item
+        finally:
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+            if num_unfinished:  # left early: the caller aborts it, its late deltas are no strays
+                self._remember_stray(request_id)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read(), context=contextvars.Context())
+
+    async def _read(self) -> None:
+        """Fans the output stream out to the request queues until it breaks."""
+        me = asyncio.current_task()
+        try:
+            async for ref in self._scheduler.outputs.remote(self.channel_id):
+                batch: list[ChannelItem] = await ref
+                self.num_batches += 1
+                self.num_deltas += len(batch)
+                for item in batch:
+                    queue = self._queues.get(item.request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+                    elif isinstance(item, RequestOutput) and not item.finished:
+                        self._abort_stray(item.request_id)
+            failure: OpenAIError = EngineUnavailableError("the scheduler closed the output stream; retry later")
+        except asyncio.CancelledError:
             raise
         except (RayTaskError, RayActorError) as error:
-            raise engine_error(error) from None
+            failure = engine_error(error)
+        except Exception as error:  # never leave a request waiting on a reader that is gone
+            failure = EngineUnavailableError(f"output stream failed ({type(error).__name__}); retry later")
+        if self._reader is me:
+            self._reader = None  # the next request opens a new stream
+        for queue in list(self._queues.values()):
+            queue.put_nowait(failure)
+
+    def _abort_stray(self, request_id: str) -> None:
+        if request_id not in self._stray_aborts:
+            self._remember_stray(request_id)
+            self.abort(request_id)
+
+    def _remember_stray(self, request_id: str) -> None:
+        self._stray_aborts[request_id] = None
+        while len(self._stray_aborts) > NUM_REMEMBERED_STRAYS:
+            self._stray_aborts.popitem(last=False)
 
     def abort(self, request_id: str) -> None:
         try:

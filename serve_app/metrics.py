@@ -38,9 +38,11 @@ from scheduler.metrics import (
     PublishedStats,
 )
 from serve_app.periodic import PeriodicTask
+from serve_app.sharding import merge_statuses
 
 logger = logging.getLogger(__name__)
 
+TOKENIZER_OPS = ("encode", "encode_chat", "decode")  # TokenizerService's timed calls
 TOKENIZE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 # Recorded by each ingress replica.
@@ -73,6 +75,15 @@ class IngressMetrics:
                 getattr(backend, method)(name, value, labels)
             except Exception:  # metrics never break a request
                 logger.debug("metrics backend %s failed on %s", type(backend).__name__, name, exc_info=True)
+
+    def declare(self, generation_routes: Iterable[str]) -> None:
+        """This replica's series at 0 before any traffic: requests answered 200 and their
+        durations per generation route, each tokenizer op."""
+        for route in generation_routes:
+            self.store.declare(PREFIX + "http_requests", (route, "200"))
+            self.store.declare(PREFIX + "http_request_duration_seconds", (route,))
+        for op in TOKENIZER_OPS:
+            self.store.declare(PREFIX + "tokenization_seconds", (op,))
 
     def observe_http(self, route: str, status_code: int, duration_s: float) -> None:
         self._send("inc", PREFIX + "http_requests", 1, (route, str(status_code)))
@@ -114,13 +125,16 @@ class EngineStatsCache:
             return None
         return self._clock() - min(at for at in self._fetched_at if at is not None)
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
+        """Fetches every shard's stats; False if any shard failed (last_error says why)."""
         results = await asyncio.gather(
             *(asyncio.wait_for(fetch(), self._timeout_s) for fetch in self._fetchers), return_exceptions=True
         )
+        all_fresh = True
         for shard, result in enumerate(results):
             if isinstance(result, BaseException):
                 self.last_error = f"shard {shard}: {type(result).__name__}: {result}"[:300]
+                all_fresh = False
                 continue
             self.latest[shard] = result
             self._fetched_at[shard] = self._clock()
@@ -129,6 +143,16 @@ class EngineStatsCache:
             self._render_executor = ThreadPoolExecutor(1, thread_name_prefix="metrics-render")
         loop = asyncio.get_running_loop()
         self.text = await loop.run_in_executor(self._render_executor, render_families, published)
+        return all_fresh
+
+    async def fetch_status(self) -> Any:
+        """Refreshes, then the engine's status from the stats just published (every shard's
+        merged): a HealthMonitor's fetch, so one call per shard and period serves /health,
+        /metrics and /v1/server_info. Raises when a shard did not answer."""
+        if not await self.refresh():
+            raise RuntimeError(self.last_error)
+        statuses = [stats.status for stats in self.latest if stats is not None]
+        return statuses[0] if len(statuses) == 1 else merge_statuses(statuses)
 
     def start(self) -> None:
         self._poller.start()

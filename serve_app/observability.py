@@ -187,6 +187,7 @@ def install_observability(app: FastAPI, ctx: ServingContext) -> Observability:
     tokenizer = ctx.tokenizer
     if getattr(tokenizer, "on_timing", None) is None:
         tokenizer.on_timing = obs.metrics.observe_tokenization
+    obs.metrics.declare(sorted(GENERATION_ROUTES))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -221,6 +222,8 @@ def worker_json(worker: Any) -> dict[str, Any]:
         "kv_usage": round(worker.kv_usage, 4),
         "num_steps": worker.num_steps,
         "seconds_since_last_step": worker.seconds_since_last_step,
+        "busy_s": round(worker.busy_s, 3),  # a step in flight
+        "gap_s": round(worker.gap_s, 3),  # between a step's return and the next one's submission
     }
 
 

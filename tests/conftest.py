@@ -4,6 +4,7 @@ Ray defaults for local tests are set before anything imports ray (see shared/DES
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray sockets on 127.0.0.1
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -11,8 +12,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Sleeping (not spinning) OpenMP workers: on a shared 2-core machine, spinning torch threads
 # fight each other and every other process; measured 5x slower steps without this.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The shipped serving environment (deploy/serve.env: Ray Serve's data plane and the process
+# settings, as scripts/serve.sh exports them), before the session's Ray starts: the tests run
+# the path users run. A variable already set wins (e.g. to test the previous data plane).
+for _line in (Path(__file__).resolve().parents[1] / "deploy" / "serve.env").read_text().splitlines():
+    _key, _sep, _value = _line.strip().partition("=")
+    if _sep and not _key.startswith("#"):
+        os.environ.setdefault(_key, _value)
 
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Starts our server (deploy/serve.yaml through `serve run`, with its own local Ray) on PORT,
+# Starts our server (deploy/serve.yaml through `serve run`, with its own local Ray and the
+# environment of deploy/serve.env, as scripts/serve.sh starts it) on PORT,
 # with any app args overridden by KEY=VALUE arguments (YAML values), and waits for /health.
 #   PORT=8000 bash bench/peers/ours.sh                                # the default config
 #   PORT=8000 bash bench/peers/ours.sh enable_prefix_caching=false    # one knob off
@@ -10,6 +11,7 @@ PORT=${PORT:-8000}
 cd "$REPO_ROOT"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+source scripts/serve-env.sh  # the serving environment of deploy/serve.env, as scripts/serve.sh exports it
 CONFIG=$PEERS_DIR/ours.yaml
 .venv/bin/python - "$CONFIG" "$PORT" "$MODEL" "$@" <<'PYEOF'
 import sys

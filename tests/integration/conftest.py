@@ -27,23 +27,51 @@ NUM_KV_BLOCKS = 512
 BLOCK_SIZE = 16
 
 
+def direct_ingress_url(app_name: str) -> str:
+    """The URL of the app's ingress replica itself (Serve's direct ingress: its own uvicorn,
+    no proxy hop), found from the replica's pid and the ports it listens on in Serve's range."""
+    from ray.serve.context import _get_global_client
+
+    from bench.served_app import direct_ingress_ports, listening_ports
+
+    details = _get_global_client().get_serve_details()
+    low, high = direct_ingress_ports(dict(os.environ))
+    for deployment in details["applications"][app_name]["deployments"].values():
+        for replica in deployment["replicas"]:
+            if replica["state"] == "RUNNING" and deployment["name"].endswith("-ingress"):
+                ports = [port for port in listening_ports(replica["pid"]) if low <= port < high]
+                if ports:
+                    return f"http://127.0.0.1:{ports[0]}"
+    raise AssertionError(f"{app_name}: no ingress replica listens in {low}-{high} (direct ingress off?)")
+
+
 @dataclass
 class Server:
-    url: str  # http://127.0.0.1:<port>
+    url: str  # http://127.0.0.1:<port>: the ingress replica's own port (the shipped data plane)
     model_dir: Path
+    proxy_url: str  # http://127.0.0.1:<port>: Serve's proxy (any ingress replica), route prefix /
+    fresh_metrics: str  # /metrics as scraped right after the app started, before any request
+
+    def direct_url_of(self, app_name: str) -> str:
+        """Another app's ingress replica's own URL (the session's cluster; add its route prefix)."""
+        return direct_ingress_url(app_name)
 
     @property
     def openai_base_url(self) -> str:
         return f"{self.url}/v1"
 
-    def scheduler_status(self) -> Any:
-        """The scheduler actor's own status (not the ingress's cached copy)."""
+    def scheduler_call(self, method: str) -> Any:
+        """The answer of one of the scheduler actor's methods (e.g. "status"), called now."""
         import ray
 
         from scheduler.actor import ACTOR_NAMESPACE, scheduler_actor_name
 
         scheduler = ray.get_actor(scheduler_actor_name(ACTOR_PREFIX), namespace=ACTOR_NAMESPACE)
-        return ray.get(scheduler.status.remote(), timeout=30)
+        return ray.get(getattr(scheduler, method).remote(), timeout=30)
+
+    def scheduler_status(self) -> Any:
+        """The scheduler actor's own status (not the ingress's cached copy)."""
+        return self.scheduler_call("status")
 
     def wait_until_idle(self, timeout_s: float = 10.0) -> Any:
         """Polls until no request runs and the KV pool is fully free; returns the status."""
@@ -99,6 +127,10 @@ def server(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Server]:
     })
     serve.run(app, name=APP_NAME, route_prefix="/")
     try:
-        yield Server(f"http://127.0.0.1:{port}", tiny_model_dir)
+        import httpx
+
+        url = direct_ingress_url(APP_NAME)
+        fresh_metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        yield Server(url, tiny_model_dir, f"http://127.0.0.1:{port}", fresh_metrics)
     finally:
         serve.shutdown()

@@ -31,7 +31,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @dataclass
 class FaultApp:
-    url: str  # http://127.0.0.1:<port>/fault
+    url: str  # http://127.0.0.1:<port>/fault: the ingress replica's own port (direct ingress)
+    proxy_url: str  # the same app through Serve's proxy (gRPC to the replica)
 
     def actor(self, name: str) -> Any:
         import ray
@@ -99,7 +100,7 @@ def fault_app(server, tiny_model_dir: Path) -> Iterator[FaultApp]:
         del os.environ[API_KEYS_ENV]
     serve.run(app, name=FAULT_APP, route_prefix=f"/{FAULT_APP}")
     try:
-        yield FaultApp(f"{server.url}/{FAULT_APP}")
+        yield FaultApp(f"{server.direct_url_of(FAULT_APP)}/{FAULT_APP}", f"{server.proxy_url}/{FAULT_APP}")
     finally:
         if FAULT_APP in serve.status().applications:
             serve.delete(FAULT_APP)
@@ -161,16 +162,17 @@ def test_auth_matrix_over_http_and_keys_never_logged(fault_app: FaultApp) -> Non
     cases = [({}, 401), ({"Authorization": API_KEY}, 401), ({"Authorization": f"Basic {API_KEY}"}, 401),
              ({"Authorization": "Bearer sk-wrong"}, 401), ({"Authorization": f"Bearer {API_KEY}x"}, 401),
              (AUTH, 200), ({"Authorization": "Bearer other-key"}, 200)]
-    with httpx.Client(base_url=fault_app.url, timeout=60) as http:
-        for headers, expected in cases:
-            response = http.post("/v1/completions", json=body, headers=headers)
-            assert response.status_code == expected, (headers, response.text)
-            if expected == 401:
-                assert response.json()["error"]["code"] == "invalid_api_key"
-                assert response.headers["www-authenticate"] == "Bearer" and API_KEY not in response.text
-            assert http.get("/v1/models", headers=headers).status_code == expected
-        for path in ("/health", "/live", "/metrics"):  # probes and scrapes need no key
-            assert http.get(path).status_code == 200, path
+    for url in (fault_app.url, fault_app.proxy_url):  # the replica's own port and Serve's proxy alike
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for headers, expected in cases:
+                response = http.post("/v1/completions", json=body, headers=headers)
+                assert response.status_code == expected, (url, headers, response.text)
+                if expected == 401:
+                    assert response.json()["error"]["code"] == "invalid_api_key"
+                    assert response.headers["www-authenticate"] == "Bearer" and API_KEY not in response.text
+                assert http.get("/v1/models", headers=headers).status_code == expected
+            for path in ("/health", "/live", "/metrics"):  # probes and scrapes need no key
+                assert http.get(path).status_code == 200, (url, path)
     logs = Path(ray._private.worker._global_node.get_session_dir_path(), "logs")
     leaked = [path for path in logs.rglob("*") if path.is_file() and API_KEY.encode() in path.read_bytes()]
     assert not leaked, leaked
@@ -262,22 +264,28 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
             while progress[0] < 8:
                 await asyncio.sleep(0.01)
             drained = fault_app.scheduler.drain.remote(30)  # what the supervisor's shutdown hook calls
-            await asyncio.sleep(1.5)  # the ingress's health poll (0.5 s) sees it
-            health = (await http.get("/health")).status_code
-            new = await http.post("/v1/completions", json={"prompt": "new", "max_tokens": 2})
-            assert new.json()["error"]["code"] == "server_draining", new.text
-            return list(await asyncio.gather(*streams)), [health, new.status_code], await drained
+            await asyncio.sleep(2.5)  # the ingress's status poll (metrics_poll_interval_s, 1 s) sees it
+            statuses = []
+            for url in (fault_app.url, fault_app.proxy_url):  # both paths
+                statuses.append((await http.get(f"{url}/health")).status_code)
+                new = await http.post(f"{url}/v1/completions", json={"prompt": "new", "max_tokens": 2})
+                assert new.json()["error"]["code"] == "server_draining", new.text
+                statuses.append(new.status_code)
+            return list(await asyncio.gather(*streams)), statuses, await drained
 
     results, statuses, aborted = asyncio.run(scenario())
-    assert statuses == [503, 503]
+    assert statuses == [503, 503, 503, 503]
     assert aborted == 0 and all(r[0] == 200 and r[2] == "length" for r in results), results
     ray.kill(fault_app.scheduler, no_restart=False)  # a fresh scheduler (not draining) for the next part
     fault_app.wait_until(lambda s: not s.draining and s.num_live_workers == 2, 60, "a fresh scheduler")
 
     # The real shutdown: delete the app while streams run; they finish, new requests are refused.
+    # On the replica's own port (direct ingress) Serve keeps serving new requests for
+    # RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (load balancers deregister it meanwhile),
+    # then they get 503 (draining), and once the replica is gone the port refuses connections.
     from ray import serve
 
-    async def delete_while_streaming() -> tuple[list, list[int]]:
+    async def delete_while_streaming() -> tuple[list, list[int | str]]:
         progress = [0]
         async with httpx.AsyncClient(base_url=fault_app.url, timeout=180, headers=AUTH) as http:
             streams = [asyncio.create_task(stream_one(http, p, progress, max_tokens=150)) for p in prompts()[:4]]
@@ -285,10 +293,13 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
                 await asyncio.sleep(0.01)
             loop = asyncio.get_running_loop()
             deleting = loop.run_in_executor(None, lambda: serve.delete(FAULT_APP, _blocking=True))
-            refused = []  # statuses of new requests, in order
-            while not all(s.done() for s in streams):
-                response = await http.post("/v1/completions", json={"prompt": "new", "max_tokens": 2})
-                refused.append(response.status_code)
+            refused: list[int | str] = []  # statuses of new requests, in order ("closed": connection refused)
+            while not (deleting.done() and all(s.done() for s in streams)):
+                try:
+                    response = await http.post("/v1/completions", json={"prompt": "new", "max_tokens": 2})
+                    refused.append(response.status_code)
+                except httpx.TransportError:
+                    refused.append("closed")
                 await asyncio.sleep(0.2)
             results = list(await asyncio.gather(*streams))
             await deleting
@@ -296,7 +307,7 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
 
     results, refused = asyncio.run(delete_while_streaming())
     assert all(r[0] == 200 and r[2] == "length" for r in results), results
-    # Accepted until the drain began, then refused: 503 (draining) or 404 (the proxy dropped
-    # the app's route); never a 200 after a refusal, never another error.
+    # Accepted until the drain began, then refused: 503 (draining), 404 (the route is gone) or a
+    # closed port; never a 200 after a refusal, never another error.
     first_refusal = next((i for i, code in enumerate(refused) if code != 200), len(refused))
-    assert set(refused[first_refusal:]) <= {503, 404} and first_refusal < len(refused), refused
+    assert set(refused[first_refusal:]) <= {503, 404, "closed"} and first_refusal < len(refused), refused

@@ -349,7 +349,7 @@ def test_every_grafana_query_names_a_metric_the_live_server_exports(server) -> N
         suffix = series.removeprefix("ray_")[len(family.name):]
         allowed = {"counter": {"_total"}, "gauge": {""}, "histogram": {"_bucket", "_count", "_sum"}}[family.type]
         assert suffix in allowed, f"{series}: a {family.type} has no {suffix or 'bare'} series"
-        if family.samples:
+        if any(sample.value > 0 for sample in family.samples):  # recorded (every series exists at 0)
             recorded.add(series)
     assert len(recorded) >= 15, recorded
     poll(ray_export_text, lambda text: all(s in text for s in recorded), 60,
@@ -403,3 +403,26 @@ def test_server_info_lists_workers_with_node_state_and_kv(server) -> None:
     assert worker["node_ip"] == "127.0.0.1" and worker["state"] in ("idle", "busy")
     assert worker["kv_blocks_total"] == 511 and 0.0 <= worker["kv_usage"] <= 1.0
     assert body["ready"] is True and body["model"] == "tiny"
+
+
+def test_a_fresh_server_lists_every_dashboard_family_with_its_labels_at_zero(server) -> None:
+    """Before any request, /metrics already has every family a Grafana panel queries, with a
+    series per worker, finish reason, routing outcome, route and tokenizer op, all at 0."""
+    from scheduler.metrics import FINISH_REASONS
+    from scheduler.router import RouteOutcome
+
+    families = parse_families(server.fresh_metrics)
+    for series in sorted(dashboard_metric_names()):
+        family = families.get(family_of(series))
+        assert family is not None and family.samples, f"{series}: no series on a fresh /metrics"
+    def label_values(name: str, label: str) -> set[str]:
+        return {s.labels[label] for s in families[M + name].samples if label in s.labels}
+    assert label_values("generation_tokens", "worker") == {"0"}
+    assert label_values("engine_step_duration_seconds", "worker") == {"0"}
+    assert label_values("requests_finished", "finish_reason") == set(FINISH_REASONS)
+    assert label_values("routing_decisions", "outcome") == {o.value for o in RouteOutcome}
+    assert label_values("http_requests", "route") >= {"/v1/completions", "/v1/chat/completions"}
+    assert label_values("tokenization_seconds", "op") == {"encode", "encode_chat", "decode"}
+    counted = [s.value for name in ("generation_tokens", "requests_finished", "prompt_tokens")
+               for s in families[M + name].samples]
+    assert counted and all(value == 0 for value in counted)

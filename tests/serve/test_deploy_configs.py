@@ -87,3 +87,51 @@ def test_rayservice_serve_config_is_valid_and_fits_its_cluster() -> None:
     plan = plan_resources(args, totals)  # raises ResourceError if the pods cannot host the app
     assert plan.worker_num_gpus == 1  # one worker per GPU
     check_placement(args, plan, nodes)
+
+
+def env_file(name: str) -> dict[str, str]:
+    from bench.served_app import read_env_file
+
+    return read_env_file(DEPLOY / name)
+
+
+def test_the_kuberay_pods_run_with_the_cluster_serving_environment() -> None:
+    """Head and worker pods: every variable of deploy/serve-cluster.env, the same value."""
+    cluster = rayservice()["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    expected = env_file("serve-cluster.env")
+    assert expected["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and expected["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for pod in pods:
+        for container in pod["template"]["spec"]["containers"]:
+            env = {item["name"]: item["value"] for item in container["env"]}
+            assert {key: env.get(key) for key in expected} == expected, container["name"]
+
+
+def test_the_laptop_environment_keeps_everything_on_loopback() -> None:
+    """deploy/serve.env (scripts/serve.sh, serve.yaml) never turns HAProxy on: it listens on
+    every interface (stats :8404, metrics :9101), and the default config binds loopback only."""
+    local, cluster = env_file("serve.env"), env_file("serve-cluster.env")
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in local
+    assert local["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    shared = set(local) & set(cluster)
+    assert {key for key in shared if local[key] != cluster[key]} == set()
+    config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+
+
+def test_scripts_export_the_serving_environment_without_overriding_the_callers(tmp_path) -> None:
+    import os
+    import subprocess
+
+    root = DEPLOY.parent
+    script = f'source "{root}/scripts/serve-env.sh" && env'
+    env = {"PATH": os.environ["PATH"], "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25"}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    exported = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    for key, value in env_file("serve.env").items():
+        assert exported[key] == (env[key] if key in env else value), key
+    cluster = subprocess.run(["bash", "-c", f'source "{root}/scripts/serve-env.sh" "{DEPLOY}/serve-cluster.env" && env'],
+                             env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True).stdout
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in cluster.splitlines()
+    for launcher in ("scripts/serve.sh", "bench/peers/ours.sh"):
+        assert "scripts/serve-env.sh" in (root / launcher).read_text(), launcher

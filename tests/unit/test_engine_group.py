@@ -1,4 +1,4 @@
-"""EngineGroup, TimedRunner and batched() (scheduler/engine_group.py, pure): routing through
+"""EngineGroup and TimedRunner (scheduler/engine_group.py, pure): routing through
 the Router, concurrent per-worker engine loops, aborts and status, with FakeRunners."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from scheduler.engine_group import EngineGroup, NoLiveWorkerError, TimedRunner, batched
+from scheduler.engine_group import EngineGroup, NoLiveWorkerError, TimedRunner
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.outputs import EngineRequest, FinishReason
@@ -105,25 +105,6 @@ def test_dead_workers_are_skipped_and_stalls_are_reported() -> None:
     stalled = asyncio.run(main())
     assert stalled.num_live_workers == 1
     assert stalled.seconds_since_last_step == 50.0
-
-
-def test_batched_yields_everything_once_in_order() -> None:
-    async def source():
-        for i in range(10):
-            yield i
-            if i % 3 == 0:
-                await asyncio.sleep(0)
-
-    async def main():
-        batches = []
-        async for batch in batched(source()):
-            batches.append(batch)
-            await asyncio.sleep(0.001)  # a slow reader gets bigger batches
-        return batches
-
-    batches = asyncio.run(main())
-    assert [item for batch in batches for item in batch] == list(range(10))
-    assert len(batches) < 10
 
 
 def shared_prefix_request(rid: str, family: int, question: int) -> EngineRequest:

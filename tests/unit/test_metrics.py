@@ -19,6 +19,7 @@ from scheduler.metrics import (
 )
 from scheduler.outputs import EngineRequest, FinishReason
 from scheduler.sampling_params import SamplingParams
+from scheduler.stats import StepStats
 from scheduler.testing import FakeRunner
 from serve_app.metrics import ALL_METRICS, EngineStatsCache, IngressMetrics, parse_families, render
 
@@ -93,8 +94,8 @@ def test_aborted_requests_count_as_abort_and_free_the_gauges() -> None:
 
     async def main() -> None:
         streams = [engine.add_request(EngineRequest(f"r{i}", [1, 2, 3, 4, 5, 6], params)) for i in range(3)]
-        for _ in range(3):
-            await engine.step()
+        firsts = [await anext(stream) for stream in streams]  # the engine's own loop steps them
+        assert all(first.new_token_ids and not first.finished for first in firsts)
         metrics.refresh_gauges([gauges_of(engine)])
         assert store.value(PREFIX + "num_requests_running", ("0",)) == 3
         assert store.value(PREFIX + "kv_cache_blocks_used", ("0",)) > 0
@@ -102,6 +103,7 @@ def test_aborted_requests_count_as_abort_and_free_the_gauges() -> None:
             engine.abort(f"r{i}")
         for stream in streams:
             deltas = [d async for d in stream]
+            assert deltas, "the abort's final delta"
             assert deltas[-1].finish_reason is FinishReason.ABORT
 
     asyncio.run(main())
@@ -189,3 +191,42 @@ def test_every_metric_has_the_prefix_help_and_a_unique_name() -> None:
     text = render_shards(store.snapshot())
     parsed = parse_families(text)
     assert {metric.name for metric in ALL_METRICS} <= set(parsed)
+
+
+def test_declared_series_exist_at_zero_for_every_family_and_label_value() -> None:
+    """A fresh server lists every family with its label values before any traffic (issue 14)."""
+    from scheduler.metrics import FINISH_REASONS
+    from scheduler.router import RouteOutcome
+    from serve_app.metrics import TOKENIZER_OPS
+
+    store = MetricStore(ENGINE_METRICS)
+    metrics = EngineMetrics([store])
+    metrics.declare(["0", "1"])
+    ingress = IngressMetrics()
+    ingress.declare(["/v1/completions", "/v1/chat/completions"])
+    text = render(ingress, None)[0].decode() + render_engine(store)
+    families = parse_families(text)
+    for metric in ALL_METRICS:
+        if metric.name == PREFIX + "engine_stats_age_seconds":
+            continue  # computed at render time, from the engine stats' age
+        family = families[metric.name]
+        assert family.samples, metric.name
+        assert all(sample.value == 0 for sample in family.samples), metric.name
+        label_values = {tuple(s.labels.get(k) for k in metric.labels) for s in family.samples}
+        expected = {"worker": {"0", "1"}, "finish_reason": set(FINISH_REASONS),
+                    "outcome": {o.value for o in RouteOutcome}, "op": set(TOKENIZER_OPS),
+                    "route": {"/v1/completions", "/v1/chat/completions"}, "status_code": {"200"}}
+        for position, label in enumerate(metric.labels):
+            assert {values[position] for values in label_values} == expected[label], (metric.name, label)
+    # recording after a declaration adds to the same series
+    metrics.on_step("1", StepStats(step=1, num_scheduled_seqs=3, num_scheduled_tokens=9, num_generation_tokens=3),
+                    0.5, [0.1])
+    assert store.value(PREFIX + "generation_tokens", ("1",)) == 3
+    assert store.histogram(PREFIX + "engine_step_duration_seconds", ("1",)).count == 1
+    assert store.histogram(PREFIX + "engine_step_duration_seconds", ("0",)).count == 0
+
+
+def render_engine(store: MetricStore) -> str:
+    from serve_app.metrics import render_families
+
+    return render_families([store.snapshot()]).decode()

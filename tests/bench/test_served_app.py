@@ -1,0 +1,62 @@
+"""bench/served_app.py and bench/bench_http.py helpers: env files, /proc addresses, the CPU
+table, variants (no server started here)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from bench.bench_http import parse_variant
+from bench.served_app import (
+    WORKER_PROCESS,
+    _address,
+    cpu_rows,
+    format_cpu_table,
+    is_loopback,
+    listening_ports,
+    read_env_file,
+    serving_share,
+)
+
+
+def test_env_files_parse_and_skip_comments(tmp_path) -> None:
+    path = tmp_path / "x.env"
+    path.write_text("# comment\n\nA=1\nB_C=x=y\n")
+    assert read_env_file(path) == {"A": "1", "B_C": "x=y"}
+    shipped = read_env_file()
+    assert shipped["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+
+
+def test_proc_addresses_and_loopback() -> None:
+    assert _address("0100007F") == "127.0.0.1" and _address("00000000") == "0.0.0.0"
+    assert _address("00000000000000000000000001000000") == "::1"
+    assert [is_loopback(a) for a in ("127.0.0.1", "0.0.0.0", "::", "::1", "::ffff:7f00:1")] == [
+        True, False, False, True, True]
+
+
+def test_listening_ports_of_this_process() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert port in listening_ports(os.getpid())
+    assert port not in listening_ports(os.getpid())
+
+
+def test_cpu_rows_share_and_table() -> None:
+    before = {1: (WORKER_PROCESS, 10.0), 2: ("ray::SchedulerActor", 1.0)}
+    after = {1: (WORKER_PROCESS, 100.0), 2: ("ray::SchedulerActor", 6.0), 3: ("gcs_server", 5.0)}
+    rows = cpu_rows(before, after)
+    assert [(r.name, r.cpu_s) for r in rows] == [(WORKER_PROCESS, 90.0), ("ray::SchedulerActor", 5.0),
+                                                 ("gcs_server", 5.0)]
+    assert abs(serving_share(rows) - 0.1) < 1e-9
+    table = format_cpu_table(rows)
+    assert "| ray::SchedulerActor | 2 | 5.0 | 5.0% |" in table and "**10.0%**" in table
+
+
+def test_variants() -> None:
+    shipped = parse_variant("shipped")
+    assert shipped.use_env_file and shipped.target == "proxy" and not shipped.env
+    variant = parse_variant("x:env-file=none,A=1,target=direct,arg.num_workers=1")
+    assert (variant.name, variant.env, variant.use_env_file, variant.target, variant.app_args) == (
+        "x", {"A": "1"}, False, "direct", {"num_workers": 1})
