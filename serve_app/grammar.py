@@ -45,7 +45,8 @@ _SUBSCHEMAS = ("items", "prefixItems", "anyOf", "allOf", "oneOf", "not", "additi
 
 
 def schema_spec(schema: dict[str, Any]) -> GrammarSpec:
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+    """Keys keep the client's order: properties are generated in the order the schema lists them."""
+    return GrammarSpec("json_schema", json.dumps(schema))
 
 
 def response_format_spec(response_format: ResponseFormat | None) -> GrammarSpec | None:
