@@ -11,6 +11,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on a request's output, as plain data (the worker compiles it).
+
+    The ingress validates it before it is submitted; equal specs share one compiled grammar.
+    """
+
+    kind: str  # "json_schema": source is a JSON Schema as JSON text; "lark": a Lark grammar (may embed %json)
+    source: str  # the schema or grammar text
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("json_schema", "lark"), self.kind
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16  # generated tokens at most (the scheduler also caps by max_model_len)
     temperature: float = 1.0  # 0 means greedy
@@ -25,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics, over generated tokens
     repetition_penalty: float = 1.0  # HF/vLLM semantics, over prompt and generated tokens
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob + top k
+    grammar: GrammarSpec | None = None  # structured output: only tokens the grammar allows are sampled
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1, self.max_tokens

@@ -18,18 +18,23 @@ from serve_app.logprobs import ChatLogprobs
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
+from serve_app.structured import ChoiceToolStreams, Constraints, chat_constraints, chat_message, with_grammar
+from serve_app.tools import render_for_template
 
 
-async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> GenerationRun:
+async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[GenerationRun, Constraints]:
     ctx.card.check_model(body.model)
     ctx.limits.check_choices(body.n, 1)
-    messages = [message.as_template_dict() for message in body.messages]
-    token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len)
-    params = to_sampling_params(body, len(token_ids), ctx.card, ctx.limits)
+    constraints = await chat_constraints(body, ctx)  # response_format, tools: 400s here
+    messages, tools = render_for_template([message.as_template_dict() for message in body.messages],
+                                          constraints.tools, ctx.tokenizer.chat_template_renders_tools)
+    token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len,
+                                                tools=tools)
+    params = with_grammar(to_sampling_params(body, len(token_ids), ctx.card, ctx.limits), constraints)
     run = ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings,
                         timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None)
     await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
-    return run
+    return run, constraints
 
 
 def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatLogprobs | None:
@@ -39,7 +44,7 @@ def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatL
 
 
 async def complete(body: ChatCompletionRequest, ctx: ServingContext) -> dict[str, Any]:
-    run = await prepare(body, ctx)
+    run, constraints = await prepare(body, ctx)
     results = await run.collect()
     builder = _logprobs_builder(body, ctx)
     return {
@@ -47,31 +52,32 @@ async def complete(body: ChatCompletionRequest, ctx: ServingContext) -> dict[str
         "object": "chat.completion",
         "created": int(ctx.clock()),
         "model": ctx.card.served_name,
-        "choices": [_choice_json(result, builder) for result in results],
+        "choices": [_choice_json(result, builder, constraints) for result in results],
         "usage": run.usage(),
     }
 
 
-def _choice_json(result: ChoiceResult, builder: ChatLogprobs | None) -> dict[str, Any]:
+def _choice_json(result: ChoiceResult, builder: ChatLogprobs | None, constraints: Constraints) -> dict[str, Any]:
     logprobs = None
     if builder is not None:
         logprobs = {"content": builder.format(result.logprobs), "refusal": None}
+    message, finish_reason = chat_message(result.text, result.finish_reason, constraints.tools)
     return {
         "index": result.index,
-        "message": {"role": "assistant", "content": result.text},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": result.finish_reason,
+        "finish_reason": finish_reason,
     }
 
 
 async def prepare_stream(body: ChatCompletionRequest, ctx: ServingContext) -> AsyncIterator[dict[str, Any]]:
     """Validates first (errors become plain 400s), then returns the chunk iterator."""
-    run = await prepare(body, ctx)
-    return _stream_chunks(body, ctx, run)
+    run, constraints = await prepare(body, ctx)
+    return _stream_chunks(body, ctx, run, ChoiceToolStreams.for_plan(constraints.tools))
 
 
-async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext,
-                         run: GenerationRun) -> AsyncIterator[dict[str, Any]]:
+async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext, run: GenerationRun,
+                         tool_streams: ChoiceToolStreams | None) -> AsyncIterator[dict[str, Any]]:
     envelope = ChunkEnvelope(run.response_id, "chat.completion.chunk", int(ctx.clock()), ctx.card.served_name,
                              body.include_usage)
     builder = _logprobs_builder(body, ctx)
@@ -88,8 +94,13 @@ async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext,
             logprobs = None
             if builder is not None and delta.logprobs:
                 logprobs = {"content": builder.format(delta.logprobs), "refusal": None}
-            if delta.text or logprobs or delta.finish_reason:
-                content = {"content": delta.text} if delta.text else {}
-                yield chunk(delta.index, content, logprobs, delta.finish_reason)
+            pieces, finish_reason = [{"content": delta.text}] if delta.text else [], delta.finish_reason
+            if tool_streams is not None:  # content, or tool-call deltas as OpenAI streams them
+                pieces, finish_reason = tool_streams.feed(delta.index, delta.text, delta.finish_reason)
+            if not pieces and (logprobs or finish_reason):
+                pieces = [{}]
+            for position, piece in enumerate(pieces):
+                last = position == len(pieces) - 1
+                yield chunk(delta.index, piece, logprobs if position == 0 else None, finish_reason if last else None)
     if body.include_usage:
         yield envelope.usage(run.usage())

@@ -18,6 +18,7 @@ from serve_app.logprobs import CompletionLogprobs
 from serve_app.protocol import CompletionRequest
 from serve_app.sampling import to_sampling_params
 from serve_app.sse import ChunkEnvelope
+from serve_app.structured import completion_constraints, with_grammar
 
 
 def split_prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -50,8 +51,10 @@ async def prepare(body: CompletionRequest, ctx: ServingContext) -> tuple[Generat
                           param="echo", code="unsupported")
     prompts = split_prompts(body)
     ctx.limits.check_choices(body.n, len(prompts))
+    constraints = await completion_constraints(body, ctx)  # response_format: 400s here
     token_lists = await prompt_token_ids(prompts, ctx)
-    params = [to_sampling_params(body, len(token_ids), ctx.card, ctx.limits) for token_ids in token_lists]
+    params = [with_grammar(to_sampling_params(body, len(token_ids), ctx.card, ctx.limits), constraints)
+              for token_ids in token_lists]
     echoes = [""] * len(prompts)
     if body.echo:  # the client's own text, or the decoded ids of a token prompt
         echoes = [p if isinstance(p, str) else await ctx.tokenizer.decode(p) for p in prompts]

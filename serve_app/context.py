@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from serve_app.choice_tracker import make_request_tracker
 from serve_app.engine_client import EngineClient
@@ -30,6 +30,7 @@ class ServingContext:
     limits: ServerLimits = field(default_factory=ServerLimits)  # body size, n, tokens, timeouts
     draining: bool = False  # set on shutdown: new generation requests get 503, /health 503
     observability: Observability | None = None  # metrics, request ids, logs; None: made by create_api
+    grammars: Any = None  # serve_app.grammar.GrammarValidator, made on the first structured-output request
 
     def start_run(
         self,

@@ -1,6 +1,9 @@
 """Pydantic models of the OpenAI request bodies we accept, plus /tokenize and /detokenize.
 
-Unknown fields are ignored (OpenAI clients send many we do not use). Types are strict
+Unknown fields are ignored (OpenAI clients send many we do not use), except the ones that
+would change what the output means and that we do not implement (REFUSED_FIELDS): those are
+declared, and a request that sets one gets a 400 naming it rather than silently ignored.
+Types are strict
 (a string where a number belongs is a 400, not a silent coercion), numbers must be finite,
 and every bound is validated here so that a bad value is a 400 with the field named.
 Cross-field rules that need the prompt length (context limits) live in sampling.py.
@@ -21,7 +24,28 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_K = 1 << 20  # above any vocabulary: the same as keeping every token
 MAX_TIMEOUT_S = 86_400.0  # the server's max_timeout_s clamps further
 
+MAX_TOOLS = 128  # functions in one chat request
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+# field -> why it is refused; set to anything but null (or its neutral value) it is a 400
+REFUSED_FIELDS = {
+    "logit_bias": "logit_bias is not supported",
+    "min_tokens": "min_tokens is not supported",
+    "guided_json": "guided_json is not supported; use response_format json_schema",
+    "guided_regex": "guided_regex is not supported",
+    "guided_choice": "guided_choice is not supported; use response_format json_schema with an enum",
+    "guided_grammar": "guided_grammar is not supported",
+    "structured_outputs": "structured_outputs is not supported; use response_format",
+    "functions": "functions is not supported; use tools",
+    "function_call": "function_call is not supported; use tool_choice",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "suffix": "suffix is not supported",
+    "best_of": "best_of other than n is not supported",
+}
+_NEUTRAL_VALUES = {"logit_bias": ({},), "min_tokens": (0,), "modalities": (["text"],), "suffix": ("",)}
 
 
 class _Body(BaseModel):
@@ -32,6 +56,24 @@ class StreamOptions(_Body):
     include_usage: bool = Field(
         False, description="Send a last chunk with usage (and no choices) before [DONE]."
     )
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=NAME_PATTERN, description="Name of the response format.")
+    description: str | None = Field(None, description="What the format is for (not shown to the model).")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON Schema; null: any JSON object.")
+    strict: bool | None = Field(None, description="True: the schema must follow OpenAI's strict-mode rules.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(description="Output format.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="The schema, for type json_schema.")
+
+    @model_validator(mode="after")
+    def _check_schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(_Body):
@@ -69,6 +111,16 @@ class _SamplingFields(_Body):
     stream: bool = Field(False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Options for streaming.")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema: output constrained by a grammar."
+    )
+    logit_bias: Any = Field(None, description="Refused: not supported.")
+    min_tokens: Any = Field(None, description="Refused: not supported.")
+    guided_json: Any = Field(None, description="Refused: use response_format.")
+    guided_regex: Any = Field(None, description="Refused: not supported.")
+    guided_choice: Any = Field(None, description="Refused: use response_format.")
+    guided_grammar: Any = Field(None, description="Refused: not supported.")
+    structured_outputs: Any = Field(None, description="Refused: use response_format.")
     timeout: float | None = Field(
         None, gt=0.0, le=MAX_TIMEOUT_S,
         description="Seconds until the server stops generating: unfinished choices end with "
@@ -96,6 +148,17 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, reason) of the first REFUSED_FIELDS entry this body sets, or None."""
+        for name, reason in REFUSED_FIELDS.items():
+            value = getattr(self, name, None)
+            if value is None or value in _NEUTRAL_VALUES.get(name, ()):
+                continue
+            if name == "best_of" and value == self.n:
+                continue
+            return name, reason
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     """Body of POST /v1/completions."""
@@ -111,6 +174,8 @@ class CompletionRequest(_SamplingFields):
         description="Return the sampled token's logprob and this many top alternatives.",
     )
     echo: bool = Field(False, description="Prepend the prompt text to each choice's text.")
+    suffix: Any = Field(None, description="Refused: not supported.")
+    best_of: Any = Field(None, description="Refused unless equal to n.")
 
     @field_validator("prompt")
     @classmethod
@@ -149,6 +214,27 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=NAME_PATTERN, description="The function's name.")
+    description: str | None = Field(None, description="What the function does (shown to the model).")
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments; null: none.")
+    strict: bool | None = Field(None, description="True: parameters must follow OpenAI's strict-mode rules.")
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"] = Field(description="Only function tools are supported.")
+    function: FunctionDefinition = Field(description="The function.")
+
+
+class NamedFunction(_Body):
+    name: str = Field(description="The function the model must call.")
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = Field(description="Only function tools are supported.")
+    function: NamedFunction = Field(description="The function the model must call.")
+
+
 class ChatCompletionRequest(_SamplingFields):
     """Body of POST /v1/chat/completions."""
 
@@ -166,6 +252,17 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = Field(
         True, description="End the templated prompt with the assistant header."
     )
+    tools: list[ToolDefinition] | None = Field(
+        None, max_length=MAX_TOOLS, description="Functions the model may call (rendered into the prompt)."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools), required, or a named function."
+    )
+    parallel_tool_calls: bool = Field(True, description="False: at most one tool call per choice.")
+    functions: Any = Field(None, description="Refused: use tools.")
+    function_call: Any = Field(None, description="Refused: use tool_choice.")
+    audio: Any = Field(None, description="Refused: only text output.")
+    modalities: Any = Field(None, description="Refused unless ['text'].")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

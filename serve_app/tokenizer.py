@@ -89,20 +89,28 @@ class TokenizerService:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_length)
         return list(ids)
 
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the chat template renders a `tools` argument itself (else serve_app/tools.py does)."""
+        return "tools" in str(getattr(self.tokenizer, "chat_template", None) or "")
+
     async def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, max_length: int | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, max_length: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render the model's chat template, then tokenize (the template holds the specials)."""
-        return await self._run(self._encode_chat_sync, messages, add_generation_prompt, max_length)
+        return await self._run(self._encode_chat_sync, messages, add_generation_prompt, max_length, tools)
 
     def _encode_chat_sync(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, max_length: int | None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, max_length: int | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError("this model has no chat template; use /v1/completions", code="no_chat_template")
+        extra = {} if tools is None else {"tools": tools}  # templates without tools never see the argument
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as error:  # jinja raises on templates' own checks (role order, ...)
             raise OpenAIError(f"the chat template rejected the messages: {error}", param="messages") from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from scheduler.outputs import (
 from scheduler.sampling_params import SamplingParams
 from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
+from workers.grammar import GrammarMatchers
 from workers.kernels import resolve_attention_backend_name
 from workers.loader import load_weights, resolve_model_path
 from workers.model import AttentionMetadata, KVCache
@@ -111,6 +113,7 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[int]  # block table
     num_computed_tokens: int  # tokens whose KV is in the pool
+    matcher: Any = None  # grammar matcher (workers/grammar.py) of a structured-output request; None: unconstrained
 
 
 @dataclass(slots=True)
@@ -167,6 +170,8 @@ class ModelRunner:
                 self.model, self.kv_caches, tuple(config.cuda_graph_batch_sizes), max_blocks_per_seq, capture=True
             )
         self.sampler = Sampler(config.seed, self.device)
+        self.grammars = GrammarMatchers(self.model_path, self.model_config.vocab_size,
+                                        self.model_config.eos_token_ids, torch.get_num_threads())
         self.requests: dict[str, RequestState] = {}
         self.last_timing = StepTiming()
 
@@ -231,6 +236,7 @@ class ModelRunner:
             self._update_cached(cached)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
+        grammar = new.sampling_params.grammar  # a resumed request replays its output through a new matcher
         return RequestState(
             request_id=new.request_id,
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -238,6 +244,7 @@ class ModelRunner:
             sampling_params=new.sampling_params,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            matcher=None if grammar is None else self.grammars.new_matcher(grammar, new.output_token_ids),
         )
 
     def reset(self) -> None:
@@ -321,17 +328,22 @@ class ModelRunner:
             )
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> ModelRunnerOutput:
+        constrained = [row for row, state in enumerate(states) if state.matcher is not None]
         batch = SamplingBatch(
             params=[state.sampling_params for state in states],
             output_positions=[len(state.token_ids) - state.num_prompt_tokens for state in states],
             token_ids=[state.token_ids for state in states],
             num_prompt_tokens=[state.num_prompt_tokens for state in states],
+            allowed_tokens=self.grammars.allowed_tokens(
+                constrained, [states[row].matcher for row in constrained], logits.device) if constrained else None,
         )
         result = self.sampler.sample(logits, batch)
         sampled: dict[str, int] = {}
         logprobs = {}
         for state, token_id, token_logprobs in zip(states, result.token_ids, result.logprobs):
             state.token_ids.append(token_id)
+            if state.matcher is not None:
+                self.grammars.accept(state.matcher, token_id)
             sampled[state.request_id] = token_id
             if token_logprobs is not None:
                 logprobs[state.request_id] = token_logprobs

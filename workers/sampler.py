@@ -5,6 +5,7 @@ Order of operations per row (rows only pay for what their params ask):
     raw logits --> logprobs (log_softmax of the RAW logits, sampled token + top-k)
        |
        +-> penalties: repetition (prompt + output, HF/vLLM), presence and frequency (output, OpenAI)
+       +-> grammar rows: tokens their grammar forbids -> -inf (a bitmask per constrained row)
        +-> greedy rows: argmax
        +-> other rows: / temperature -> top-k -> top-p -> min-p -> softmax -> draw
 
@@ -48,6 +49,26 @@ class SamplingBatch:
     output_positions: list[int]  # output index of the token sampled now (= tokens generated so far)
     token_ids: list[Sequence[int]]  # prompt + output ids so far (read only; for penalties)
     num_prompt_tokens: list[int]  # where the prompt ends inside token_ids
+    allowed_tokens: AllowedTokens | None = None  # the rows under a grammar and their bitmask; None: no row is
+
+
+@dataclass(slots=True)
+class AllowedTokens:
+    """Which tokens each grammar-constrained row may sample (workers/grammar.py fills it)."""
+
+    rows: torch.Tensor  # [num_constrained] int64 logits rows under a grammar
+    bitmask: torch.Tensor  # [num_constrained, ceil(vocab / 32)] int32; bit t % 32 of word t // 32: token t allowed
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """A copy of logits with the tokens each constrained row may not sample set to -inf."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    unpacked = (allowed.bitmask.unsqueeze(-1) >> bits) & 1  # [rows, words, 32]
+    forbidden = unpacked.view(allowed.bitmask.shape[0], -1)[:, :vocab] == 0
+    logits = logits.clone()
+    logits[allowed.rows] = logits[allowed.rows].masked_fill_(forbidden, float("-inf"))
+    return logits
 
 
 @dataclass(slots=True)
@@ -69,6 +90,8 @@ class Sampler:
         logprobs = self._logprobs_rows(logits, params)  # before anything touches the logits
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, batch)
+        if batch.allowed_tokens is not None:
+            logits = apply_allowed_tokens(logits, batch.allowed_tokens)
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
