@@ -88,7 +88,8 @@ PARSE_CASES = [  # (model, prompt): 5 prompts for each of 4 schemas
 
 @pytest.fixture(scope="module")
 def smollm2_url(server) -> Iterator[str]:
-    """The default model as a second Serve app on the tiny server's proxy (same Ray cluster)."""
+    """The default model as a second Serve app in the session's Ray, at its ingress replica's own
+    port (the shipped data plane), under its route prefix."""
     from ray import serve
 
     from serve_app.app import build_app
@@ -97,7 +98,7 @@ def smollm2_url(server) -> Iterator[str]:
                      "block_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 32, "worker_num_cpus": 1})
     serve.run(app, name=APP_NAME, route_prefix=ROUTE)
     try:
-        yield f"{server.url}{ROUTE}"
+        yield f"{server.direct_url_of(APP_NAME)}{ROUTE}"
     finally:
         serve.delete(APP_NAME)
 
