@@ -29,6 +29,8 @@ KNOBS = (  # (cell, knob on, knob off, what the knob buys)
     ("shared-prefix", "ours-1worker", "ours-no-prefix-cache", "prefix caching"),
     ("long-prompt", "ours-1worker", "ours-no-chunked-prefill", "chunked prefill"),
     ("shared-prefix", "ours-2w-prefix-aware", "ours-2w-round-robin", "prefix-aware routing (2 workers)"),
+    ("c16", "ours", "ours-1w2t", "2 workers x 1 thread (shipped) vs 1 worker x 2 threads"),
+    ("c1", "ours", "ours-1w2t", "2 workers x 1 thread (shipped) vs 1 worker x 2 threads"),
 )
 
 

@@ -112,8 +112,19 @@ def create_worker(
         num_gpus=resources.num_gpus,
         max_restarts=max_restarts,
         scheduling_strategy=scheduling_strategy,
-        # PASSIVE: idle OpenMP threads sleep instead of spinning, so between steps they leave
-        # the cores to the ingress and scheduler (spinning made steps 5-8x slower under load).
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                  "OMP_WAIT_POLICY": "PASSIVE"}},
+        runtime_env={"env_vars": openmp_env(resources.num_threads)},
     ).remote(config)
+
+
+def openmp_env(num_threads: int) -> dict[str, str]:
+    """The worker's OpenMP settings. PASSIVE: idle threads sleep instead of spinning, so between
+    steps they leave the cores to the ingress and scheduler (unbounded spinning made steps 5-8x
+    slower under load). With 2+ threads, a bounded spin (GOMP_SPINCOUNT) before sleeping: a step
+    runs hundreds of parallel regions, and waking sleeping threads for each cost more than the
+    second thread gave (bench_runner --breakdown, bf16, 2 threads: batch 1 18.8 -> 10.7 ms,
+    batch 16 46.8 -> 36.3 ms)."""
+    threads = str(num_threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OMP_WAIT_POLICY": "PASSIVE"}
+    if num_threads > 1:
+        env["GOMP_SPINCOUNT"] = "100000"
+    return env
