@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
-source scripts/serve-env.sh
+source scripts/serve-env.sh deploy/serve.env  # explicit: a bare `source` passes our own args on as its file
 exec .venv/bin/serve run "${@:-deploy/serve.yaml}"

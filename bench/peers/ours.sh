@@ -11,7 +11,8 @@ PORT=${PORT:-8000}
 cd "$REPO_ROOT"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-source scripts/serve-env.sh  # the serving environment of deploy/serve.env, as scripts/serve.sh exports it
+# explicit file: a bare `source` would pass our KEY=VALUE args on as its file
+source scripts/serve-env.sh deploy/serve.env  # the serving environment, as scripts/serve.sh exports it
 CONFIG=$PEERS_DIR/ours.yaml
 .venv/bin/python - "$CONFIG" "$PORT" "$MODEL" "$@" <<'PYEOF'
 import sys
