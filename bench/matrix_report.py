@@ -31,6 +31,8 @@ KNOBS = (  # (cell, knob on, knob off, what the knob buys)
     ("shared-prefix", "ours-2w-prefix-aware", "ours-2w-round-robin", "prefix-aware routing (2 workers)"),
     ("c16", "ours", "ours-1w2t", "2 workers x 1 thread (shipped) vs 1 worker x 2 threads"),
     ("c1", "ours", "ours-1w2t", "2 workers x 1 thread (shipped) vs 1 worker x 2 threads"),
+    ("c16", "ours", "ours-chunk256", "512-token steps (shipped) vs 256"),
+    ("long-prompt", "ours", "ours-chunk256", "512-token steps (shipped) vs 256"),
 )
 
 
@@ -205,6 +207,11 @@ def plots(data: dict[str, dict[str, list[dict]]], plot_dir: Path) -> list[str]:
     return written
 
 
+def _runs_text(data: dict[str, dict[str, list[dict]]]) -> str:
+    counts = sorted({len(runs) for cells in data.values() for runs in cells.values()})
+    return " to ".join(str(c) for c in (counts[0], counts[-1]) if c) if counts[0] != counts[-1] else str(counts[0])
+
+
 def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype: str = "float32") -> str:
     from bench.matrix import CELLS, SERVERS
 
@@ -221,8 +228,9 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
         f"- Command: `.venv/bin/python -m bench.matrix --dtype {dtype}` (servers one at a time, each started by its "
         "launcher in `bench/peers/` with DTYPE set, and stopped before the next; the client is "
         "`bench/serving_client.py`).",
-        "- Every cell ran twice (run r uses seed r: the same prompts for every server); each number is "
-        "`run 1 / run 2`. Load average is the 1-minute load at the start and end of each run, on 2 cores.",
+        f"- Runs per cell: {_runs_text(data)} (run r uses seed r: the same prompts for every server); with "
+        "several, each number is `run 1 / run 2`. Load average is the 1-minute load at the start and end "
+        "of each run, on 2 cores.",
         "",
         "Servers:",
         "",
@@ -232,7 +240,7 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
     lines += _table(["server", "what", "launcher"], rows) + ["", "Workloads (streaming /v1/completions, greedy):", ""]
     rows = [[c.name, c.what, str(c.num_prompts)] for c in CELLS.values()]
     lines += _table(["cell", "what", "requests (hf: at most 16)"], rows) + [""]
-    lines += ["### Targets (issues 13 and 14), means of both runs", ""]
+    lines += ["### Targets (issues 13 and 14), means of the runs", ""]
     lines += _table(["target", "ours / peer", ""], target_rows(data)) + [""]
     for cell in CELLS:
         by_server = {s: cells[cell] for s, cells in data.items() if cell in cells and not s.startswith("ours-")}
