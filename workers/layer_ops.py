@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 from workers.rope import RotaryEmbedding, apply_rotary
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class TorchOps:
@@ -54,23 +53,16 @@ class NativeOps:
     name = "native"
 
     def __init__(self) -> None:
-        from workers.kernels.native import native_library
-
         self.library = native_library()
-
-    @staticmethod
-    def _check(status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what} failed with status {status}")
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Adds delta into residual IN PLACE, and returns (residual, its RMSNorm times weight)."""
-        assert residual.is_contiguous() and (delta is None or delta.is_contiguous()) and residual.dtype in _DTYPES
+        assert residual.is_contiguous() and (delta is None or delta.is_contiguous()) and residual.dtype in DTYPE_CODES
         out = torch.empty_like(residual)
-        self._check(self.library.rayllm_add_rms_norm(
+        check_status(self.library.rayllm_add_rms_norm(
             residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-            residual.shape[0], residual.shape[1], eps, _DTYPES[residual.dtype], torch.get_num_threads(),
+            residual.shape[0], residual.shape[1], eps, DTYPE_CODES[residual.dtype], torch.get_num_threads(),
         ), "rayllm_add_rms_norm")
         return residual, out
 
@@ -79,9 +71,9 @@ class NativeOps:
         """Rotates q and k inside qkv IN PLACE; returns the q, k and v views."""
         num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
         assert qkv.is_contiguous() and positions.dtype == torch.int64
-        self._check(self.library.rayllm_rope(
+        check_status(self.library.rayllm_rope(
             qkv.data_ptr(), positions.data_ptr(), rope.cos_f32.data_ptr(), rope.signed_sin_f32.data_ptr(),
-            num_tokens, num_heads, num_kv_heads, head_dim, _DTYPES[qkv.dtype], torch.get_num_threads(),
+            num_tokens, num_heads, num_kv_heads, head_dim, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
         ), "rayllm_rope")
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
         return (qkv[:, :q_width].view(num_tokens, num_heads, head_dim),
@@ -92,8 +84,8 @@ class NativeOps:
         assert gate_up.is_contiguous()
         num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_rows, width, dtype=gate_up.dtype)
-        self._check(self.library.rayllm_silu_mul(
-            gate_up.data_ptr(), out.data_ptr(), num_rows, width, _DTYPES[gate_up.dtype], torch.get_num_threads(),
+        check_status(self.library.rayllm_silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), num_rows, width, DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
         ), "rayllm_silu_mul")
         return out
 
@@ -103,10 +95,8 @@ LAYER_OPS = ("torch", "native")
 
 def select_layer_ops(name: str | None, device: str | torch.device, dtype: torch.dtype) -> TorchOps | NativeOps:
     """None picks "native" on CPU (fp32/bf16) where the C kernels build, else "torch"."""
-    from workers.kernels.native import native_available
-
     device = torch.device(device)
-    usable = device.type == "cpu" and dtype in _DTYPES
+    usable = device.type == "cpu" and dtype in DTYPE_CODES
     if name is None:
         name = "native" if usable and native_available() else "torch"
     if name == "torch":

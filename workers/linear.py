@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
+
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class TorchLinear:
@@ -71,8 +72,6 @@ class NativeLinear:
     name = "native"
 
     def __init__(self) -> None:
-        from workers.kernels.native import native_library
-
         self.library = native_library()
         self.onednn = OneDnnLinear()
 
@@ -95,12 +94,10 @@ class NativeLinear:
         (num_rows, width), out_features = x.shape, weight.shape[0]
         assert weight.shape[1] == width and x.dtype == weight.dtype
         out = torch.empty(num_rows, out_features, dtype=out_dtype)
-        status = self.library.rayllm_gemv(
+        check_status(self.library.rayllm_gemv(
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            num_rows, out_features, width, _DTYPES[x.dtype], _DTYPES[out_dtype], torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"rayllm_gemv failed with status {status}")
+            num_rows, out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
+        ), "rayllm_gemv")
         return out
 
 
@@ -118,8 +115,6 @@ def select_linear_backend(name: str | None, device: str | torch.device,
                           dtype: torch.dtype) -> TorchLinear | OneDnnLinear | NativeLinear:
     """None picks native (oneDNN + our GEMV) where both are available (CPU, fp32/bf16, a C
     compiler), else oneDNN on CPU, else torch."""
-    from workers.kernels.native import native_available
-
     device = torch.device(device)
     if name is None:
         if onednn_available(device, dtype):

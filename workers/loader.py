@@ -224,7 +224,7 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     """Our PagedLlamaModel with the safetensors weights of model_dir.
 
     attention_backend: a resolved name (see workers.kernels.resolve_attention_backend_name);
-    linear_backend: see workers.linear (None: oneDNN-prepacked on CPU, F.linear elsewhere);
+    linear_backend: see workers.linear (None: oneDNN-prepacked plus our GEMV on CPU, F.linear elsewhere);
     layer_ops: see workers.layer_ops (None: our C kernels on CPU, torch elsewhere)."""
     from workers.kernels import get_attention_backend
     from workers.layer_ops import select_layer_ops

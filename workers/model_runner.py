@@ -71,7 +71,7 @@ class RunnerConfig:
     kv_cache_memory_bytes: int = 1 << 30  # KV pool budget over all layers when num_blocks is None
     max_model_len: int | None = None  # None: the model's own limit (see ModelConfig.max_model_len)
     attention_backend: str | None = None  # "cpu" | "torch" | "triton" | None: see workers.kernels.resolve_attention_backend_name
-    linear_backend: str | None = None  # "torch" | "onednn" | None (onednn-prepacked on CPU, torch otherwise)
+    linear_backend: str | None = None  # "torch" | "onednn" | "native" | None (see workers.linear.select_linear_backend)
     layer_ops: str | None = None  # "torch" | "native" | None (our fused C kernels on CPU, torch otherwise)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seed of the generator shared by unseeded requests

@@ -27,11 +27,10 @@ import ctypes
 
 import torch
 
-from workers.kernels.native import AttentionArgs, native_library
+from workers.kernels.native import DTYPE_CODES, AttentionArgs, check_status, native_library
 
 __all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention", "write_kv_cache"]
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
 MAX_HEADS = 256
@@ -45,7 +44,7 @@ def _pack(dtype: torch.dtype) -> int:
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
     """Whether the kernel handles this model shape and dtype (else use the torch reference)."""
     return (
-        dtype in _DTYPES and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE and num_heads <= MAX_HEADS
+        dtype in DTYPE_CODES and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE and num_heads <= MAX_HEADS
         and num_heads % num_kv_heads == 0 and head_dim % _pack(dtype) == 0 and block_size % _pack(dtype) == 0
     )
 
@@ -106,12 +105,10 @@ def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
     if num_tokens == 0:
         return
-    status = native_library().rayllm_write_kv(
+    check_status(native_library().rayllm_write_kv(
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_stride,
-        slots, num_tokens, num_kv_heads, head_dim, block_size, _DTYPES[k.dtype], torch.get_num_threads(),
-    )
-    if status != 0:
-        raise RuntimeError(f"rayllm_write_kv failed with status {status}")
+        slots, num_tokens, num_kv_heads, head_dim, block_size, DTYPE_CODES[k.dtype], torch.get_num_threads(),
+    ), "rayllm_write_kv")
 
 
 def paged_attention(
@@ -175,10 +172,8 @@ class CpuStepAttention:
         a.num_heads, a.num_kv_heads, a.head_dim, a.block_size = num_heads, num_kv_heads, head_dim, block_size
         a.q_stride_token, a.q_stride_head, a.out_stride_token, a.out_stride_head = (
             q.stride(0), q.stride(1), out.stride(0), out.stride(1))
-        a.block_stride, a.dtype = block_stride, _DTYPES[q.dtype]
-        status = self.function(ctypes.byref(a))
-        if status != 0:
-            raise RuntimeError(f"rayllm_paged_attention failed with status {status}")
+        a.block_stride, a.dtype = block_stride, DTYPE_CODES[q.dtype]
+        check_status(self.function(ctypes.byref(a)), "rayllm_paged_attention")
         return out
 
 

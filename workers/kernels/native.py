@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch  # loaded before our library, so it binds to torch's libgomp (see above)
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -106,8 +108,6 @@ def build(target_dir: Path | None = None) -> Path:
 @functools.cache
 def native_library() -> ctypes.CDLL:
     """The loaded kernel library (built on first use); NativeBuildError if that fails."""
-    import torch  # noqa: F401  (loads torch's libgomp first, so ours binds to it)
-
     path = build()
     try:
         library = ctypes.CDLL(str(path))
@@ -115,6 +115,15 @@ def native_library() -> ctypes.CDLL:
         raise NativeBuildError(f"loading the CPU kernels from {path} failed: {error}") from error
     _declare(library)
     return library
+
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype argument of every entry point (csrc/simd.h)
+
+
+def check_status(status: int, entry_point: str) -> None:
+    """Every entry point returns 0, or an error code (bad arguments, out of memory)."""
+    if status != 0:
+        raise RuntimeError(f"{entry_point} failed with status {status}")
 
 
 def native_available() -> bool:

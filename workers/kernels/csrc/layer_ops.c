@@ -18,19 +18,6 @@
 
 #include "simd.h"
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float load(const void *base, int64_t i, int dtype) {
-    return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
-}
-
-static inline void store(void *base, int64_t i, float value, int dtype) {
-    if (dtype == DTYPE_F32)
-        ((float *)base)[i] = value;
-    else
-        ((uint16_t *)base)[i] = f32_to_bf16(value);
-}
-
 #define MAX_WIDTH 16384 /* hidden or intermediate size, at most (one row of fp32 scratch per thread) */
 
 /* One row of add_rms_norm; returns nothing, writes residual (the sum) and out. */
@@ -55,10 +42,11 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
     sum_squares = _mm512_reduce_add_ps(squares);
 #endif
     for (; i < hidden; i++) {
-        float x = load(residual, i, dtype);
+        float x = load_element(residual, i, dtype);
         if (delta) {
-            x = bf16 ? bf16_to_f32(f32_to_bf16(x + load(delta, i, dtype))) : x + load(delta, i, dtype);
-            store(residual, i, x, dtype);
+            const float sum = x + load_element(delta, i, dtype);
+            x = bf16 ? bf16_to_f32(f32_to_bf16(sum)) : sum;
+            store_element(residual, i, x, dtype);
         }
         sum_squares += x * x;
     }
@@ -71,7 +59,8 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
         store16((char *)out + i * elem, _mm512_mul_ps(_mm512_mul_ps(x, scale), load16((const char *)weight + i * elem, bf16)), bf16);
     }
 #endif
-    for (; i < hidden; i++) store(out, i, load(residual, i, dtype) * inv_rms * load(weight, i, dtype), dtype);
+    for (; i < hidden; i++)
+        store_element(out, i, load_element(residual, i, dtype) * inv_rms * load_element(weight, i, dtype), dtype);
 }
 
 /* residual[t] += delta[t] (when delta is not NULL); out[t] = residual[t] / rms(residual[t]) * weight.
@@ -100,10 +89,10 @@ int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const flo
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) { /* q heads, then k heads */
             const int64_t at = t * row_width + h * head_dim;
             float x[1024];
-            for (int64_t i = 0; i < head_dim; i++) x[i] = load(qkv, at + i, dtype);
+            for (int64_t i = 0; i < head_dim; i++) x[i] = load_element(qkv, at + i, dtype);
             for (int64_t i = 0; i < head_dim; i++) {
                 const float swapped = i < half ? x[i + half] : x[i - half];
-                store(qkv, at + i, x[i] * c[i] + swapped * s[i], dtype);
+                store_element(qkv, at + i, x[i] * c[i] + swapped * s[i], dtype);
             }
         }
     }
@@ -128,8 +117,8 @@ int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t wi
         }
 #endif
         for (; i < width; i++) {
-            const float g = load(gate, i, dtype), u = load(up, i, dtype);
-            store(dst, i, g / (1.0f + expf(-g)) * u, dtype);
+            const float g = load_element(gate, i, dtype), u = load_element(up, i, dtype);
+            store_element(dst, i, g / (1.0f + expf(-g)) * u, dtype);
         }
     }
     return 0;
@@ -191,9 +180,10 @@ static void gemv_columns(const void *x, const void *w, const void *bias, void *o
                                              : gemv_row(x, wn, m, 4, K, dtype, acc);
             for (int j = 0; j < mm; j++) {
                 float sum = _mm512_reduce_add_ps(acc[j]);
-                for (int64_t k = k_done; k < K; k++) sum += load(x, (m + j) * K + k, dtype) * load(w, n * K + k, dtype);
-                if (bias) sum += load(bias, n, dtype);
-                store(out, (m + j) * N + n, sum, out_dtype);
+                for (int64_t k = k_done; k < K; k++)
+                    sum += load_element(x, (m + j) * K + k, dtype) * load_element(w, n * K + k, dtype);
+                if (bias) sum += load_element(bias, n, dtype);
+                store_element(out, (m + j) * N + n, sum, out_dtype);
             }
         }
     }
@@ -203,9 +193,9 @@ static void gemv_columns(const void *x, const void *w, const void *bias, void *o
                          int64_t n1, int64_t N, int64_t K, int dtype, int out_dtype) {
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < rows; m++) {
-            float sum = bias ? load(bias, n, dtype) : 0.0f;
-            for (int64_t k = 0; k < K; k++) sum += load(x, m * K + k, dtype) * load(w, n * K + k, dtype);
-            store(out, m * N + n, sum, out_dtype);
+            float sum = bias ? load_element(bias, n, dtype) : 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += load_element(x, m * K + k, dtype) * load_element(w, n * K + k, dtype);
+            store_element(out, m * N + n, sum, out_dtype);
         }
 }
 #endif

@@ -48,9 +48,8 @@
 #define MAX_ROWS 256     /* rows per task, at most (one query of up to 256 heads) */
 #define ROWS_PER_TASK 64 /* a prefill tile takes max(1, ROWS_PER_TASK / num_heads) queries */
 #define CHUNK 16         /* keys scored together */
-#define NEG_BIG (-1.0e30f) /* "minus infinity" that stays finite under -ffast-math */
+#define NEG_BIG (-1.0e30f) /* a finite "minus infinity": e^(NEG_BIG - m) is 0, with no inf - inf */
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
 typedef struct {
     const void *q;   /* [num_tokens, num_heads, head_dim], strides below */
@@ -85,10 +84,6 @@ typedef struct {
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
     float m[MAX_ROWS], l[MAX_ROWS], correction[MAX_ROWS];
 } Scratch;
-
-static inline float element(const void *base, int64_t i, int dtype) {
-    return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
-}
 
 static inline int64_t pack_of(int dtype) { return dtype == DTYPE_BF16 ? 2 : 1; }
 
@@ -176,7 +171,7 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
             float dot = 0.0f;
             for (int64_t d = 0; d < D; d++) {
                 const float q = a->dtype == DTYPE_F32 ? w->qf[r][d] : bf16_to_f32(w->qb[r][d]) * a->scale;
-                dot += q * element(kb, k_offset(a, g, slot0 + j, d), a->dtype);
+                dot += q * load_element(kb, k_offset(a, g, slot0 + j, d), a->dtype);
             }
             s[j] = dot;
         }
@@ -185,7 +180,7 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
             float sum = w->acc[r][d] * w->correction[r];
             for (int64_t j = 0; j < visible; j++) {
                 const float p = a->dtype == DTYPE_F32 ? w->p[r][j] : bf16_to_f32(w->pb[r][j]);
-                sum += p * element(vb, v_offset(a, g, slot0 + j, d), a->dtype);
+                sum += p * load_element(vb, v_offset(a, g, slot0 + j, d), a->dtype);
             }
             w->acc[r][d] = sum;
         }

@@ -1,4 +1,5 @@
-/* Shared by the kernels: bf16 <-> fp32 and a vectorised exp (AVX-512 where the CPU has it). */
+/* Shared by the kernels: dtype codes, bf16 <-> fp32, element access and a vectorised exp
+ * (AVX-512 where the CPU has it). */
 #ifndef RAYLLM_SIMD_H
 #define RAYLLM_SIMD_H
 #include <stdint.h>
@@ -19,6 +20,20 @@ static inline uint16_t f32_to_bf16(float f) {
     memcpy(&bits, &f, sizeof bits);
     bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(bits >> 16);
+}
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 }; /* the dtype codes every entry point takes */
+
+/* Element i of a tensor of either dtype, as fp32, and back (bf16: rounded to nearest even). */
+static inline float load_element(const void *base, int64_t i, int dtype) {
+    return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+static inline void store_element(void *base, int64_t i, float value, int dtype) {
+    if (dtype == DTYPE_F32)
+        ((float *)base)[i] = value;
+    else
+        ((uint16_t *)base)[i] = f32_to_bf16(value);
 }
 
 #ifdef __AVX512F__
