@@ -243,7 +243,7 @@ class OpenAIIngress:
         by the health monitor's poll, for /metrics and /v1/server_info (Serve's proxy echoes
         x-request-id)."""
         fetchers = [scheduler.published_stats.remote for scheduler in schedulers]
-        engine_stats = EngineStatsCache(fetchers, poll_interval_s=self._args.metrics_poll_interval_s)
+        engine_stats = EngineStatsCache(fetchers)  # refreshed by the health monitor's poll
         metrics = IngressMetrics([RayMetrics(INGRESS_METRICS)])
         return Observability(metrics=metrics, engine_stats=engine_stats, echo_request_id=False)
 

@@ -2,7 +2,7 @@
 
     ingress replica                                     scheduler actor(s)
       IngressMetrics -> MetricStore (+ RayMetrics)        EngineMetrics -> MetricStore (+ RayMetrics)
-      EngineStatsCache  <-- published_stats() every poll_interval_s, in the background
+      EngineStatsCache  <-- published_stats(), refreshed by the HealthMonitor's poll (fetch_status)
       GET /metrics: render(ingress snapshot + cached engine snapshot)  (never calls the engine)
 
 With N ingress replicas behind Serve's proxy, one /metrics answer shows the replica that
@@ -37,7 +37,6 @@ from scheduler.metrics import (
     MetricStore,
     PublishedStats,
 )
-from serve_app.periodic import PeriodicTask
 from serve_app.sharding import merge_statuses
 
 logger = logging.getLogger(__name__)
@@ -94,7 +93,9 @@ class IngressMetrics:
 
 
 class EngineStatsCache:
-    """The latest published stats of every scheduler shard, refreshed in the background.
+    """The latest published stats of every scheduler shard. The ingress's HealthMonitor polls
+    fetch_status(), so one call per shard and period refreshes /health, /metrics and
+    /v1/server_info alike.
 
     Readers (/metrics, /v1/server_info) take `latest` and `text` as they are and never wait
     on a fetch. `text`, the engine's metrics in Prometheus text, is rendered once per refresh
@@ -104,19 +105,16 @@ class EngineStatsCache:
     def __init__(
         self,
         fetchers: Sequence[Callable[[], Awaitable[PublishedStats]]],
-        poll_interval_s: float = 1.0,
         timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fetchers = list(fetchers)  # one per shard
-        self._poll_interval_s = poll_interval_s
         self._timeout_s = timeout_s
         self._clock = clock
         self.latest: list[PublishedStats | None] = [None] * len(self._fetchers)  # by shard
         self._fetched_at: list[float | None] = [None] * len(self._fetchers)  # clock() per shard
         self.last_error: str | None = None
         self.text = b""  # the merged engine families of `latest`, in Prometheus text
-        self._poller = PeriodicTask(self.refresh, self._poll_interval_s)
         self._render_executor: ThreadPoolExecutor | None = None
 
     def age_s(self) -> float | None:
@@ -153,12 +151,6 @@ class EngineStatsCache:
             raise RuntimeError(self.last_error)
         statuses = [stats.status for stats in self.latest if stats is not None]
         return statuses[0] if len(statuses) == 1 else merge_statuses(statuses)
-
-    def start(self) -> None:
-        self._poller.start()
-
-    async def stop(self) -> None:
-        await self._poller.stop()
 
 
 # --- Prometheus text ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A coroutine run every few seconds on the replica's event loop, until stopped.
 
-HealthMonitor and EngineStatsCache both keep published state fresh this way, so /health
-and /metrics answer from memory and never wait on the engine.
+HealthMonitor keeps published state fresh this way (its poll also refreshes the
+EngineStatsCache), so /health and /metrics answer from memory and never wait on the engine.
 """
 
 from __future__ import annotations
