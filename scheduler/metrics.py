@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from scheduler.outputs import FinishReason
 from scheduler.router import RouteOutcome
 from scheduler.stats import RequestStats, StepStats
 
@@ -33,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "rayllm_"
 Kind = Literal["counter", "gauge", "histogram"]
-FINISH_REASONS = ("stop", "length", "abort", "error", "mixed")  # RequestStats.finish_reason values
+# RequestStats.finish_reason values: a sequence's own reasons, plus "error" (the engine failed
+# it, RequestStream.fail) and "mixed" (n>1 choices that finished differently)
+FINISH_REASONS = (*(reason.value for reason in FinishReason), "error", "mixed")
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
