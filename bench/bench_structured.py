@@ -40,6 +40,7 @@ import time  # noqa: E402
 
 from bench import datasets  # noqa: E402
 from bench.bench_http import load_avg  # noqa: E402
+from bench.matrix import port_free  # noqa: E402
 from bench.metrics import calculate_metrics  # noqa: E402
 from bench.serving_client import RunConfig, fetch_models, run_requests  # noqa: E402
 
@@ -55,16 +56,6 @@ APP_NAME = "rayllm-bench-structured"
 SHIPPED_APP_ARGS = {"num_workers": 2, "worker_num_cpus": 0.75, "worker_num_threads": 1,
                     "max_num_batched_tokens": 512, "enable_prefix_caching": False}
 
-
-
-def check_port_free(port: int) -> None:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            raise SystemExit(f"127.0.0.1:{port} is in use; pick another --port") from None
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -99,7 +90,8 @@ def http_phase(args: argparse.Namespace) -> list[dict]:
 
     from serve_app.app import build_app
 
-    check_port_free(args.port)
+    if not port_free(args.port):
+        raise SystemExit(f"127.0.0.1:{args.port} is in use; pick another --port")
     base_url = f"http://127.0.0.1:{args.port}"
     tokenizer = datasets.PromptTokenizer(_tokenizer_path(args.model))
     runs = []
