@@ -94,7 +94,7 @@ ALL_CELLS = tuple(CELLS)
 _ONE_WORKER = ("num_workers=1", "worker_num_cpus=1", "worker_num_threads=1", "max_num_batched_tokens=2048")
 _TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1", "max_num_batched_tokens=2048")
 SERVERS: dict[str, Server] = {s.name: s for s in [
-    Server("ours", "our server, deploy/serve.yaml as shipped (2 workers x 1 torch thread, 512-token steps)",
+    Server("ours", "our server, deploy/serve.yaml as shipped (2 workers x 1 torch thread, 2048-token steps, 512 per prompt)",
            "ours.sh", 8000, ALL_CELLS),
     Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
            ALL_CELLS, _ONE_WORKER),

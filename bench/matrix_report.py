@@ -31,8 +31,10 @@ KNOBS = (  # (cell, knob on, knob off, what the knob buys)
     ("shared-prefix", "ours-2w-prefix-aware", "ours-2w-round-robin", "prefix-aware routing (2 workers)"),
     ("c16", "ours", "ours-1w2t", "2 workers x 1 thread (shipped) vs 1 worker x 2 threads"),
     ("c1", "ours", "ours-1w2t", "2 workers x 1 thread (shipped) vs 1 worker x 2 threads"),
-    ("c16", "ours", "ours-chunk256", "512-token steps (shipped) vs 256"),
-    ("long-prompt", "ours", "ours-chunk256", "512-token steps (shipped) vs 256"),
+    ("c16", "ours", "ours-chunk512", "2048-token steps, 512 per prompt (shipped) vs 512-token steps"),
+    ("long-prompt", "ours", "ours-chunk512", "2048-token steps, 512 per prompt (shipped) vs 512-token steps"),
+    ("c16", "ours-chunk512", "ours-chunk256", "512-token steps vs 256 (an earlier run)"),
+    ("long-prompt", "ours-chunk512", "ours-chunk256", "512-token steps vs 256 (an earlier run)"),
 )
 
 
