@@ -22,11 +22,14 @@ class StepBatch:
     num_prompt_tokens: int = 0  # scheduled tokens at prompt positions
 
     def add(
-        self, request: Request, num_tokens: int, new_block_ids: list[int], block_table: Callable[[], list[int]]
+        self, request: Request, num_tokens: int, new_block_ids: list[int], block_table: Callable[[], list[int]],
+        start: int | None = None,
     ) -> None:
-        """Schedules `num_tokens` of `request`; `block_table()` gives its whole table (if new)."""
+        """Schedules `num_tokens` of `request` from position `start` (None: its computed
+        tokens; more when a step still running computes some); `block_table()` gives its
+        whole table (if new)."""
         rid = request.request_id
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens if start is None else start
         assert num_tokens >= 1 and rid not in self.scheduled, rid
         if request.sent_to_worker:
             self.cached_requests.append(CachedRequestData(rid, new_block_ids, start))

@@ -15,6 +15,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # reuse computed full blocks across requests
     enable_chunked_prefill: bool = True  # off: a waiting request's tokens must fit the budget whole
     long_prefill_token_threshold: int | None = None  # tokens one request may take per step; None: the budget
+    # The engine decides step N+1 while the worker runs step N (Scheduler.schedule_ahead), so
+    # the worker never waits for the scheduler between steps. Needs a worker that runs steps
+    # in the order they were handed out (a Ray actor does, per caller; so do the engine's threads).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens

@@ -269,10 +269,13 @@ class Engine:
             self._step_lock = (loop, asyncio.Lock())  # generate() runs a new loop each call
         return self._step_lock[1]
 
-    def _launch(self) -> StepInFlight | None:
-        """Schedules a step and hands it to the runner now; None when nothing can run."""
+    def _launch(self, ahead: bool = False) -> StepInFlight | None:
+        """Schedules a step and hands it to the runner now; None when nothing can run.
+
+        ahead: the last step is still running (Scheduler.schedule_ahead); None also when the
+        next step must wait for its result."""
         started = self.clock()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule_ahead() if ahead else self.scheduler.schedule()
         if scheduler_output.is_empty:
             return None
         self._mark_scheduled(scheduler_output, started)
@@ -328,7 +331,16 @@ class Engine:
         Delivering N (streams, the output channel, stats) needs none of N+1's tokens, so the
         worker already runs N+1 while it happens; N+1 is scheduled after N landed, so it sees
         every token, stop and free block of N (greedy and seeded outputs are unchanged).
+
+        With config.async_scheduling, N+1 is decided and submitted before N lands
+        (Scheduler.schedule_ahead), so the worker starts N+1 the moment N ends instead of
+        after N's result has gone to the scheduler and N+1 has come back:
+
+            launch N+1 ahead -> land N -> deliver N -> launch N+2 ahead -> land N+1 ...
+
+        Where N+1 needs N's tokens (a fork, a preemption), it is scheduled after N lands, as above.
         """
+        ahead = self.config.async_scheduling
         async with self._lock():
             flight: StepInFlight | None = None
             while flight is not None or self.scheduler.has_unfinished_requests():
@@ -337,12 +349,24 @@ class Engine:
                     if flight is None:
                         await asyncio.sleep(0)  # nothing can run now: let aborts and new requests in
                         continue
+                following = self._launch(ahead=True) if ahead else None
                 try:
                     outputs = await self._land(flight)
+                except asyncio.CancelledError:
+                    if following is not None:
+                        _abandon(following)  # the loop is torn down (shutdown): nobody awaits it
+                    raise
                 except Exception:
+                    if following is not None:
+                        await _discard(following)  # the scheduler was reset: its result means nothing
                     flight = None
                     continue  # the streams got the error (or migrated); the scheduler was reset
-                landed, flight = flight, (self._launch() if self.scheduler.has_unfinished_requests() else None)
+                landed = flight
+                if following is not None:
+                    following.started = max(following.started, landed.landed or following.started)  # ran after N
+                    flight = following
+                else:
+                    flight = self._launch() if self.scheduler.has_unfinished_requests() else None
                 self._deliver(landed, outputs)
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> list[float]:
@@ -413,6 +437,22 @@ class Engine:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def _abandon(flight: StepInFlight) -> None:
+    result = flight.result
+    if inspect.iscoroutine(result):
+        result.close()
+    elif isinstance(result, asyncio.Future):
+        result.cancel()
+
+
+async def _discard(flight: StepInFlight) -> None:
+    """Waits for a step whose result is no longer wanted (its runner's bookkeeping ends)."""
+    try:
+        await flight.result
+    except Exception:
+        pass
 
 
 async def _collect(prompt: list[int], n: int, stream: RequestStream) -> GenerateResult:

@@ -122,8 +122,9 @@ class TimedRunner:
             self._in_flight -= 1
         self.alive = True
         self.num_steps += 1
-        self.last_step_end = self._clock()
-        self.busy_s += self.last_step_end - started
+        previous_end, self.last_step_end = self.last_step_end, self._clock()
+        # A step submitted ahead (async scheduling) waits for the one before it: count from its end.
+        self.busy_s += self.last_step_end - max(started, previous_end or started)
         return result
 
     def _submit(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:

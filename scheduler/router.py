@@ -26,9 +26,13 @@ Algorithm (policy `prefix_aware`, the default), for one request of `num_prompt_t
    (a burst of requests sharing a system prompt then follows the first one instead of
    spreading before any block is cached). Outcome PREFIX_HIT.
 5. If that best match is 0 or below `min_match_fraction * num_prompt_tokens`, nothing
-   matches well: the request goes to the worker with the most free KV blocks (cached-but-
-   free blocks count as free; ties: lower load, then lowest worker id), so a new prefix
-   lands where it evicts the least: outcome NO_MATCH_MOST_FREE.
+   matches well: the request goes to the worker with the most KV room left once the work it
+   already has is placed (free tokens = free blocks * block_size - the load's queued and
+   running tokens; cached-but-free blocks count as free; ties: lower load, then lowest
+   worker id), so a new prefix lands where it evicts the least: outcome NO_MATCH_MOST_FREE.
+   Counting the queued work matters for bursts: requests routed before any of them is
+   admitted hold no blocks yet, and comparing free blocks alone sent a whole burst of new
+   prompts to one worker while the other idled.
 
 The other policies, for comparison (issue 5's benchmark):
 - `round_robin`: the live worker with the next id after the last one chosen (wrapping);
@@ -112,6 +116,13 @@ class WorkerView:
     num_free_blocks: int  # allocatable KV blocks (cached-but-free included)
     num_usable_blocks: int  # the pool's blocks but the null block
     num_in_flight_matched_tokens: int = 0  # prompt tokens (full blocks) queued/running requests share
+    block_size: int = 16  # tokens per KV block
+
+    @property
+    def num_free_tokens_after_queue(self) -> int:
+        """KV room left once the queued and running work is allocated (may be negative)."""
+        return (self.num_free_blocks * self.block_size - self.num_waiting_tokens
+                - self.num_running_tokens_to_compute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +183,7 @@ class Router:
         best = min(live, key=lambda w: (-matched[w.worker_id], loads[w.worker_id], w.worker_id))
         num_matched = matched[best.worker_id]
         if num_matched == 0 or num_matched < self.config.min_match_fraction * num_prompt_tokens:
-            most_free = min(live, key=lambda w: (-w.num_free_blocks, loads[w.worker_id], w.worker_id))
+            most_free = min(live, key=lambda w: (-w.num_free_tokens_after_queue, loads[w.worker_id], w.worker_id))
             return self._route(most_free, RouteOutcome.NO_MATCH_MOST_FREE, matched, loads)
         return self._route(best, RouteOutcome.PREFIX_HIT, matched, loads)
 
@@ -229,6 +240,7 @@ def worker_views(
                 num_free_blocks=load.num_free_blocks,
                 num_usable_blocks=load.num_usable_blocks,
                 num_in_flight_matched_tokens=num_in_flight,
+                block_size=scheduler.config.block_size,
             )
         )
     return views

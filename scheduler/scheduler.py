@@ -12,7 +12,17 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    num_computed_tokens > 0.
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
-the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
+the decodes beside it.
+
+Async scheduling (`schedule_ahead`): while step N runs, step N+1 is decided from what N was
+given, not from what it returns. A request that samples in N gets its next position in N+1
+before the scheduler knows the token: the worker computes N+1 after N and reads the token it
+sampled itself (it keeps every request's token ids; scheduler.outputs). So the worker goes
+from N to N+1 without waiting for a round trip through the scheduler. What needs N's tokens
+is not done ahead: a ready fork, a preemption (the pool too short for every running request),
+and a request that N finishes by length. Then schedule_ahead returns an empty step and the
+caller lands N and calls schedule(). A request that N finishes by a stop token has computed
+one wasted position in N+1, whose output is dropped. Preempted and migrated requests keep their generated tokens, and the
 worker recomputes prompt + those tokens, so their output streams go on without a duplicate or
 a gap. Requests the worker must forget (finished, aborted, preempted, forked-away parents)
 ride in finished_request_ids of the next non-empty step.
@@ -64,7 +74,8 @@ class Scheduler:
         self.finished_for_worker: set[str] = set()  # request_ids the worker must drop, not sent yet
         self.totals = CumulativeStats()
         self.last_step_stats: StepStats | None = None  # the last step update_from_output closed
-        self._in_flight: tuple[SchedulerOutput, dict[str, Request], StepStats] | None = None
+        # Steps handed out and not updated yet, oldest first: one, or two with schedule_ahead.
+        self._in_flight: deque[tuple[SchedulerOutput, dict[str, Request], StepStats]] = deque()
 
     # --- queries -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -158,20 +169,72 @@ class Scheduler:
         self.running.clear()
         self.num_running_seqs = 0
         self.finished_for_worker.clear()
-        self._in_flight = None
+        self._in_flight.clear()
         self.totals.num_migrated_reqs += len(requests)
         return requests
 
     # --- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decides this step's batch. Call update_from_output with its result before the next."""
-        assert self._in_flight is None, "update_from_output was not called for the last step"
+        assert not self._in_flight, "update_from_output was not called for the last step"
         stats = StepStats(step=self.totals.num_steps + 1)
         batch = StepBatch()
         self._fork_ready_parents(batch, stats)
         budget = self._schedule_running(self.config.max_num_batched_tokens, batch, stats)
         if stats.num_preemptions == 0:
             self._schedule_waiting(budget, batch, stats)
+        return self._hand_out(batch, stats)
+
+    def schedule_ahead(self) -> SchedulerOutput:
+        """Decides the next step while the last one is still running (async scheduling).
+
+        Call with exactly one step handed out and not updated; update_from_output takes the
+        two in the order they were handed out. The worker must run steps in that order.
+        Returns an empty step when the next one needs the running step's tokens (see the
+        module doc): land that step, then call schedule().
+        """
+        assert len(self._in_flight) == 1, "schedule_ahead needs exactly one step in flight"
+        running_step = self._in_flight[0][0].num_scheduled_tokens
+        plan = []  # (request, computed by then, tokens now)
+        budget = self.config.max_num_batched_tokens
+        for request in self.running:
+            if request.is_fork_parent and request.num_computed_tokens == request.num_tokens_to_compute:
+                return _empty_step()  # a fork is due: it happens in a synchronous schedule()
+            if budget == 0:
+                break
+            num_running = running_step.get(request.request_id, 0)
+            computed = request.num_computed_tokens + num_running
+            target = request.num_tokens_to_compute
+            if num_running and computed == target and not request.is_fork_parent:
+                if self._finishes_by_length_after_one_more(request):
+                    continue  # done once the running step lands: nothing to compute ahead
+                target += 1  # the token the running step samples: the worker will hold it
+            num_new = self._cap_new_tokens(target - computed, budget)
+            if num_new > 0:
+                plan.append((request, computed, num_new))
+                budget -= num_new
+        if self._blocks_to_grow(plan) > self.kv.num_free_blocks:
+            return _empty_step()  # someone must be preempted: that is schedule()'s decision
+        stats = StepStats(step=self.totals.num_steps + 2)
+        batch = StepBatch()
+        for request, computed, num_new in plan:
+            allocation = self.kv.allocate_slots(request, computed - request.num_computed_tokens + num_new)
+            assert allocation is not None, "blocks were counted"
+            batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id),
+                      start=computed)
+        self._schedule_waiting(budget, batch, stats)
+        return self._hand_out(batch, stats)
+
+    def _finishes_by_length_after_one_more(self, request: Request) -> bool:
+        return (request.num_output_tokens + 1 >= request.sampling_params.max_tokens
+                or request.num_tokens + 1 >= self.config.max_model_len)
+
+    def _blocks_to_grow(self, plan: list[tuple[Request, int, int]]) -> int:
+        size = self.config.block_size
+        return sum(max(0, -(-(computed + num_new) // size) - len(self.kv.req_blocks[request.request_id]))
+                   for request, computed, num_new in plan)
+
+    def _hand_out(self, batch: StepBatch, stats: StepStats) -> SchedulerOutput:
         assert batch.total_num_scheduled_tokens > 0 or not batch.copies, "copies without a step"
         finished: set[str] = set()
         if batch.total_num_scheduled_tokens > 0:
@@ -179,7 +242,7 @@ class Scheduler:
         output = batch.build(finished)
         self._fill_schedule_stats(stats, batch)
         if not output.is_empty:
-            self._in_flight = (output, batch.scheduled, stats)
+            self._in_flight.append((output, batch.scheduled, stats))
         return output
 
     def update_from_output(
@@ -188,15 +251,14 @@ class Scheduler:
         """Advances progress, appends sampled tokens, applies stop rules; returns the deltas."""
         if scheduler_output.is_empty:
             return []
-        assert self._in_flight is not None and self._in_flight[0] is scheduler_output
-        _, scheduled, stats = self._in_flight
-        self._in_flight = None
+        assert self._in_flight and self._in_flight[0][0] is scheduler_output, "steps land in the order handed out"
+        _, scheduled, stats = self._in_flight.popleft()
         outputs = []
         num_finished = 0
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = scheduled[rid]
             if request.status != RequestStatus.RUNNING:
-                continue  # aborted (or migrated) while the step ran
+                continue  # aborted or migrated while the step ran, or finished by the step before it
             request.num_computed_tokens += num_tokens
             self.kv.cache_computed_blocks(request)
             token_id = runner_output.sampled_token_ids.get(rid)
@@ -391,6 +453,10 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+
+def _empty_step() -> SchedulerOutput:
+    return SchedulerOutput([], [], {}, 0)
 
 
 def _final_output(request: Request, index: int) -> RequestOutput:

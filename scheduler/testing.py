@@ -213,6 +213,50 @@ class Transcript:
         self.outputs.extend(outputs)
 
 
+class AheadDriver:
+    """Drives a scheduler as the engine does with async scheduling: step N+1 is decided
+    (schedule_ahead) before step N's result is applied, and the worker runs N before N+1.
+
+    Between calls to step(), one step may be handed out and not run yet, as when a client
+    aborts while the worker computes: tests abort, add or migrate there.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner | InstantRunner,
+                 transcript: Transcript | None = None) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.transcript = transcript if transcript is not None else Transcript()
+        self.next_step: SchedulerOutput | None = None  # handed out, not run yet
+        self.num_ahead = 0  # steps decided by schedule_ahead
+
+    @property
+    def busy(self) -> bool:
+        return self.next_step is not None or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> None:
+        """Runs one step (scheduling the next one first, where it can be)."""
+        scheduler = self.scheduler
+        running = self.next_step
+        if running is None:
+            running = scheduler.schedule()
+            assert not running.is_empty, "no progress while requests are unfinished"
+            check_step(scheduler, running)
+        ahead = scheduler.schedule_ahead()
+        if not ahead.is_empty:
+            check_step(scheduler, ahead)
+            self.num_ahead += 1
+        self.transcript.record(scheduler.update_from_output(running, self.runner.execute(running)))
+        self.transcript.num_steps += 1
+        self.next_step = None if ahead.is_empty else ahead
+        assert_consistent(scheduler)
+
+    def forget_step(self, runner: FakeRunner | InstantRunner) -> None:
+        """The worker died (take_requests_for_migration was called): the step it was given is
+        gone, and `runner` is its replacement."""
+        self.next_step = None
+        self.runner = runner
+
+
 def run_steps(
     scheduler: Scheduler,
     runner: FakeRunner | InstantRunner,

@@ -82,6 +82,12 @@ class AppArgs(BaseModel):
         "chunked to this, so running streams wait for one chunk at most, while many short prompts arriving "
         "together still share one step up to max_num_batched_tokens; null: the step budget.",
     )
+    async_scheduling: bool = Field(
+        True,
+        description="Decide each step while the worker computes the previous one (vLLM's async scheduling), so "
+        "the worker starts the next step without waiting for a round trip through the scheduler; a request that "
+        "ends on a stop token costs one wasted position. Greedy and seeded outputs are unchanged.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
     enable_chunked_prefill: bool = Field(
@@ -228,6 +234,7 @@ class AppArgs(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            async_scheduling=self.async_scheduling,
         )
 
     def router_config(self) -> RouterConfig:

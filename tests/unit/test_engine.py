@@ -1,6 +1,8 @@
 """Engine (in-process asyncio loop) with FakeRunner: streams, n>1, abort, generate, errors."""
 
 import asyncio
+import dataclasses
+import sys
 import threading
 
 import pytest
@@ -13,6 +15,13 @@ from scheduler.scheduler import Scheduler
 from scheduler.testing import FakeRunner, assert_pool_full, run_steps
 
 CFG = SchedulerConfig(block_size=4, num_blocks=64, max_model_len=128, max_num_batched_tokens=32)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async-scheduling"])
+def _scheduling(request, monkeypatch):
+    """Every test runs with both engine loops: step N+1 scheduled after N lands, or ahead of it."""
+    monkeypatch.setattr(sys.modules[__name__], "CFG", dataclasses.replace(CFG, async_scheduling=request.param))
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
@@ -184,7 +193,9 @@ def test_async_runner_and_injected_clock():
         return stream
 
     stream = asyncio.run(main())
-    assert (stream.arrival_time, stream.first_token_time, stream.finish_time) == (100.0, 101.0, 103.0)
+    # Ahead, the second step's execute() has begun (the clock ticked) before the first lands.
+    first_token_time = 102.0 if CFG.async_scheduling else 101.0
+    assert (stream.arrival_time, stream.first_token_time, stream.finish_time) == (100.0, first_token_time, 103.0)
 
 
 def test_loop_stops_when_idle_and_restarts():

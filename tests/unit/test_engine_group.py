@@ -4,6 +4,8 @@ the Router, concurrent per-worker engine loops, aborts and status, with FakeRunn
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import sys
 import time
 
 import pytest
@@ -17,6 +19,14 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.testing import FakeRunner
 
 CFG = SchedulerConfig(block_size=4, num_blocks=64, max_model_len=128, max_num_batched_tokens=32)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async-scheduling"])
+def _scheduling(request, monkeypatch):
+    """Every test runs with both engine loops: step N+1 scheduled after N lands, or ahead of it."""
+    monkeypatch.setattr(sys.modules[__name__], "CFG", dataclasses.replace(CFG, async_scheduling=request.param))
+
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 
 

@@ -264,6 +264,22 @@ def test_min_match_fraction_falls_back_to_most_free_cache():
         RouteOutcome.NO_MATCH_MOST_FREE)  # a zero match never counts as a hit
 
 
+def test_a_burst_of_new_prompts_spreads_before_any_of_them_is_admitted():
+    """Requests routed in one go hold no blocks until admitted: free blocks alone sent every one
+    of them to the worker that happened to hold one block less (issue 14's c16 runs)."""
+    schedulers = make_schedulers(2)
+    schedulers[0].add_request(req("holder", range(4000, 4012)))
+    step(schedulers[0], num_steps=1)  # worker 0 holds 3 blocks, decoding
+    owners = []
+    for i in range(8):  # 8 new 20-token prompts (5 blocks each), nothing in common
+        prompt = list(range(10_000 + 100 * i, 10_000 + 100 * i + 20))
+        route = route_request(Router(), schedulers, prompt)
+        assert route.outcome == RouteOutcome.NO_MATCH_MOST_FREE
+        schedulers[route.worker_id].add_request(req(f"b{i}", prompt))  # queued, no blocks yet
+        owners.append(route.worker_id)
+    assert sorted(owners.count(w) for w in (0, 1)) == [4, 4], owners
+
+
 def test_min_match_fraction_with_real_schedulers():
     schedulers = make_schedulers(2)
     serve(schedulers[0], req("p", P))

@@ -134,3 +134,9 @@ def test_long_prefill_threshold_reaches_the_scheduler() -> None:
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (2048, 512)
     with pytest.raises(pydantic.ValidationError):
         AppArgs.model_validate({"long_prefill_token_threshold": 0})
+
+
+def test_async_scheduling_is_on_by_default_and_can_be_turned_off() -> None:
+    sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
+    assert AppArgs().scheduler_config(**sizes).async_scheduling
+    assert not AppArgs.model_validate({"async_scheduling": False}).scheduler_config(**sizes).async_scheduling
