@@ -6,14 +6,11 @@ position reads), so a step that runs on a token or a block the worker does not h
 
 import random
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineRequest, FinishReason
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.testing import AheadDriver, FakeRunner, Transcript, assert_consistent, assert_pool_full, run_steps
+from scheduler.testing import AheadDriver, FakeRunner, assert_pool_full, run_steps
 
 
 def make(eos=(), **kw):
@@ -33,24 +30,27 @@ def mixed_requests(num, seed):
     return requests
 
 
-def run_ahead(requests, eos=(), **kw):
+def run(requests, ahead, eos=(), **kw):
+    """Runs the requests to the end; returns the AheadDriver (ahead) or the Transcript."""
     s, runner = make(eos, **kw)
     for request in requests:
         s.add_request(request)
-    driver = AheadDriver(s, runner)
-    while driver.busy:
-        driver.step()
+    if ahead:
+        result = AheadDriver(s, runner)
+        while result.busy:
+            result.step()
+    else:
+        result = run_steps(s, runner)
     assert_pool_full(s)
-    return driver
+    return result
+
+
+def run_ahead(requests, eos=(), **kw):
+    return run(requests, True, eos, **kw)
 
 
 def run_sync(requests, eos=(), **kw):
-    s, runner = make(eos, **kw)
-    for request in requests:
-        s.add_request(request)
-    t = run_steps(s, runner)
-    assert_pool_full(s)
-    return t
+    return run(requests, False, eos, **kw)
 
 
 def test_outputs_equal_the_synchronous_schedule_and_most_steps_are_decided_ahead():
@@ -95,50 +95,3 @@ def test_a_short_pool_falls_back_to_a_synchronous_step_that_preempts():
     driver = run_ahead(requests, num_blocks=24, max_model_len=48)
     assert driver.transcript.tokens == sync.tokens
     assert driver.num_ahead < driver.transcript.num_steps  # some steps waited for the landing
-
-
-CFG = SchedulerConfig(block_size=4, num_blocks=13, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=6)
-PREFIXES = [list(range(100, 124)), list(range(200, 212)), []]
-add = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 30), st.sampled_from([1, 1, 2, 3]),
-                st.integers(0, 2), st.booleans())
-ops = st.lists(
-    st.one_of(add, add, st.tuples(st.just("step"), st.integers(1, 12)), st.tuples(st.just("abort"), st.integers(0, 50)),
-              st.tuples(st.just("migrate"))),
-    max_size=60,
-)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, drain=st.sampled_from(["run", "abort"]))
-def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, drain):
-    """Adds, aborts and worker deaths land while a step decided ahead is still to run."""
-    s = Scheduler(CFG, eos_token_ids=[3])
-    driver = AheadDriver(s, FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50), Transcript())
-    added: list[str] = []
-    for k, op in enumerate(ops):
-        if op[0] == "add":
-            _, length, max_tokens, n, family, seeded = op
-            prompt = (PREFIXES[family] + list(range(k, k + length)))[:length]
-            params = SamplingParams(temperature=0.8 if seeded else 0.0, seed=k if seeded else None, n=n,
-                                    max_tokens=max_tokens)
-            s.add_request(EngineRequest(f"c{k}", prompt, params))
-            added.append(f"c{k}")
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                if driver.busy:
-                    driver.step()
-        elif op[0] == "abort" and added:
-            driver.transcript.record(s.abort_request(added[op[1] % len(added)]))
-        elif op[0] == "migrate":
-            moved = s.take_requests_for_migration()
-            assert_pool_full(s)
-            driver.forget_step(FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50))
-            for request in moved:
-                s.add_migrated_request(request)
-        assert_consistent(s)
-    if drain == "abort":
-        driver.transcript.record(s.abort_request(added))
-    while driver.busy:
-        driver.step()
-    assert_pool_full(s)
-    assert not s.has_unfinished_requests() and s.num_running_seqs == 0

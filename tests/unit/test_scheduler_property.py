@@ -1,4 +1,5 @@
-"""Property: after any sequence of add/step/abort/migrate and then finishing, the pool is full."""
+"""Property: after any sequence of add/step/abort/migrate and then finishing, the pool is full,
+with steps scheduled after the last one landed or ahead of it (async scheduling)."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -7,7 +8,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.testing import FakeRunner, Transcript, assert_consistent, assert_pool_full, run_steps
+from scheduler.testing import AheadDriver, FakeRunner, Transcript, assert_consistent, assert_pool_full, run_steps
 
 CFG = SchedulerConfig(block_size=4, num_blocks=13, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=6)
 PREFIXES = [list(range(100, 124)), list(range(200, 212)), []]
@@ -27,6 +28,14 @@ ops = st.lists(
 )
 
 
+def add_request(s, k, op):
+    _, length, max_tokens, n, family, seeded = op
+    prompt = (PREFIXES[family] + list(range(k, k + length)))[:length]
+    params = SamplingParams(temperature=0.8 if seeded else 0.0, seed=k if seeded else None, n=n, max_tokens=max_tokens)
+    s.add_request(EngineRequest(f"c{k}", prompt, params))
+    return f"c{k}"
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, drain=st.sampled_from(["run", "abort"]))
 def test_pool_is_full_again_after_any_sequence(ops, drain):
@@ -36,11 +45,7 @@ def test_pool_is_full_again_after_any_sequence(ops, drain):
     added: list[str] = []
     for k, op in enumerate(ops):
         if op[0] == "add":
-            _, length, max_tokens, n, family, seeded = op
-            prompt = (PREFIXES[family] + list(range(k, k + length)))[:length]
-            params = SamplingParams(temperature=0.8 if seeded else 0.0, seed=k if seeded else None, n=n, max_tokens=max_tokens)
-            s.add_request(EngineRequest(f"c{k}", prompt, params))
-            added.append(f"c{k}")
+            added.append(add_request(s, k, op))
         elif op[0] == "step":
             run_steps(s, runner, t, num_steps=op[1])
         elif op[0] == "abort" and added:
@@ -65,3 +70,34 @@ def test_pool_is_full_again_after_any_sequence(ops, drain):
 
 def _n_of(ops, cid):
     return ops[int(cid[1:])][3]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, drain=st.sampled_from(["run", "abort"]))
+def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, drain):
+    """Adds, aborts and worker deaths land while a step decided ahead is still to run."""
+    s = Scheduler(CFG, eos_token_ids=[3])
+    driver = AheadDriver(s, FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50), Transcript())
+    added: list[str] = []
+    for k, op in enumerate(ops):
+        if op[0] == "add":
+            added.append(add_request(s, k, op))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                if driver.busy:
+                    driver.step()
+        elif op[0] == "abort" and added:
+            driver.transcript.record(s.abort_request(added[op[1] % len(added)]))
+        elif op[0] == "migrate":
+            moved = s.take_requests_for_migration()
+            assert_pool_full(s)
+            driver.forget_step(FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50))
+            for request in moved:
+                s.add_migrated_request(request)
+        assert_consistent(s)
+    if drain == "abort":
+        driver.transcript.record(s.abort_request(added))
+    while driver.busy:
+        driver.step()
+    assert_pool_full(s)
+    assert not s.has_unfinished_requests() and s.num_running_seqs == 0
