@@ -94,6 +94,13 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Blocks a running request must add to hold `num_tokens` tokens (0 if it has them)."""
+        return max(0, self._num_blocks_for(num_tokens) - len(self.req_blocks[request_id]))
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -115,7 +122,7 @@ class KVCacheManager:
         hit = computed.blocks if computed is not None else []
         assert not (hit and blocks), f"{request.request_id}: a prefix hit on a request holding blocks"
         num_computed = request.num_computed_tokens + (computed.num_tokens if computed else 0)
-        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_required = self._num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_required - len(hit) - (len(blocks) if blocks else 0))
         num_revived = sum(1 for b in hit if b.ref_cnt == 0)  # leave the free list on touch
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
@@ -131,7 +138,7 @@ class KVCacheManager:
 
     def _grow(self, blocks: list[KVBlock], num_tokens: int) -> Allocation | None:
         """Appends blocks until `blocks` holds `num_tokens` tokens (the hot path: decodes)."""
-        num_new_blocks = (num_tokens + self.block_size - 1) // self.block_size - len(blocks)
+        num_new_blocks = self._num_blocks_for(num_tokens) - len(blocks)
         if num_new_blocks <= 0:
             return Allocation([])
         new_blocks = self.pool.allocate(num_new_blocks)

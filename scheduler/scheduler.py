@@ -12,7 +12,10 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    num_computed_tokens > 0.
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
-the decodes beside it.
+the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
+worker recomputes prompt + those tokens, so their output streams go on without a duplicate or
+a gap. Requests the worker must forget (finished, aborted, preempted, forked-away parents)
+ride in finished_request_ids of the next non-empty step.
 
 Async scheduling (`schedule_ahead`): while step N runs, step N+1 is decided from what N was
 given, not from what it returns. A request that samples in N gets its next position in N+1
@@ -22,10 +25,7 @@ from N to N+1 without waiting for a round trip through the scheduler. What needs
 is not done ahead: a ready fork, a preemption (the pool too short for every running request),
 and a request that N finishes by length. Then schedule_ahead returns an empty step and the
 caller lands N and calls schedule(). A request that N finishes by a stop token has computed
-one wasted position in N+1, whose output is dropped. Preempted and migrated requests keep their generated tokens, and the
-worker recomputes prompt + those tokens, so their output streams go on without a duplicate or
-a gap. Requests the worker must forget (finished, aborted, preempted, forked-away parents)
-ride in finished_request_ids of the next non-empty step.
+one wasted position in N+1, whose output is dropped.
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ class Scheduler:
             if num_new > 0:
                 plan.append((request, computed, num_new))
                 budget -= num_new
-        if self._blocks_to_grow(plan) > self.kv.num_free_blocks:
+        num_new_blocks = sum(self.kv.num_blocks_to_grow(request.request_id, computed + num_new)
+                             for request, computed, num_new in plan)
+        if num_new_blocks > self.kv.num_free_blocks:
             return _empty_step()  # someone must be preempted: that is schedule()'s decision
         stats = StepStats(step=self.totals.num_steps + 2)
         batch = StepBatch()
@@ -228,11 +230,6 @@ class Scheduler:
     def _finishes_by_length_after_one_more(self, request: Request) -> bool:
         return (request.num_output_tokens + 1 >= request.sampling_params.max_tokens
                 or request.num_tokens + 1 >= self.config.max_model_len)
-
-    def _blocks_to_grow(self, plan: list[tuple[Request, int, int]]) -> int:
-        size = self.config.block_size
-        return sum(max(0, -(-(computed + num_new) // size) - len(self.kv.req_blocks[request.request_id]))
-                   for request, computed, num_new in plan)
 
     def _hand_out(self, batch: StepBatch, stats: StepStats) -> SchedulerOutput:
         assert batch.total_num_scheduled_tokens > 0 or not batch.copies, "copies without a step"
