@@ -19,6 +19,13 @@ class SchedulerConfig:
     # the worker never waits for the scheduler between steps. Needs a worker that runs steps
     # in the order they were handed out (a Ray actor does, per caller; so do the engine's threads).
     async_scheduling: bool = False
+    # Prefill batching while streams decode (TGI's waiting_served_ratio and max_waiting_tokens):
+    # every step that computes a prompt stalls the decodes beside it, so while sequences run,
+    # new requests wait until they are at least this share of the running sequences, or the
+    # oldest has waited max_waiting_steps steps. Prompts that arrive close together then cost
+    # running streams one stall, not one each. 0: admit at once (vLLM's rule).
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
@@ -27,6 +34,8 @@ class SchedulerConfig:
         assert self.max_model_len >= 2, self.max_model_len
         t = self.long_prefill_token_threshold
         assert t is None or t >= 1, t
+        assert self.waiting_served_ratio >= 0, self.waiting_served_ratio
+        assert self.max_waiting_steps >= 0, self.max_waiting_steps
         # A lone sequence of max_model_len tokens must fit the pool, or preemption could loop.
         if self.num_blocks - 1 < self.max_blocks_per_seq:
             raise ValueError(

@@ -89,6 +89,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens hit in the prefix cache at first admission (block-rounded)
     num_preemptions: int = 0  # times preempted or migrated
     sent_to_worker: bool = False  # the worker holds per-request state (was sent as NewRequestData)
+    queued_at_step: int = 0  # steps the scheduler had handed out when this was queued
     _output_token_ids: list[int] = field(init=False)  # generated tokens, in order
     _all_token_ids: list[int] = field(init=False)  # prompt + generated
     _block_hashes: list[BlockHash] = field(init=False)  # hash of each full block of _all_token_ids

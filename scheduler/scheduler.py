@@ -9,7 +9,9 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    reset to 0, put at the FRONT of waiting) until the allocation fits;
 3. waiting, first come first served (skipped in a step that preempted): admitted while
    budget, seats (max_num_seqs) and blocks last; a prefix hit starts it at
-   num_computed_tokens > 0.
+   num_computed_tokens > 0. With waiting_served_ratio > 0 and sequences running, new
+   requests are held until enough of them wait or the oldest has waited max_waiting_steps
+   (`_holds_new_prompts`), so that prompts arriving close together share one prefill step.
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
 the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
@@ -76,6 +78,7 @@ class Scheduler:
         self.last_step_stats: StepStats | None = None  # the last step update_from_output closed
         # Steps handed out and not updated yet, oldest first: one, or two with schedule_ahead.
         self._in_flight: deque[tuple[SchedulerOutput, dict[str, Request], StepStats]] = deque()
+        self._num_steps_handed_out = 0
 
     # --- queries -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -240,6 +243,7 @@ class Scheduler:
         self._fill_schedule_stats(stats, batch)
         if not output.is_empty:
             self._in_flight.append((output, batch.scheduled, stats))
+            self._num_steps_handed_out += 1
         return output
 
     def update_from_output(
@@ -327,6 +331,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, batch: StepBatch, stats: StepStats) -> int:
+        if self._holds_new_prompts():
+            return budget
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
@@ -351,6 +357,24 @@ class Scheduler:
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
         return budget
+
+    def _holds_new_prompts(self) -> bool:
+        """Whether the waiting queue sits this step out so that running streams keep decoding.
+
+        A step that computes prompts costs every running stream a longer token gap; holding
+        arrivals until several can be computed together (or the oldest has waited long
+        enough) turns many such gaps into one. Preempted and migrated requests at the head
+        were running already: they are never held.
+        """
+        ratio = self.config.waiting_served_ratio
+        if ratio == 0 or self.num_running_seqs == 0 or not self.waiting:
+            return False
+        head = self.waiting[0]
+        if head.status != RequestStatus.WAITING:
+            return False
+        if self._num_steps_handed_out - head.queued_at_step >= self.config.max_waiting_steps:
+            return False
+        return len(self.waiting) < ratio * self.num_running_seqs
 
     def _cap_new_tokens(self, num_new: int, budget: int) -> int:
         num_new = min(num_new, budget)
@@ -416,6 +440,7 @@ class Scheduler:
 
     def _enqueue(self, request: Request) -> None:
         self._register(request)
+        request.queued_at_step = self._num_steps_handed_out
         self.waiting.append(request)
 
     def _register(self, request: Request) -> None:

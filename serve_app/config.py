@@ -88,6 +88,16 @@ class AppArgs(BaseModel):
         "the worker starts the next step without waiting for a round trip through the scheduler; a request that "
         "ends on a stop token costs one wasted position. Greedy and seeded outputs are unchanged.",
     )
+    waiting_served_ratio: float = Field(
+        0.3, ge=0.0,
+        description="Prefill batching while streams decode (TGI's knob of the same name): while a worker runs "
+        "sequences, new requests wait until they number at least this share of the running sequences, or the "
+        "oldest has waited max_waiting_steps steps, so prompts arriving close together stall the running "
+        "streams once instead of once each. 0: every request is admitted at the next step (vLLM's rule).",
+    )
+    max_waiting_steps: int = Field(
+        20, ge=0, description="Steps a new request waits at most under waiting_served_ratio (TGI: max_waiting_tokens).",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
     enable_chunked_prefill: bool = Field(
@@ -235,6 +245,8 @@ class AppArgs(BaseModel):
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             async_scheduling=self.async_scheduling,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_steps=self.max_waiting_steps,
         )
 
     def router_config(self) -> RouterConfig:
