@@ -95,9 +95,12 @@ _ONE_WORKER = ("num_workers=1", "worker_num_cpus=1", "worker_num_threads=1", "ma
 _TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1", "max_num_batched_tokens=2048")
 SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("ours", "our server, deploy/serve.yaml as shipped (2 workers x 1 torch thread, 2048-token steps, 512 per "
-           "prompt, async scheduling)", "ours.sh", 8000, ALL_CELLS),
+           "prompt, async scheduling, new prompts batched while streams decode)", "ours.sh", 8000, ALL_CELLS),
     Server("ours-sync", "ours with async_scheduling=false: each step scheduled after the last one's result came back "
            "(the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("async_scheduling=false",)),
+    Server("ours-nohold", "ours with waiting_served_ratio=0: every arrival admitted at the next step, beside running "
+           "decodes (vLLM's rule; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
+           ("waiting_served_ratio=0",)),
     Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
            ALL_CELLS, _ONE_WORKER),
     Server("ours-1w2t", "ours with 1 worker x 2 torch threads (the shipped YAML otherwise)", "ours.sh", 8000,

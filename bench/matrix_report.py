@@ -29,6 +29,8 @@ KNOBS = (  # (cell, knob on, knob off, what the knob buys)
     ("shared-prefix", "ours-1worker", "ours-no-prefix-cache", "prefix caching"),
     ("long-prompt", "ours-1worker", "ours-no-chunked-prefill", "chunked prefill"),
     ("shared-prefix", "ours-2w-prefix-aware", "ours-2w-round-robin", "prefix-aware routing (2 workers)"),
+    ("c16", "ours", "ours-nohold", "prefill batching while streams decode (shipped) vs every arrival at once"),
+    ("long-prompt", "ours", "ours-nohold", "prefill batching while streams decode (shipped) vs every arrival at once"),
     ("c1", "ours", "ours-sync", "async scheduling (shipped) vs each step after the last one's result"),
     ("c16", "ours", "ours-sync", "async scheduling (shipped) vs each step after the last one's result"),
     ("long-prompt", "ours", "ours-sync", "async scheduling (shipped) vs each step after the last one's result"),
@@ -175,7 +177,7 @@ def knob_rows(data: dict[str, dict[str, list[dict]]]) -> list[list[str]]:
         a, b = data.get(on, {}).get(cell), data.get(off, {}).get(cell)
         if not a or not b:
             continue
-        for m in [TOK_S, Metric("median_ttft_ms", "TTFT p50 ms"), TTFT_P99] + CELL_EXTRA.get(cell, [])[:2]:
+        for m in [TOK_S, Metric("median_ttft_ms", "TTFT p50 ms"), TTFT_P99, ITL_P99] + CELL_EXTRA.get(cell, [])[:2]:
             rows.append([what, cell, m.title, f"{on}: {runs_text(a, m)}", f"{off}: {runs_text(b, m)}"])
     return rows
 
