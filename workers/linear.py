@@ -102,13 +102,22 @@ class NativeLinear:
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's prepacked linear runs here. Its bf16 path needs AVX512BW/VL/DQ or AVX-NE-CONVERT
+    (torch refuses to reorder a bf16 weight otherwise, e.g. on an AVX2-only Zen 2/3): there bf16
+    takes plain F.linear."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or _onednn_bf16_supported())
     )
+
+
+def _onednn_bf16_supported() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def select_linear_backend(name: str | None, device: str | torch.device,
@@ -125,6 +134,7 @@ def select_linear_backend(name: str | None, device: str | torch.device,
         return TorchLinear()
     if name in ("onednn", "native"):
         if not onednn_available(device, dtype):
-            raise ValueError(f"linear backend {name!r} needs a CPU device and fp32/bf16, got {device} {dtype}")
+            raise ValueError(f"linear backend {name!r} needs a CPU device and fp32/bf16 (bf16: a CPU with AVX512BW "
+                             f"or AVX-NE-CONVERT), got {device} {dtype}")
         return OneDnnLinear() if name == "onednn" else NativeLinear()
     raise ValueError(f"unknown linear backend {name!r}; expected one of {LINEAR_BACKENDS}")

@@ -27,9 +27,13 @@ def test_onednn_matches_f_linear(rows):
     torch.testing.assert_close(onednn.linear(x, packed), expected - bias, atol=1e-4, rtol=1e-5)
 
 
+ONEDNN_BF16 = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.bfloat16),
+                                 reason="oneDNN's bf16 path needs AVX512BW or AVX-NE-CONVERT")
+
+
 @needs_onednn
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 9])
 def test_native_gemv_and_gemm_agree(rows, dtype):
     """Up to GEMV_MAX_ROWS rows take the C GEMV over the plain weight, more the packed GEMM:
@@ -56,6 +60,10 @@ def test_auto_selection_and_errors():
         expected = "native" if native_available() else "onednn"
     assert select_linear_backend(None, "cpu", torch.float32).name == expected
     assert select_linear_backend(None, "cpu", torch.float16).name == "torch"
+    if not onednn_available(torch.device("cpu"), torch.bfloat16):  # an AVX2-only CPU: bf16 on plain F.linear
+        assert select_linear_backend(None, "cpu", torch.bfloat16).name == "torch"
+        with pytest.raises(ValueError, match="AVX512BW"):
+            select_linear_backend("onednn", "cpu", torch.bfloat16)
     assert select_linear_backend("torch", "cpu", torch.float32).name == "torch"
     with pytest.raises(ValueError, match="needs a CPU device"):
         select_linear_backend("onednn", "cpu", torch.float16)
