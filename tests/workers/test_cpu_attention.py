@@ -6,8 +6,9 @@ tests copy it into the kernel's own layout (from_standard_layout), write the ste
 values with the kernel's write_kv_cache, and attend. The pool is filled with NaN outside the
 slots a sequence owns: a kernel that lets one slot it should not see (past a sequence's last
 key, another sequence's block, the null block) into its output returns NaN. head_dim 64 and
-128 run the AVX-512 path on CPUs that have it; other head dims run the portable C path on
-every CPU, so both are checked wherever AVX-512 exists.
+128 run the AVX-512 path on CPUs that have it, and in fp32 the AVX2 path on CPUs with AVX2 but
+no AVX-512; other head dims (and bf16 without AVX-512) run the portable C path on every CPU, so
+the fast path and the portable one are both checked on either kind of CPU.
 """
 
 from __future__ import annotations

@@ -40,6 +40,19 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
         squares = _mm512_fmadd_ps(x, x, squares);
     }
     sum_squares = _mm512_reduce_add_ps(squares);
+#elif defined(RAYLLM_AVX2)
+    __m256 squares = _mm256_setzero_ps();
+    for (; i + 8 <= hidden; i += 8) {
+        char *r = (char *)residual + i * elem;
+        __m256 x = load8(r, bf16);
+        if (delta) {
+            x = _mm256_add_ps(x, load8((const char *)delta + i * elem, bf16));
+            if (bf16) x = round8_bf16(x);
+            store8(r, x, bf16);
+        }
+        squares = _mm256_fmadd_ps(x, x, squares);
+    }
+    sum_squares = hsum8(squares);
 #endif
     for (; i < hidden; i++) {
         float x = load_element(residual, i, dtype);
@@ -57,6 +70,12 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
     for (; i + 16 <= hidden; i += 16) {
         const __m512 x = load16((const char *)residual + i * elem, bf16);
         store16((char *)out + i * elem, _mm512_mul_ps(_mm512_mul_ps(x, scale), load16((const char *)weight + i * elem, bf16)), bf16);
+    }
+#elif defined(RAYLLM_AVX2)
+    const __m256 scale = _mm256_set1_ps(inv_rms);
+    for (; i + 8 <= hidden; i += 8) {
+        const __m256 x = load8((const char *)residual + i * elem, bf16);
+        store8((char *)out + i * elem, _mm256_mul_ps(_mm256_mul_ps(x, scale), load8((const char *)weight + i * elem, bf16)), bf16);
     }
 #endif
     for (; i < hidden; i++)
@@ -115,6 +134,12 @@ int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t wi
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
             store16(dst + i * elem, _mm512_mul_ps(silu, u), bf16);
         }
+#elif defined(RAYLLM_AVX2)
+        for (; i + 8 <= width; i += 8) {
+            const __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            store8(dst + i * elem, _mm256_mul_ps(silu, u), bf16);
+        }
 #endif
         for (; i < width; i++) {
             const float g = load_element(gate, i, dtype), u = load_element(up, i, dtype);
@@ -135,7 +160,7 @@ int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t wi
  * time: reading 2 or 4 rows side by side (to share x loads) halved the bandwidth on a Zen 4 VM
  * (the lm_head at one row, bf16: 2.95 ms one row at a time, 7.2 two, 6.4 four), since each
  * concurrent row is a separate stream for the prefetchers. fp32 accumulation; bf16 products by
- * vdpbf16ps where the CPU has it. */
+ * vdpbf16ps where the CPU has it; 8 lanes where the CPU has AVX2 but not AVX-512. */
 #if defined(__AVX512F__)
 /* acc[j] = the 16 lanes (still to be summed) of x row m0 + j times weight row wn, over k in
  * [0, returned k); MM is a compile-time constant in every call, so acc stays in registers. */
@@ -180,6 +205,50 @@ static void gemv_columns(const void *x, const void *w, const void *bias, void *o
                                              : gemv_row(x, wn, m, 4, K, dtype, acc);
             for (int j = 0; j < mm; j++) {
                 float sum = _mm512_reduce_add_ps(acc[j]);
+                for (int64_t k = k_done; k < K; k++)
+                    sum += load_element(x, (m + j) * K + k, dtype) * load_element(w, n * K + k, dtype);
+                if (bias) sum += load_element(bias, n, dtype);
+                store_element(out, (m + j) * N + n, sum, out_dtype);
+            }
+        }
+    }
+}
+#elif defined(RAYLLM_AVX2)
+/* The same walk in 8 lanes, two accumulators per x row (an FMA's latency needs about 8 in
+ * flight; up to 4 rows x 2). */
+static inline __attribute__((always_inline)) int64_t gemv_row8(const void *x, const void *wn, int64_t m0, const int MM,
+                                                                int64_t K, int dtype, __m256 acc[GEMV_M_TILE]) {
+    __m256 acc2[GEMV_M_TILE];
+    for (int j = 0; j < MM; j++) acc[j] = acc2[j] = _mm256_setzero_ps();
+    const int bf16 = dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4;
+    const char *xc = (const char *)x, *wc = (const char *)wn;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = load8(wc + k * elem, bf16), w1 = load8(wc + (k + 8) * elem, bf16);
+        for (int j = 0; j < MM; j++) {
+            acc[j] = _mm256_fmadd_ps(load8(xc + ((m0 + j) * K + k) * elem, bf16), w0, acc[j]);
+            acc2[j] = _mm256_fmadd_ps(load8(xc + ((m0 + j) * K + k + 8) * elem, bf16), w1, acc2[j]);
+        }
+    }
+    for (int j = 0; j < MM; j++) acc[j] = _mm256_add_ps(acc[j], acc2[j]);
+    return k;
+}
+
+static void gemv_columns(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t n0,
+                         int64_t n1, int64_t N, int64_t K, int dtype, int out_dtype) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t n = n0; n < n1; n++) {
+        const void *wn = (const char *)w + n * K * elem;
+        for (int64_t m = 0; m < rows; m += GEMV_M_TILE) {
+            const int64_t mm = rows - m < GEMV_M_TILE ? rows - m : GEMV_M_TILE;
+            __m256 acc[GEMV_M_TILE];
+            const int64_t k_done = mm == 1   ? gemv_row8(x, wn, m, 1, K, dtype, acc)
+                                   : mm == 2 ? gemv_row8(x, wn, m, 2, K, dtype, acc)
+                                   : mm == 3 ? gemv_row8(x, wn, m, 3, K, dtype, acc)
+                                             : gemv_row8(x, wn, m, 4, K, dtype, acc);
+            for (int j = 0; j < mm; j++) {
+                float sum = hsum8(acc[j]);
                 for (int64_t k = k_done; k < K; k++)
                     sum += load_element(x, (m + j) * K + k, dtype) * load_element(w, n * K + k, dtype);
                 if (bias) sum += load_element(bias, n, dtype);

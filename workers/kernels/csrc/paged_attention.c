@@ -32,9 +32,10 @@
  *                        l = l * c + sum_j p_j,   m = m'
  *     2. for every row:  acc = acc * c + sum_j p_j v_j   (p_j rounded to bf16 for a bf16 pool)
  *
- * and a row's output is acc / l, rounded to the pool's dtype (nearest even). Two
- * implementations of a chunk: AVX-512 (AVX512_BF16 for bf16) for head_dim 64 and 128, and
- * portable C for everything else.
+ * and a row's output is acc / l, rounded to the pool's dtype (nearest even). Three
+ * implementations of a chunk: AVX-512 (AVX512_BF16 for bf16) for head_dim 64 and 128; AVX2 +
+ * FMA (8 lanes, fp32 pools) for the same head dims where the CPU has no AVX-512; portable C
+ * for everything else.
  */
 #include <math.h>
 #include <stdint.h>
@@ -187,6 +188,19 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
     }
 }
 
+/* rows[0, count) in batches of at most `most` rows, each batch through f with a constant row count. */
+#define FOR_ROW_BATCHES(rows, count, most, f, ...)                                              \
+    for (int64_t i_ = 0; i_ < (count);) {                                                     \
+        const int64_t left_ = (count) - i_, rb_ = left_ < (most) ? left_ : (most);           \
+        switch (rb_) {                                                                       \
+        case 4: f((rows) + i_, 4, __VA_ARGS__); break;                                       \
+        case 3: f((rows) + i_, 3, __VA_ARGS__); break;                                       \
+        case 2: f((rows) + i_, 2, __VA_ARGS__); break;                                       \
+        default: f((rows) + i_, 1, __VA_ARGS__); break;                                      \
+        }                                                                                    \
+        i_ += rb_;                                                                           \
+    }
+
 /* ---------------------------------------------------------------- AVX-512 */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_FAST_PATH 1
@@ -284,18 +298,6 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
         for (int d = 0; d < DV; d++) _mm512_store_ps(w->acc[rows[i]] + 16 * d, out[i][d]);
 }
 
-/* rows[0, count) in batches of at most `most` rows, each batch through f with a constant row count. */
-#define FOR_ROW_BATCHES(rows, count, most, f, ...)                                              \
-    for (int64_t i_ = 0; i_ < (count);) {                                                     \
-        const int64_t left_ = (count) - i_, rb_ = left_ < (most) ? left_ : (most);           \
-        switch (rb_) {                                                                       \
-        case 4: f((rows) + i_, 4, __VA_ARGS__); break;                                       \
-        case 3: f((rows) + i_, 3, __VA_ARGS__); break;                                       \
-        case 2: f((rows) + i_, 2, __VA_ARGS__); break;                                       \
-        default: f((rows) + i_, 1, __VA_ARGS__); break;                                      \
-        }                                                                                    \
-        i_ += rb_;                                                                           \
-    }
 #define SCORES(rows, rb, ...) chunk_scores(t, w, rows, rb, __VA_ARGS__)
 #define VALUES(rows, rb, ...) chunk_values(t, w, rows, rb, __VA_ARGS__)
 
@@ -319,6 +321,106 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
 
 static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast(t, w, start, n, 4); }
 static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast(t, w, start, n, 8); }
+
+/* ---------------------------------------------------------------- AVX2 (fp32 pools) */
+#elif defined(RAYLLM_AVX2)
+#define HAVE_FAST_PATH 1
+#define ROW_BATCH 4 /* rows that share each K load */
+
+/* Phase 1, as chunk_scores above, in 8 lanes: a chunk's 16 keys are two vectors per row. */
+static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, Scratch *w, const int64_t *rows,
+                                                                const int RB, const float *kb, int64_t g,
+                                                                int64_t start, int64_t n, const int D) {
+    const int64_t BS = t->a->block_size, slot0 = start % BS;
+    const __m256i low = first_lanes8(n), high = first_lanes8(n - 8);
+    __m256 lo[ROW_BATCH], hi[ROW_BATCH];
+    for (int i = 0; i < RB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    const float *kt = kb + g * D * BS + slot0; /* dim 0, key slot0 */
+    for (int d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_maskload_ps(kt + d * BS, low), k1 = _mm256_maskload_ps(kt + d * BS + 8, high);
+        for (int i = 0; i < RB; i++) {
+            const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
+            lo[i] = _mm256_fmadd_ps(q, k0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(q, k1, hi[i]);
+        }
+    }
+    for (int i = 0; i < RB; i++) {
+        const int64_t r = rows[i], visible = visible_keys(t, r, start, n);
+        const __m256 live_lo = _mm256_castsi256_ps(first_lanes8(visible));
+        const __m256 live_hi = _mm256_castsi256_ps(first_lanes8(visible - 8));
+        const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lo[i], live_lo);
+        const __m256 s1 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), hi[i], live_hi);
+        const float chunk_max = hmax8(_mm256_max_ps(s0, s1));
+        const float new_max = chunk_max > w->m[r] ? chunk_max : w->m[r];
+        const __m256 m = _mm256_set1_ps(new_max);
+        const __m256 p0 = _mm256_and_ps(live_lo, exp8_ps(_mm256_sub_ps(s0, m)));
+        const __m256 p1 = _mm256_and_ps(live_hi, exp8_ps(_mm256_sub_ps(s1, m)));
+        _mm256_store_ps(w->p[r], p0);
+        _mm256_store_ps(w->p[r] + 8, p1);
+        const float correction = expf(w->m[r] - new_max);
+        w->correction[r] = correction;
+        w->m[r] = new_max;
+        w->l[r] = w->l[r] * correction + hsum8(_mm256_add_ps(p0, p1));
+    }
+}
+
+/* Phase 2 for rows[0, RB) of kv head g, dims [d0, d0 + 32): acc = acc * correction + sum_j p_j v_j.
+ * 2 rows x 4 vectors of accumulators share every V load. */
+static inline __attribute__((always_inline)) void chunk_values8(const Task *t, Scratch *w, const int64_t *rows,
+                                                                const int RB, const float *vb, int64_t g,
+                                                                int64_t start, int64_t n, const int D) {
+    const int64_t BS = t->a->block_size, slot0 = start % BS;
+    const float *v = vb + (g * BS + slot0) * D; /* key slot0 */
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        __m256 out[2][4];
+        for (int i = 0; i < RB; i++) {
+            const __m256 c = _mm256_set1_ps(w->correction[rows[i]]);
+            for (int d = 0; d < 4; d++) out[i][d] = _mm256_mul_ps(_mm256_load_ps(w->acc[rows[i]] + d0 + 8 * d), c);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            __m256 p[2];
+            for (int i = 0; i < RB; i++) p[i] = _mm256_broadcast_ss(&w->p[rows[i]][j]);
+            for (int d = 0; d < 4; d++) {
+                const __m256 x = _mm256_loadu_ps(v + j * D + d0 + 8 * d);
+                for (int i = 0; i < RB; i++) out[i][d] = _mm256_fmadd_ps(p[i], x, out[i][d]);
+            }
+        }
+        for (int i = 0; i < RB; i++)
+            for (int d = 0; d < 4; d++) _mm256_store_ps(w->acc[rows[i]] + d0 + 8 * d, out[i][d]);
+    }
+}
+
+#define SCORES8(rows, rb, ...) chunk_scores8(t, w, rows, rb, __VA_ARGS__)
+
+static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scratch *w, int64_t start, int64_t n,
+                                                              const int D) {
+    const AttentionArgs *a = t->a;
+    const int64_t H = a->num_heads, G = t->group, block = t->table[start / a->block_size];
+    const float *kb = (const float *)a->k_cache + block * a->block_stride;
+    const float *vb = (const float *)a->v_cache + block * a->block_stride;
+    for (int64_t g = 0; g < a->num_kv_heads; g++) {
+        int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
+        for (int64_t q = 0; q < t->num_queries; q++)
+            for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
+        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D)
+        for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
+            if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
+            else w->correction[rows[i]] = 1.0f;
+        for (int64_t i = 0; i < num_live; i += 2) {
+            if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D);
+            else chunk_values8(t, w, live + i, 1, vb, g, start, n, D);
+        }
+    }
+}
+
+static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) {
+    if (t->a->dtype == DTYPE_F32) chunk_fast8(t, w, start, n, 64);
+    else chunk_portable(t, w, start, n);
+}
+static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) {
+    if (t->a->dtype == DTYPE_F32) chunk_fast8(t, w, start, n, 128);
+    else chunk_portable(t, w, start, n);
+}
 #endif
 
 typedef void (*ChunkBody)(const Task *, Scratch *, int64_t, int64_t);

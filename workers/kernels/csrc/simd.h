@@ -1,11 +1,14 @@
 /* Shared by the kernels: dtype codes, bf16 <-> fp32, element access and a vectorised exp
- * (AVX-512 where the CPU has it). */
+ * (AVX-512 where the CPU has it, else AVX2 + FMA: 8 lanes, e.g. Zen 2/3 and Intel before Ice Lake). */
 #ifndef RAYLLM_SIMD_H
 #define RAYLLM_SIMD_H
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define RAYLLM_AVX2 1 /* the 8-lane paths: compiled only where AVX-512 is not */
 #endif
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -70,6 +73,68 @@ static inline void store16(void *p, __m512 x, int bf16) {
         _mm512_storeu_ps(p, x);
     else
         _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
+#ifdef RAYLLM_AVX2
+/* exp_ps in 8 lanes: the same polynomial; 2^n built in the exponent bits (n in [-126, 127]). */
+static inline __m256 exp8_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* 8 elements at p (fp32, or bf16 widened exactly), and back (bf16: rounded to nearest even,
+ * as f32_to_bf16 does). */
+static inline __m256 load8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps(p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 round8_bf16(__m256 x) { /* the fp32 value of x rounded to bf16 */
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store8(void *p, __m256 x, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps(p, x);
+        return;
+    }
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round8_bf16(x)), 16); /* 8 x 16 bits, in 32 */
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* A lane mask for _mm256_maskload_ps: lanes [0, count) on (count clamped to [0, 8]). */
+static inline __m256i first_lanes8(int64_t count) {
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 0 ? 0 : count > 8 ? 8 : count)), index);
 }
 #endif
 #endif
