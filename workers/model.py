@@ -137,7 +137,7 @@ class PagedLlamaModel:
         final_norm = weights.take("model.norm.weight", (config.hidden_size,))
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
-            lm_head_plain = embed  # native keeps it as the GEMV's operand: no copy
+            lm_head_plain = embed  # native's GEMV reads it in place (no copy); its AVX2 panels are a copy
         else:
             lm_head_plain = weights.take("lm_head.weight", (config.vocab_size, config.hidden_size))
         lm_head = linear.pack(lm_head_plain)

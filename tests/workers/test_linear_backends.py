@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from workers.kernels.native import native_available
-from workers.linear import GEMV_MAX_ROWS, onednn_available, select_linear_backend
+from workers.linear import (GEMV_MAX_ROWS, PANEL_MAX_ROWS, PanelWeight, onednn_available, pack_panels,
+                            select_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
                                   reason="torch built without oneDNN")
@@ -52,6 +53,39 @@ def test_native_gemv_and_gemm_agree(rows, dtype):
     logits = native.logits(x, packed)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits.double(), expected, **tolerance)
+
+
+@needs_onednn
+@pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+@pytest.mark.parametrize("rows", [1, 5, 6, 8, 16, 17, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1])
+def test_panel_gemm_on_avx2_matches_float64(rows):
+    """On a CPU with AVX2 and no AVX-512, fp32 weights are packed in panels of 16 columns and
+    up to PANEL_MAX_ROWS rows take the panel GEMM (row tiles of up to 6, a last panel cut
+    short); more take oneDNN. Elsewhere the GEMV/oneDNN split above holds and this checks the
+    same products through it."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=generator)
+    weight = torch.randn(1001, 72, generator=generator)  # 62 full panels and one of 9 columns
+    bias = torch.randn(1001, generator=generator)
+    native = select_linear_backend("native", "cpu", torch.float32)
+    packed = native.pack(weight)
+    assert isinstance(packed, PanelWeight) == native.has_panels
+    expected = x.double() @ weight.double().T
+    out = native.linear(x, packed, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 1001)
+    torch.testing.assert_close(out.double(), expected + bias.double(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(native.logits(x, packed).double(), expected, atol=1e-4, rtol=1e-4)
+    strided = torch.randn(rows, 144, generator=generator)[:, ::2]  # a view, as the model passes some inputs
+    torch.testing.assert_close(native.linear(strided, packed).double(), strided.double() @ weight.double().T,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_pack_panels_layout():
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    panels = pack_panels(weight)
+    assert panels.shape == (2, 3, 16)
+    assert torch.equal(panels[0, 2], weight[:16, 2]) and torch.equal(panels[1, 1, :4], weight[16:, 1])
+    assert not panels[1, :, 4:].any()  # zeros past the last column
 
 
 def test_auto_selection_and_errors():

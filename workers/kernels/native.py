@@ -177,6 +177,9 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_silu_mul": [_P, _P, _I64, _I64, _I32, _I32],
     # x, w, bias, out, num_rows, N, K, dtype, out_dtype, num_threads
     "rayllm_gemv": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+    # x, panels, bias, out, num_rows, N, K, num_threads (fp32)
+    "rayllm_panel_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32],
+    "rayllm_panel_gemm_available": [],
 }
 
 

@@ -269,6 +269,106 @@ static void gemv_columns(const void *x, const void *w, const void *bias, void *o
 }
 #endif
 
+/* ---------------------------------------------------------------- small-M GEMM over weight panels (AVX2) */
+
+/* out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for a few rows (a decode step's batch), fp32, on
+ * CPUs with AVX2 but no AVX-512 (where oneDNN's small-M fp32 GEMM ran at about half the FMA
+ * rate). The weight is packed once into panels of 16 output columns, k-major: panels[p][k][16]
+ * holds w[16p .. 16p + 15, k] (zero past N), so one k step of a panel is two vector loads, used
+ * by every x row of a tile (up to 6 rows x 16 columns = 12 accumulators). Threads take
+ * contiguous ranges of panels; each panel stays in cache while all row tiles pass over it. */
+#define PANEL_WIDTH 16
+#define PANEL_MAX_TILE 6
+
+#ifdef RAYLLM_AVX2
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, const int MR,
+                                                             float *out, int64_t N, int64_t n0, const float *bias) {
+    __m256 acc[PANEL_MAX_TILE][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(panel + k * PANEL_WIDTH), w1 = _mm256_loadu_ps(panel + k * PANEL_WIDTH + 8);
+        for (int i = 0; i < MR; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+            acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+        }
+    }
+    const int64_t width = N - n0 < PANEL_WIDTH ? N - n0 : PANEL_WIDTH;
+    __m256 b0 = _mm256_setzero_ps(), b1 = b0;
+    if (bias) {
+        float padded[PANEL_WIDTH] = {0};
+        memcpy(padded, bias + n0, (size_t)width * sizeof(float));
+        b0 = _mm256_loadu_ps(padded);
+        b1 = _mm256_loadu_ps(padded + 8);
+    }
+    for (int i = 0; i < MR; i++) {
+        float *dst = out + i * N + n0;
+        if (width == PANEL_WIDTH) {
+            _mm256_storeu_ps(dst, _mm256_add_ps(acc[i][0], b0));
+            _mm256_storeu_ps(dst + 8, _mm256_add_ps(acc[i][1], b1));
+        } else {
+            float row[PANEL_WIDTH];
+            _mm256_storeu_ps(row, _mm256_add_ps(acc[i][0], b0));
+            _mm256_storeu_ps(row + 8, _mm256_add_ps(acc[i][1], b1));
+            memcpy(dst, row, (size_t)width * sizeof(float));
+        }
+    }
+}
+#endif
+
+/* 1 where this build has the panel GEMM (AVX2 without AVX-512), else 0. */
+int rayllm_panel_gemm_available(void) {
+#ifdef RAYLLM_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x: [num_rows, K] fp32; panels: [ceil(N / 16), K, 16] fp32 (layout above); bias: [N] or NULL;
+ * out: [num_rows, N] fp32. Returns 1 where this build has no panel kernel (no AVX2, or AVX-512:
+ * those CPUs take oneDNN and the GEMV). */
+int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, float *out, int64_t num_rows, int64_t N,
+                      int64_t K, int32_t num_threads) {
+#ifdef RAYLLM_AVX2
+    if (num_rows < 1) return 1;
+    const int64_t num_panels = (N + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int64_t num_tiles = (num_rows + PANEL_MAX_TILE - 1) / PANEL_MAX_TILE;
+    const int threads = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && num_panels >= 16)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+        const int64_t me = 0, team = 1;
+#endif
+        for (int64_t p = num_panels * me / team; p < num_panels * (me + 1) / team; p++) {
+            const float *panel = panels + p * K * PANEL_WIDTH;
+            for (int64_t t = 0, m = 0; t < num_tiles; t++) { /* tiles as even as they go: 8 rows are 4 + 4 */
+                const int64_t rows = (num_rows - m) / (num_tiles - t) + ((num_rows - m) % (num_tiles - t) != 0);
+                const float *xm = x + m * K;
+                float *om = out + m * N;
+                switch (rows) {
+                case 6: panel_tile(xm, K, panel, 6, om, N, p * PANEL_WIDTH, bias); break;
+                case 5: panel_tile(xm, K, panel, 5, om, N, p * PANEL_WIDTH, bias); break;
+                case 4: panel_tile(xm, K, panel, 4, om, N, p * PANEL_WIDTH, bias); break;
+                case 3: panel_tile(xm, K, panel, 3, om, N, p * PANEL_WIDTH, bias); break;
+                case 2: panel_tile(xm, K, panel, 2, om, N, p * PANEL_WIDTH, bias); break;
+                default: panel_tile(xm, K, panel, 1, om, N, p * PANEL_WIDTH, bias); break;
+                }
+                m += rows;
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)panels, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)num_threads;
+    return 1;
+#endif
+}
+
 /* x: [num_rows, K] and w: [N, K] in dtype, bias: [N] in dtype or NULL, out: [num_rows, N] in out_dtype.
  * Threads take contiguous ranges of output columns (so each reads one contiguous part of w). */
 int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64_t num_rows, int64_t N, int64_t K,
