@@ -25,10 +25,11 @@ bf16, +212 MB per worker); "onednn" does without them.
 On CPUs with AVX2 but no AVX-512 (Zen 2/3, Intel before Ice Lake), fp32 takes a third
 path: rayllm_panel_gemm over the weight packed once into panels of 16 output columns
 (layer_ops.c), for every product of at most PANEL_MAX_ROWS rows, in place of both the GEMV
-and oneDNN. Measured on an AVX2-only EPYC (SmolLM2's 30 layers of projections, 1 thread, side
-by side in one run, ms per step): 1 row 12.6 panels vs 16.0 GEMV vs 20.4 oneDNN; 8 rows 39.4
-vs 51.9 oneDNN; 16 rows 56.8 vs 69.1; 512 rows 1192 vs 1444 (91 vs 75 GFLOP/s). The lm_head
-at 16 rows: 16.1 vs 23.6 ms. Past PANEL_MAX_ROWS (long prefill steps) oneDNN keeps the work.
+and oneDNN. Measured on an AVX2-only EPYC with `bench.bench_linear` (a decode step's products
+at SmolLM2's shapes, 30 layers and the lm_head, each weight its own tensor so it streams from
+memory; 1 thread, ms per step, side by side): 1 row 45.1 panels vs 53.4 GEMV, 4 rows 52.7 vs
+72.1 oneDNN, 16 rows 81.6 vs 109.2; 2 threads, 16 rows 65.0 vs 86.8. At 512 rows (weights in
+cache) 91 vs 75 GFLOP/s. Past PANEL_MAX_ROWS (long prefill steps) oneDNN keeps the work.
 
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
