@@ -183,17 +183,25 @@ def knob_rows(data: dict[str, dict[str, list[dict]]]) -> list[list[str]]:
 
 
 def machine_text() -> str:
-    model = "?"
+    model, simd = "?", "?"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and model == "?":
                 model = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and simd == "?":
+                simd = simd_text(set(line.split(":", 1)[1].split()))
         mem_kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
         mem = f"{mem_kb / (1 << 20):.0f} GiB"
     except (OSError, StopIteration, ValueError):
         mem = "?"
-    return f"{model}, {os.cpu_count()} cores, {mem} RAM, {platform.platform()}"
+    return f"{model} ({simd}), {os.cpu_count()} cores, {mem} RAM, {platform.platform()}"
+
+
+def simd_text(flags: set[str]) -> str:
+    """The vector extensions that decide our kernels' path (and bf16 by default or not)."""
+    if "avx512f" in flags:
+        return "AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512, no BF16"
+    return "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
 
 
 def plots(data: dict[str, dict[str, list[dict]]], plot_dir: Path) -> list[str]:
