@@ -191,28 +191,9 @@ static inline __attribute__((always_inline)) int64_t gemv_row(const void *x, con
     return k;
 }
 
-static void gemv_columns(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t n0,
-                         int64_t n1, int64_t N, int64_t K, int dtype, int out_dtype) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
-    for (int64_t n = n0; n < n1; n++) {
-        const void *wn = (const char *)w + n * K * elem;
-        for (int64_t m = 0; m < rows; m += GEMV_M_TILE) {
-            const int64_t mm = rows - m < GEMV_M_TILE ? rows - m : GEMV_M_TILE;
-            __m512 acc[GEMV_M_TILE];
-            const int64_t k_done = mm == 1   ? gemv_row(x, wn, m, 1, K, dtype, acc)
-                                   : mm == 2 ? gemv_row(x, wn, m, 2, K, dtype, acc)
-                                   : mm == 3 ? gemv_row(x, wn, m, 3, K, dtype, acc)
-                                             : gemv_row(x, wn, m, 4, K, dtype, acc);
-            for (int j = 0; j < mm; j++) {
-                float sum = _mm512_reduce_add_ps(acc[j]);
-                for (int64_t k = k_done; k < K; k++)
-                    sum += load_element(x, (m + j) * K + k, dtype) * load_element(w, n * K + k, dtype);
-                if (bias) sum += load_element(bias, n, dtype);
-                store_element(out, (m + j) * N + n, sum, out_dtype);
-            }
-        }
-    }
-}
+typedef __m512 GemvAcc; /* gemv_columns below, in 16 lanes */
+#define GEMV_ROW gemv_row
+#define GEMV_REDUCE _mm512_reduce_add_ps
 #elif defined(RAYLLM_AVX2)
 /* The same walk in 8 lanes, two accumulators per x row (an FMA's latency needs about 8 in
  * flight; up to 4 rows x 2). */
@@ -235,6 +216,12 @@ static inline __attribute__((always_inline)) int64_t gemv_row8(const void *x, co
     return k;
 }
 
+typedef __m256 GemvAcc; /* gemv_columns below, in 8 lanes */
+#define GEMV_ROW gemv_row8
+#define GEMV_REDUCE hsum8
+#endif
+
+#if defined(__AVX512F__) || defined(RAYLLM_AVX2)
 static void gemv_columns(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t n0,
                          int64_t n1, int64_t N, int64_t K, int dtype, int out_dtype) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
@@ -242,13 +229,13 @@ static void gemv_columns(const void *x, const void *w, const void *bias, void *o
         const void *wn = (const char *)w + n * K * elem;
         for (int64_t m = 0; m < rows; m += GEMV_M_TILE) {
             const int64_t mm = rows - m < GEMV_M_TILE ? rows - m : GEMV_M_TILE;
-            __m256 acc[GEMV_M_TILE];
-            const int64_t k_done = mm == 1   ? gemv_row8(x, wn, m, 1, K, dtype, acc)
-                                   : mm == 2 ? gemv_row8(x, wn, m, 2, K, dtype, acc)
-                                   : mm == 3 ? gemv_row8(x, wn, m, 3, K, dtype, acc)
-                                             : gemv_row8(x, wn, m, 4, K, dtype, acc);
+            GemvAcc acc[GEMV_M_TILE];
+            const int64_t k_done = mm == 1   ? GEMV_ROW(x, wn, m, 1, K, dtype, acc)
+                                   : mm == 2 ? GEMV_ROW(x, wn, m, 2, K, dtype, acc)
+                                   : mm == 3 ? GEMV_ROW(x, wn, m, 3, K, dtype, acc)
+                                             : GEMV_ROW(x, wn, m, 4, K, dtype, acc);
             for (int j = 0; j < mm; j++) {
-                float sum = hsum8(acc[j]);
+                float sum = GEMV_REDUCE(acc[j]);
                 for (int64_t k = k_done; k < K; k++)
                     sum += load_element(x, (m + j) * K + k, dtype) * load_element(w, n * K + k, dtype);
                 if (bias) sum += load_element(bias, n, dtype);

@@ -11,6 +11,18 @@
 #define RAYLLM_AVX2 1 /* the 8-lane paths: compiled only where AVX-512 is not */
 #endif
 
+/* p = 2^f for f in [-0.5, 0.5] (degree 6), in either vector width: W is _mm512 or _mm256. */
+#define EXP2_POLYNOMIAL(W, p, f)                                    \
+    do {                                                            \
+        p = W##_set1_ps(1.535336188319500e-4f);                     \
+        p = W##_fmadd_ps(p, f, W##_set1_ps(1.339887440266574e-3f)); \
+        p = W##_fmadd_ps(p, f, W##_set1_ps(9.618437357674640e-3f)); \
+        p = W##_fmadd_ps(p, f, W##_set1_ps(5.550332471162809e-2f)); \
+        p = W##_fmadd_ps(p, f, W##_set1_ps(2.402264791363012e-1f)); \
+        p = W##_fmadd_ps(p, f, W##_set1_ps(6.931472028550421e-1f)); \
+        p = W##_fmadd_ps(p, f, W##_set1_ps(1.0f));                  \
+    } while (0)
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -47,13 +59,8 @@ static inline __m512 exp_ps(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p;
+    EXP2_POLYNOMIAL(_mm512, p, f);
     return _mm512_scalef_ps(p, n);
 }
 
@@ -82,13 +89,8 @@ static inline __m256 exp8_ps(__m256 x) {
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p;
+    EXP2_POLYNOMIAL(_mm256, p, f);
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
