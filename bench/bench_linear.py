@@ -2,13 +2,15 @@
 
     .venv/bin/python -m bench.bench_linear                     # 1 thread, rows 1,2,4,8,16
     .venv/bin/python -m bench.bench_linear --threads 2 --rows 1,8,16
+    .venv/bin/python -m bench.bench_linear --rows 512,1024,2048 --repeats 2   # prefill steps
 
 Random weights of SmolLM2-135M's shapes (30 layers of qkv, o, gate_up, down, then the
 lm_head: 538 MB in fp32), each its own tensor, so every product reads its weight from memory
 as a real step does (a benchmark that repeats one small weight measures the cache instead).
 Per row count, the median over --repeats passes of all of them, the paths alternating:
 
-- panels: the AVX2 panel GEMM (workers/linear.py, PanelWeight), where this CPU has it;
+- panels: the AVX2 panel GEMM (workers/linear.py, PanelWeight), where this CPU has it, at
+  every row count (past PANEL_MAX_ROWS too, which is what the cutoff is judged by);
 - gemv/onednn: our GEMV up to GEMV_MAX_ROWS rows, oneDNN's prepacked GEMM above (DualWeight),
   the path of AVX-512 CPUs.
 """
@@ -58,8 +60,10 @@ def main() -> None:
             for name, weights in (("panels", panels), ("gemv/onednn", duals)):
                 started = time.perf_counter()
                 for weight in weights:
-                    width = weight.panels.shape[1] if isinstance(weight, PanelWeight) else weight.plain.shape[1]
-                    native.linear(inputs[width], weight)
+                    if isinstance(weight, PanelWeight):
+                        native._panel_gemm(inputs[weight.panels.shape[1]], weight, None)
+                    else:
+                        native.linear(inputs[weight.plain.shape[1]], weight)
                 times[name].append(time.perf_counter() - started)
         panel_s, other_s = (statistics.median(times[name]) for name in ("panels", "gemv/onednn"))
         print(f"rows {rows:3d}: panels {panel_s * 1e3:7.1f}   gemv/onednn {other_s * 1e3:7.1f}   "

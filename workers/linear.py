@@ -28,8 +28,9 @@ path: rayllm_panel_gemm over the weight packed once into panels of 16 output col
 and oneDNN. Measured on an AVX2-only EPYC with `bench.bench_linear` (a decode step's products
 at SmolLM2's shapes, 30 layers and the lm_head, each weight its own tensor so it streams from
 memory; 1 thread, ms per step, side by side): 1 row 45.1 panels vs 53.4 GEMV, 4 rows 52.7 vs
-72.1 oneDNN, 16 rows 81.6 vs 109.2; 2 threads, 16 rows 65.0 vs 86.8. At 512 rows (weights in
-cache) 91 vs 75 GFLOP/s. Past PANEL_MAX_ROWS (long prefill steps) oneDNN keeps the work.
+72.1 oneDNN, 16 rows 81.6 vs 109.2; 2 threads, 16 rows 65.0 vs 86.8. Prefill-sized steps (1
+thread): 512 rows 1571 vs 1799 ms, 1024 rows 3376 vs 3772, 2048 rows 7754 vs 7451 (2 threads:
+even at 512 and 2048, 2330 vs 2460 at 1024), so past PANEL_MAX_ROWS oneDNN keeps the work.
 
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
@@ -46,7 +47,7 @@ from workers.kernels.native import DTYPE_CODES, check_status, native_available, 
 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
-PANEL_MAX_ROWS = 512  # rows at most that take the panel GEMM (AVX2, fp32); more go to oneDNN
+PANEL_MAX_ROWS = 1024  # rows at most that take the panel GEMM (AVX2, fp32); more go to oneDNN
 PANEL_WIDTH = 16  # output columns per panel (layer_ops.c)
 
 
