@@ -1,0 +1,70 @@
+"""Our CPU paged attention for a decode step, with the KV pool in memory as a real step has it.
+
+    .venv/bin/python -m bench.bench_attention                  # fp32, 1 thread, 16 seqs x 272 keys
+    .venv/bin/python -m bench.bench_attention --threads 2 --dtype bfloat16
+
+SmolLM2-135M's shapes (30 layers, 9 query heads over 3 kv heads, head_dim 64, blocks of 16):
+each layer gets its own pool (about 200 MB in all in fp32 at the defaults), so every call
+reads its keys and values from DRAM, as a decode step does (one repeated small pool would
+measure the cache: 16 x 272 keys fit in L3). Prints the median over --repeats passes of
+the 30 layers, and the same calls on one warm pool for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from workers.kernels import cpu_attention  # noqa: E402
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--context", type=int, default=272)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    blocks_per_seq = -(-args.context // BLOCK)
+    num_blocks = args.seqs * blocks_per_seq + 1
+    generator = torch.Generator().manual_seed(0)
+    block_tables = (torch.randperm(num_blocks - 1, generator=generator)[: args.seqs * blocks_per_seq] + 1)
+    block_tables = block_tables.view(args.seqs, blocks_per_seq).to(torch.int32).contiguous()
+    query_start_loc = torch.arange(args.seqs + 1, dtype=torch.int32)
+    seq_lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
+    layers = []
+    for _ in range(LAYERS):
+        k_cache, v_cache = cpu_attention.allocate_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+        k_cache.copy_(torch.randn(k_cache.shape, generator=generator).to(dtype))  # K and V share one pool
+        q = torch.randn(args.seqs, HEADS, HEAD_DIM, generator=generator).to(dtype)
+        layers.append((q, k_cache, v_cache))
+    pool_mb = sum(k.untyped_storage().nbytes() for _, k, _ in layers) / 1e6
+    scale = HEAD_DIM ** -0.5
+
+    def run(pools) -> float:
+        started = time.perf_counter()
+        for q, k_cache, v_cache in pools:
+            cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        return time.perf_counter() - started
+
+    run(layers)
+    cold = statistics.median(run(layers) for _ in range(args.repeats))
+    warm = statistics.median(run([layers[0]] * LAYERS) for _ in range(args.repeats))
+    print(f"{args.dtype}, {args.threads} thread(s), {args.seqs} seqs x {args.context} keys, {LAYERS} layers "
+          f"({pool_mb:.0f} MB of pools): {cold * 1e3:.1f} ms from memory, {warm * 1e3:.1f} ms on one warm pool")
+
+
+if __name__ == "__main__":
+    main()
