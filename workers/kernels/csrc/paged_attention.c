@@ -330,6 +330,7 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
 
 static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast(t, w, start, n, 4); }
 static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast(t, w, start, n, 8); }
+#define FAST_PATH_DTYPE(a) 1 /* fp32 and bf16 pools */
 
 /* ---------------------------------------------------------------- AVX2 (fp32 pools) */
 #elif defined(RAYLLM_AVX2)
@@ -414,7 +415,6 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
-            else w->correction[rows[i]] = 1.0f;
         for (int64_t i = 0; i < num_live; i += 2) {
             if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D);
             else chunk_values8(t, w, live + i, 1, vb, g, start, n, D);
@@ -422,22 +422,17 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
     }
 }
 
-static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) {
-    if (t->a->dtype == DTYPE_F32) chunk_fast8(t, w, start, n, 64);
-    else chunk_portable(t, w, start, n);
-}
-static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) {
-    if (t->a->dtype == DTYPE_F32) chunk_fast8(t, w, start, n, 128);
-    else chunk_portable(t, w, start, n);
-}
+static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast8(t, w, start, n, 64); }
+static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast8(t, w, start, n, 128); }
+#define FAST_PATH_DTYPE(a) ((a)->dtype == DTYPE_F32) /* bf16 pools take the portable path */
 #endif
 
 typedef void (*ChunkBody)(const Task *, Scratch *, int64_t, int64_t);
 
 static ChunkBody pick_body(const AttentionArgs *a) {
 #ifdef HAVE_FAST_PATH
-    if (a->head_dim == 64) return chunk_d64;
-    if (a->head_dim == 128) return chunk_d128;
+    if (FAST_PATH_DTYPE(a) && a->head_dim == 64) return chunk_d64;
+    if (FAST_PATH_DTYPE(a) && a->head_dim == 128) return chunk_d128;
 #endif
     (void)a;
     return chunk_portable;
