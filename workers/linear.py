@@ -28,7 +28,9 @@ path: rayllm_panel_gemm over the weight packed once into panels of 16 output col
 and oneDNN. Measured on an AVX2-only EPYC with `bench.bench_linear` (a decode step's products
 at SmolLM2's shapes, 30 layers and the lm_head, each weight its own tensor so it streams from
 memory; 1 thread, ms per step, side by side): 1 row 45.1 panels vs 53.4 GEMV, 4 rows 52.7 vs
-72.1 oneDNN, 16 rows 81.6 vs 109.2; 2 threads, 16 rows 65.0 vs 86.8. Prefill-sized steps (1
+72.1 oneDNN, 16 rows 81.6 vs 109.2; 2 threads, 16 rows 65.0 vs 86.8. Since 1 to 3 rows read 4
+to 2 panels at once (layer_ops.c), one run on a slower day: 1 row 34.0 vs 52.6, 2 rows 39.4 vs
+57.6, 3 rows 50.7 vs 90.7 (1 thread); 1 row 30.7 vs 39.1 (2 threads). Prefill-sized steps (1
 thread): 512 rows 1571 vs 1799 ms, 1024 rows 3376 vs 3772, 2048 rows 7754 vs 7451 (2 threads:
 even at 512 and 2048, 2330 vs 2460 at 1024), so past PANEL_MAX_ROWS oneDNN keeps the work.
 

@@ -57,11 +57,11 @@ def test_native_gemv_and_gemm_agree(rows, dtype):
 
 @needs_onednn
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
-@pytest.mark.parametrize("rows", [1, 5, 6, 8, 16, 17, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 16, 17, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1])
 def test_panel_gemm_on_avx2_matches_float64(rows):
     """On a CPU with AVX2 and no AVX-512, fp32 weights are packed in panels of 16 columns and
-    up to PANEL_MAX_ROWS rows take the panel GEMM (row tiles of up to 6, a last panel cut
-    short); more take oneDNN. Elsewhere the GEMV/oneDNN split above holds and this checks the
+    up to PANEL_MAX_ROWS rows take the panel GEMM (row tiles of up to 6, 1-3 rows over 4-2
+    panels at once, a last panel cut short); more take oneDNN. Elsewhere the GEMV/oneDNN split above holds and this checks the
     same products through it."""
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=generator)
@@ -78,6 +78,29 @@ def test_panel_gemm_on_avx2_matches_float64(rows):
     strided = torch.randn(rows, 144, generator=generator)[:, ::2]  # a view, as the model passes some inputs
     torch.testing.assert_close(native.linear(strided, packed).double(), strided.double() @ weight.double().T,
                                atol=1e-4, rtol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_gemm_rows_are_the_same_in_every_batch(threads):
+    """A row's product does not depend on the rows beside it (tile shapes and panel groups vary
+    with the row count, the summation order does not), so a sequence decodes the same tokens
+    alone and in a batch."""
+    native = select_linear_backend("native", "cpu", torch.float32)
+    if not native.has_panels:
+        pytest.skip("this CPU's kernels have no panel GEMM")
+    generator = torch.Generator().manual_seed(threads)
+    x = torch.randn(9, 200, generator=generator)
+    weight = native.pack(torch.randn(330, 200, generator=generator))  # 20 full panels and one of 10 columns
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([native.linear(x[row : row + 1], weight) for row in range(9)])
+        for rows in range(2, 10):
+            assert torch.equal(native.linear(x[:rows], weight), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_pack_panels_layout():

@@ -262,12 +262,46 @@ static void gemv_columns(const void *x, const void *w, const void *bias, void *o
  * CPUs with AVX2 but no AVX-512 (where oneDNN's small-M fp32 GEMM ran at about half the FMA
  * rate). The weight is packed once into panels of 16 output columns, k-major: panels[p][k][16]
  * holds w[16p .. 16p + 15, k] (zero past N), so one k step of a panel is two vector loads, used
- * by every x row of a tile (up to 6 rows x 16 columns = 12 accumulators). Threads take
- * contiguous ranges of panels; each panel stays in cache while all row tiles pass over it. */
+ * by every x row of a tile. A tile is MR rows x P adjacent panels, at most 12 accumulators:
+ * up to 6 rows x 1 panel, and for 1, 2 or 3 rows 4, 3 or 2 panels side by side. Few rows read a
+ * panel faster than they can use it, and P panels are P streams through memory at once: at 1
+ * row, SmolLM2's products (30 layers and the lm_head, weights streamed from DRAM, AVX2 EPYC,
+ * both kernels side by side in one process, best of 9) took 61.5 -> 45.2 ms on 1 thread and
+ * 29.2 -> 22.9 on 2 with 4 panels instead of 1; 2 rows 60.9 -> 49.5, 3 rows 63.0 -> 56.8. Each
+ * output is still one k-ordered sum, so a row's result is the same in every tile shape (a
+ * sequence decodes the same tokens alone or in a batch). Threads take contiguous ranges of
+ * panels; each group of panels stays in cache while all row tiles pass over it. */
 #define PANEL_WIDTH 16
-#define PANEL_MAX_TILE 6
+#define PANEL_MAX_TILE 6  /* rows */
+#define PANEL_MAX_GROUP 4 /* panels */
 
 #ifdef RAYLLM_AVX2
+/* Panels side by side for a tile of `rows` rows (12 accumulators at most). */
+static inline int64_t panel_group(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 3 : rows == 3 ? 2 : 1; }
+
+/* bias[n, n + width) (zeros past width, or everywhere without a bias) as two vectors. */
+static inline void panel_bias(const float *bias, int64_t n, int64_t width, __m256 *b0, __m256 *b1) {
+    float padded[PANEL_WIDTH] = {0};
+    if (bias) memcpy(padded, bias + n, (size_t)width * sizeof(float));
+    *b0 = _mm256_loadu_ps(padded);
+    *b1 = _mm256_loadu_ps(padded + 8);
+}
+
+/* One row's 16 sums plus bias into dst[0, width). */
+static inline void panel_store(float *dst, int64_t width, __m256 lo, __m256 hi, __m256 b0, __m256 b1) {
+    if (width == PANEL_WIDTH) {
+        _mm256_storeu_ps(dst, _mm256_add_ps(lo, b0));
+        _mm256_storeu_ps(dst + 8, _mm256_add_ps(hi, b1));
+    } else {
+        float row[PANEL_WIDTH];
+        _mm256_storeu_ps(row, _mm256_add_ps(lo, b0));
+        _mm256_storeu_ps(row + 8, _mm256_add_ps(hi, b1));
+        memcpy(dst, row, (size_t)width * sizeof(float));
+    }
+}
+
+/* Rows [0, MR) of x times one panel, into out columns [n0, n0 + 16) clipped to N. MR is a
+ * compile-time constant in every call, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, const int MR,
                                                              float *out, int64_t N, int64_t n0, const float *bias) {
     __m256 acc[PANEL_MAX_TILE][2];
@@ -281,24 +315,64 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
         }
     }
     const int64_t width = N - n0 < PANEL_WIDTH ? N - n0 : PANEL_WIDTH;
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-    if (bias) {
-        float padded[PANEL_WIDTH] = {0};
-        memcpy(padded, bias + n0, (size_t)width * sizeof(float));
-        b0 = _mm256_loadu_ps(padded);
-        b1 = _mm256_loadu_ps(padded + 8);
-    }
-    for (int i = 0; i < MR; i++) {
-        float *dst = out + i * N + n0;
-        if (width == PANEL_WIDTH) {
-            _mm256_storeu_ps(dst, _mm256_add_ps(acc[i][0], b0));
-            _mm256_storeu_ps(dst + 8, _mm256_add_ps(acc[i][1], b1));
-        } else {
-            float row[PANEL_WIDTH];
-            _mm256_storeu_ps(row, _mm256_add_ps(acc[i][0], b0));
-            _mm256_storeu_ps(row + 8, _mm256_add_ps(acc[i][1], b1));
-            memcpy(dst, row, (size_t)width * sizeof(float));
+    __m256 b0, b1;
+    panel_bias(bias, n0, width, &b0, &b1);
+    for (int i = 0; i < MR; i++) panel_store(out + i * N + n0, width, acc[i][0], acc[i][1], b0, b1);
+}
+
+/* The same for MR (1 to 3) rows times P = panel_group(MR) adjacent panels (K * 16 floats
+ * apart), into out columns [n0, n0 + 16 P) clipped to N: each column's sum in the same k
+ * order as panel_tile's. (One function for both measured 5-7% slower at 16 rows: the
+ * compiler kept some of the 6-row tile's accumulators on the stack.) */
+static inline __attribute__((always_inline)) void panel_tile_wide(const float *x, int64_t K, const float *panel,
+                                                                  const int MR, const int P, float *out, int64_t N,
+                                                                  int64_t n0, const float *bias) {
+    __m256 acc[3][2 * PANEL_MAX_GROUP];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 2 * P; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 w[2 * PANEL_MAX_GROUP];
+        for (int j = 0; j < P; j++) {
+            w[2 * j] = _mm256_loadu_ps(panel + (j * K + k) * PANEL_WIDTH);
+            w[2 * j + 1] = _mm256_loadu_ps(panel + (j * K + k) * PANEL_WIDTH + 8);
         }
+        for (int i = 0; i < MR; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+            for (int j = 0; j < 2 * P; j++) acc[i][j] = _mm256_fmadd_ps(xb, w[j], acc[i][j]);
+        }
+    }
+    for (int j = 0; j < P; j++) {
+        const int64_t n = n0 + j * PANEL_WIDTH, width = N - n < PANEL_WIDTH ? N - n : PANEL_WIDTH;
+        __m256 b0, b1;
+        panel_bias(bias, n, width, &b0, &b1);
+        for (int i = 0; i < MR; i++) panel_store(out + i * N + n, width, acc[i][2 * j], acc[i][2 * j + 1], b0, b1);
+    }
+}
+
+/* Every row tile over `group` panels from panel p (group is panel_group(tile rows) or 1). */
+static void panel_rows(const float *x, int64_t K, const float *panels, float *out, int64_t N, const float *bias,
+                       int64_t num_rows, int64_t num_tiles, int64_t p, int64_t group) {
+    const float *panel = panels + p * K * PANEL_WIDTH;
+    const int64_t n0 = p * PANEL_WIDTH;
+    for (int64_t t = 0, m = 0; t < num_tiles; t++) { /* tiles as even as they go: 8 rows are 4 + 4 */
+        const int64_t rows = (num_rows - m) / (num_tiles - t) + ((num_rows - m) % (num_tiles - t) != 0);
+        const float *xm = x + m * K;
+        float *om = out + m * N;
+        switch (group > 1 ? rows : 0) {
+        case 1: panel_tile_wide(xm, K, panel, 1, 4, om, N, n0, bias); break;
+        case 2: panel_tile_wide(xm, K, panel, 2, 3, om, N, n0, bias); break;
+        case 3: panel_tile_wide(xm, K, panel, 3, 2, om, N, n0, bias); break;
+        default:
+            switch (rows) {
+            case 6: panel_tile(xm, K, panel, 6, om, N, n0, bias); break;
+            case 5: panel_tile(xm, K, panel, 5, om, N, n0, bias); break;
+            case 4: panel_tile(xm, K, panel, 4, om, N, n0, bias); break;
+            case 3: panel_tile(xm, K, panel, 3, om, N, n0, bias); break;
+            case 2: panel_tile(xm, K, panel, 2, om, N, n0, bias); break;
+            default: panel_tile(xm, K, panel, 1, om, N, n0, bias); break;
+            }
+        }
+        m += rows;
     }
 }
 #endif
@@ -331,22 +405,13 @@ int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, fl
 #else
         const int64_t me = 0, team = 1;
 #endif
-        for (int64_t p = num_panels * me / team; p < num_panels * (me + 1) / team; p++) {
-            const float *panel = panels + p * K * PANEL_WIDTH;
-            for (int64_t t = 0, m = 0; t < num_tiles; t++) { /* tiles as even as they go: 8 rows are 4 + 4 */
-                const int64_t rows = (num_rows - m) / (num_tiles - t) + ((num_rows - m) % (num_tiles - t) != 0);
-                const float *xm = x + m * K;
-                float *om = out + m * N;
-                switch (rows) {
-                case 6: panel_tile(xm, K, panel, 6, om, N, p * PANEL_WIDTH, bias); break;
-                case 5: panel_tile(xm, K, panel, 5, om, N, p * PANEL_WIDTH, bias); break;
-                case 4: panel_tile(xm, K, panel, 4, om, N, p * PANEL_WIDTH, bias); break;
-                case 3: panel_tile(xm, K, panel, 3, om, N, p * PANEL_WIDTH, bias); break;
-                case 2: panel_tile(xm, K, panel, 2, om, N, p * PANEL_WIDTH, bias); break;
-                default: panel_tile(xm, K, panel, 1, om, N, p * PANEL_WIDTH, bias); break;
-                }
-                m += rows;
-            }
+        /* one row tile (at most 3 rows) takes panels in groups; more rows take them one by one */
+        const int64_t wide = num_tiles == 1 ? panel_group(num_rows) : 1;
+        const int64_t end = num_panels * (me + 1) / team;
+        for (int64_t p = num_panels * me / team; p < end;) {
+            const int64_t group = p + wide <= end ? wide : 1;
+            panel_rows(x, K, panels, out, N, bias, num_rows, num_tiles, p, group);
+            p += group;
         }
     }
     return 0;
