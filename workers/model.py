@@ -34,6 +34,7 @@ from workers.config import ModelConfig
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding
 
 
@@ -85,6 +86,8 @@ class PagedLlamaModel:
         self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
         self.ops = ops
         self.scale = config.head_dim**-0.5
+        # the same layers in one C call, for steps whose every product has a C kernel; None: Python only
+        self.native_forward = NativeForward.for_model(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,6 +101,9 @@ class PagedLlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+        native = self.native_forward
+        if native is not None and native.takes(input_ids.shape[0]):
+            return native(input_ids, positions, metadata, kv_caches)  # the loop below, in C
         eps = self.config.rms_norm_eps
         step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
         residual, delta = F.embedding(input_ids, self.embed), None

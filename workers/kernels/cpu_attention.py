@@ -29,7 +29,7 @@ import torch
 
 from workers.kernels.native import DTYPE_CODES, AttentionArgs, check_status, native_library
 
-__all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention", "write_kv_cache"]
+__all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention", "pool_layout", "write_kv_cache"]
 
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
@@ -73,7 +73,7 @@ def from_standard_layout(k_standard: torch.Tensor, v_standard: torch.Tensor) -> 
     return k_cache, v_cache
 
 
-def _layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+def pool_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """(block_size, num_kv_heads, head_dim, block_stride) of a pool from allocate_kv_cache, checked
     from shapes and strides alone (cheap: called per layer)."""
     num_blocks, num_kv_heads, dim_groups, block_size, pack = k_cache.shape
@@ -99,7 +99,7 @@ def write_kv_cache(
 
 
 def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: int) -> None:
-    block_size, num_kv_heads, head_dim, block_stride = _layout(k_cache, v_cache)
+    block_size, num_kv_heads, head_dim, block_stride = pool_layout(k_cache, v_cache)
     num_tokens = k.shape[0]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == k_cache.dtype
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
@@ -161,7 +161,7 @@ class CpuStepAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        block_size, num_kv_heads, pool_head_dim, block_stride = _layout(k_cache, v_cache)
+        block_size, num_kv_heads, pool_head_dim, block_stride = pool_layout(k_cache, v_cache)
         assert q.dtype == k_cache.dtype and q.stride(2) == 1 and pool_head_dim == head_dim
         assert supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)

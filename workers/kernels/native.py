@@ -33,7 +33,7 @@ import torch  # loaded before our library, so it binds to torch's libgomp (see a
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "layer_ops.c")  # compiled together; they include csrc/*.h
+SOURCES = ("paged_attention.c", "layer_ops.c", "forward.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -163,6 +163,34 @@ class AttentionArgs(ctypes.Structure):
     ]
 
 
+class LayerArgs(ctypes.Structure):
+    """Mirror of LayerArgs in csrc/forward.c: one decoder layer's weights and KV pool."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
+        "k_cache", "v_cache")]
+
+
+class ForwardArgs(ctypes.Structure):
+    """Mirror of ForwardArgs in csrc/forward.c (same order, same types)."""
+
+    _fields_ = [
+        ("layers", ctypes.POINTER(LayerArgs)),
+        *((name, ctypes.c_void_p) for name in (
+            "final_norm", "residual", "out", "x", "qkv", "attended", "delta", "gate_up", "act", "positions",
+            "slot_mapping", "cos", "sin")),
+        ("attention", AttentionArgs),
+        ("num_tokens", ctypes.c_int64),
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("dtype", ctypes.c_int32),
+        ("linear", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
@@ -180,6 +208,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # x, panels, bias, out, num_rows, N, K, num_threads (fp32)
     "rayllm_panel_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32],
     "rayllm_panel_gemm_available": [],
+    "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
 }
 
 

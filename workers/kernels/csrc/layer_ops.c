@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "entry_points.h"
 #include "simd.h"
 
 #define MAX_WIDTH 16384 /* hidden or intermediate size, at most (one row of fp32 scratch per thread) */

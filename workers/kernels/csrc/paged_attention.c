@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "entry_points.h"
 #include "simd.h"
 
 #define MAX_HEAD_DIM 256
@@ -52,22 +53,6 @@
 #define NEG_BIG (-1.0e30f) /* a finite "minus infinity": e^(NEG_BIG - m) is 0, with no inf - inf */
 
 
-typedef struct {
-    const void *q;   /* [num_tokens, num_heads, head_dim], strides below */
-    void *out;       /* [num_tokens, num_heads, head_dim], strides below */
-    const void *k_cache; /* K part of block 0 (layout above) */
-    const void *v_cache; /* V part of block 0 */
-    const int32_t *block_tables;    /* [num_seqs, max_blocks_per_seq] */
-    const int32_t *query_start_loc; /* [num_seqs + 1] */
-    const int32_t *seq_lens;        /* [num_seqs] */
-    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
-    int64_t q_stride_token, q_stride_head;     /* elements */
-    int64_t out_stride_token, out_stride_head; /* elements */
-    int64_t block_stride;                      /* elements from one block's K (or V) part to the next's */
-    float scale;
-    int32_t dtype;       /* DTYPE_F32 or DTYPE_BF16: q, pool and out share it */
-    int32_t num_threads; /* OpenMP threads for the tasks */
-} AttentionArgs;
 
 /* One task's rows are (query first_query + r / num_heads, head r % num_heads). */
 typedef struct {

@@ -1,0 +1,73 @@
+"""The decoder layers in one C call (workers/native_forward.py) against the Python loop they
+replace: the same hidden states bit for bit, every step of a run that mixes prefill chunks,
+decodes and sequences joining and leaving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_helpers import greedy, make_runner, prompts_of_lengths, run_requests
+
+from workers.kernels.native import native_available
+from workers.linear import GEMV_MAX_ROWS, NativeLinear
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+
+
+def compare_every_step(runner) -> list[int]:
+    """Wraps the model's forward: each step runs the C loop and the Python loop, asserts equal
+    hidden states, and records the step's row count where the C loop took it."""
+    model = runner.model
+    native, python_forward = model.native_forward, model.forward
+    compared: list[int] = []
+
+    def both(input_ids, positions, metadata, kv_caches):
+        model.native_forward = None
+        try:
+            expected = python_forward(input_ids, positions, metadata, kv_caches)
+        finally:
+            model.native_forward = native
+        if native.takes(input_ids.shape[0]):  # the KV it writes is what the Python loop just wrote
+            assert torch.equal(native(input_ids, positions, metadata, kv_caches), expected)
+            compared.append(input_ids.shape[0])
+        return expected
+
+    model.forward = both
+    return compared
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_loop_equals_the_python_loop(tiny_model_dir, threads):
+    runner = make_runner(tiny_model_dir, attention_backend="cpu", num_threads=threads)
+    assert runner.model.native_forward is not None  # CPU, fp32, our attention, ops and products
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([1, 3, 8, 17, 29, 45], runner.model_info.vocab_size)
+    run_requests(runner, prompts, greedy(12), token_budget=16)  # chunked prompts beside decodes
+    assert len(compared) >= 12 and min(compared) < max(compared), compared
+
+
+def test_c_loop_on_the_gemv_path_takes_only_a_few_rows(tiny_model_dir, monkeypatch):
+    """Where the products are our GEMV and oneDNN (AVX-512 CPUs; forced here), the C loop takes
+    the steps of at most GEMV_MAX_ROWS rows, and the Python loop the rest (oneDNN's)."""
+    monkeypatch.setattr(NativeLinear, "__init__", _without_panels(NativeLinear.__init__))
+    runner = make_runner(tiny_model_dir, attention_backend="cpu")
+    native = runner.model.native_forward
+    assert native is not None and native.max_rows == GEMV_MAX_ROWS
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([5, 9], runner.model_info.vocab_size)
+    outputs = run_requests(runner, prompts, greedy(8))
+    assert compared and max(compared) <= GEMV_MAX_ROWS and all(len(out) == 8 for out in outputs)
+
+
+def test_no_c_loop_where_a_part_is_torch(tiny_model_dir):
+    assert make_runner(tiny_model_dir, attention_backend="torch").model.native_forward is None
+    assert make_runner(tiny_model_dir, attention_backend="cpu", layer_ops="torch").model.native_forward is None
+    assert make_runner(tiny_model_dir, attention_backend="cpu", linear_backend="onednn").model.native_forward is None
+
+
+def _without_panels(init):
+    def patched(self) -> None:
+        init(self)
+        self.has_panels = False
+
+    return patched

@@ -1,0 +1,41 @@
+/* The library's entry points (what workers/kernels/native.py declares) and their argument
+ * structs, for the sources that call each other: every one returns 0, or an error code. */
+#ifndef RAYLLM_ENTRY_POINTS_H
+#define RAYLLM_ENTRY_POINTS_H
+#include <stdint.h>
+
+/* paged_attention.c: one varlen call per layer and step (the layout and contract are there). */
+typedef struct {
+    const void *q;   /* [num_tokens, num_heads, head_dim], strides below */
+    void *out;       /* [num_tokens, num_heads, head_dim], strides below */
+    const void *k_cache; /* K part of block 0 (layout in paged_attention.c) */
+    const void *v_cache; /* V part of block 0 */
+    const int32_t *block_tables;    /* [num_seqs, max_blocks_per_seq] */
+    const int32_t *query_start_loc; /* [num_seqs + 1] */
+    const int32_t *seq_lens;        /* [num_seqs] */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
+    int64_t q_stride_token, q_stride_head;     /* elements */
+    int64_t out_stride_token, out_stride_head; /* elements */
+    int64_t block_stride;                      /* elements from one block's K (or V) part to the next's */
+    float scale;
+    int32_t dtype;       /* DTYPE_F32 or DTYPE_BF16: q, pool and out share it */
+    int32_t num_threads; /* OpenMP threads for the tasks */
+} AttentionArgs;
+
+int rayllm_paged_attention(const AttentionArgs *a);
+int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
+                    int64_t block_stride, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t block_size, int32_t dtype, int32_t num_threads);
+
+/* layer_ops.c */
+int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
+                        int64_t hidden, float eps, int32_t dtype, int32_t num_threads);
+int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const float *sin, int64_t num_tokens,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int32_t dtype, int32_t num_threads);
+int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t dtype,
+                    int32_t num_threads);
+int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64_t num_rows, int64_t N, int64_t K,
+                int32_t dtype, int32_t out_dtype, int32_t num_threads);
+int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, float *out, int64_t num_rows, int64_t N,
+                      int64_t K, int32_t num_threads);
+#endif

@@ -1,0 +1,95 @@
+/* Every decoder layer of a step in one call: the same entry points as workers/model.py's
+ * Python loop, in the same order, with the same arguments, so the hidden states are the same
+ * bit for bit; only the ~10 Python-to-C crossings per layer (argument checks, ctypes
+ * conversions, a fresh output tensor per op) are gone. Per layer:
+ *
+ *     residual, x = add_rms_norm(residual, delta, input_norm)     (no delta before layer 0)
+ *     qkv = linear(x, qkv_weight);  rope(qkv);  write_kv(k, v);  attended = attention(q)
+ *     delta = linear(attended, o_weight)
+ *     residual, x = add_rms_norm(residual, delta, post_norm)
+ *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight)
+ *
+ * and after the last layer out = rms_norm(residual + delta) * final_norm. The products are
+ * ours only: the panel GEMM (fp32 on AVX2-only CPUs, up to 1024 rows) or the GEMV (a few
+ * rows); the Python side (workers/native_forward.py) calls this only for steps whose every
+ * product one of them takes, and runs its own loop otherwise (oneDNN's products).
+ */
+#include <stdint.h>
+
+#include "entry_points.h"
+#include "simd.h"
+
+enum { LINEAR_PANELS = 0, LINEAR_GEMV = 1 };
+
+typedef struct {
+    const void *input_norm, *post_norm;         /* [hidden] */
+    const void *qkv, *o, *gate_up, *down;       /* panels (LINEAR_PANELS) or row-major [out, in] (LINEAR_GEMV) */
+    const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [out] or NULL */
+    void *k_cache, *v_cache;                    /* this layer's pool (cpu_attention.allocate_kv_cache) */
+} LayerArgs;
+
+typedef struct {
+    const LayerArgs *layers; /* [num_layers] */
+    const void *final_norm;  /* [hidden] */
+    void *residual;          /* [num_tokens, hidden]: the embeddings in, the residual stream after */
+    void *out;               /* [num_tokens, hidden]: the final-normed hidden states */
+    void *x;                 /* [num_tokens, hidden] scratch: normed input of a projection */
+    void *qkv;               /* [num_tokens, (num_heads + 2 num_kv_heads) head_dim] scratch */
+    void *attended;          /* [num_tokens, num_heads head_dim] scratch */
+    void *delta;             /* [num_tokens, hidden] scratch: o_proj, then down_proj output */
+    void *gate_up;           /* [num_tokens, 2 intermediate] scratch */
+    void *act;               /* [num_tokens, intermediate] scratch */
+    const int64_t *positions, *slot_mapping; /* [num_tokens] */
+    const float *cos, *sin;  /* rope tables (rayllm_rope) */
+    AttentionArgs attention; /* the step's metadata, scale, heads, block geometry and threads; q, out and pools set here */
+    int64_t num_tokens, num_layers, hidden, intermediate;
+    float eps;
+    int32_t dtype, linear, num_threads;
+} ForwardArgs;
+
+static int linear(const ForwardArgs *a, const void *x, const void *w, const void *bias, void *out, int64_t N,
+                  int64_t K) {
+    if (a->linear == LINEAR_PANELS)
+        return a->dtype == DTYPE_F32 ? rayllm_panel_gemm(x, w, bias, out, a->num_tokens, N, K, a->num_threads) : 1;
+    return rayllm_gemv(x, w, bias, out, a->num_tokens, N, K, a->dtype, a->dtype, a->num_threads);
+}
+
+/* 0 on success; otherwise 1000 * (layer + 1) + the failing entry point's status (the final norm's
+ * status alone). */
+int rayllm_decoder_forward(const ForwardArgs *a) {
+    const AttentionArgs *meta = &a->attention;
+    const int64_t T = a->num_tokens, H = meta->num_heads, KV = meta->num_kv_heads, D = meta->head_dim;
+    const int64_t hidden = a->hidden, inter = a->intermediate, qkv_width = (H + 2 * KV) * D;
+    const int64_t elem = a->dtype == DTYPE_F32 ? 4 : 2;
+    const char *k = (const char *)a->qkv + H * D * elem, *v = (const char *)a->qkv + (H + KV) * D * elem;
+    AttentionArgs attention = *meta;
+    attention.q = a->qkv;
+    attention.q_stride_token = qkv_width;
+    attention.q_stride_head = D;
+    attention.out = a->attended;
+    attention.out_stride_token = H * D;
+    attention.out_stride_head = D;
+    for (int64_t l = 0; l < a->num_layers; l++) {
+        const LayerArgs *layer = a->layers + l;
+        attention.k_cache = layer->k_cache;
+        attention.v_cache = layer->v_cache;
+        int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
+                                         a->dtype, a->num_threads);
+        if (!status) status = linear(a, a->x, layer->qkv, layer->qkv_bias, a->qkv, qkv_width, hidden);
+        if (!status) status = rayllm_rope(a->qkv, a->positions, a->cos, a->sin, T, H, KV, D, a->dtype, a->num_threads);
+        if (!status)
+            status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
+                                     a->slot_mapping, T, KV, D, meta->block_size, a->dtype, a->num_threads);
+        if (!status) status = rayllm_paged_attention(&attention);
+        if (!status) status = linear(a, a->attended, layer->o, layer->o_bias, a->delta, hidden, H * D);
+        if (!status)
+            status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
+                                         a->num_threads);
+        if (!status) status = linear(a, a->x, layer->gate_up, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
+        if (!status) status = rayllm_silu_mul(a->gate_up, a->act, T, inter, a->dtype, a->num_threads);
+        if (!status) status = linear(a, a->act, layer->down, layer->down_bias, a->delta, hidden, inter);
+        if (status) return (int)(1000 * (l + 1)) + status;
+    }
+    return rayllm_add_rms_norm(a->residual, a->num_layers ? a->delta : NULL, a->final_norm, a->out, T, hidden, a->eps,
+                               a->dtype, a->num_threads);
+}

@@ -1,0 +1,108 @@
+"""The decoder layers of a step in one C call (workers/kernels/csrc/forward.c), where every
+product of the step has a C kernel: fp32 panels on AVX2-only CPUs (up to PANEL_MAX_ROWS
+rows), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes).
+
+The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
+same arguments, so it returns the same hidden states bit for bit (a test compares them).
+What it saves is the Python between the kernels: about ten ctypes crossings per layer,
+each with its checks and a fresh output tensor. A step with more rows than the C products
+take (oneDNN's, on the GEMV path; past PANEL_MAX_ROWS on the panel path) runs the Python
+loop.
+
+    native = NativeForward.for_model(model)      # None where the model's parts are not all ours
+    if native is not None and native.takes(num_tokens):
+        hidden = native(input_ids, positions, metadata, kv_caches)
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from workers.kernels import cpu_attention
+from workers.kernels.native import DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
+from workers.layer_ops import NativeOps
+from workers.linear import GEMV_MAX_ROWS, PANEL_MAX_ROWS, DualWeight, NativeLinear, PanelWeight
+
+LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class NativeForward:
+    def __init__(self, model, linear_kind: int, max_rows: int) -> None:
+        self.model = model
+        self.linear_kind = linear_kind
+        self.max_rows = max_rows  # rows per step at most that every product of the C loop takes
+        self.function = native_library().rayllm_decoder_forward
+        self._layers: ctypes.Array | None = None  # LayerArgs per layer, built for one set of pools
+        self._pools: list[int] = []  # data_ptr of each layer's K pool, what _layers was built for
+
+    @classmethod
+    def for_model(cls, model) -> NativeForward | None:
+        """The C loop for this model, or None where one of its parts is not ours (torch ops or
+        attention, F.linear or oneDNN alone, a GPU)."""
+        if (model.device.type != "cpu" or model.dtype not in DTYPE_CODES or model.attention is not cpu_attention
+                or not isinstance(model.ops, NativeOps) or not isinstance(model.linear_backend, NativeLinear)):
+            return None
+        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if all(isinstance(w, PanelWeight) for w in weights):
+            return cls(model, LINEAR_PANELS, PANEL_MAX_ROWS)
+        if all(isinstance(w, DualWeight) for w in weights):
+            return cls(model, LINEAR_GEMV, GEMV_MAX_ROWS)
+        return None
+
+    def takes(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.max_rows
+
+    def _layer_args(self, kv_caches) -> ctypes.Array:
+        pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
+        if self._layers is None or pools != self._pools:
+            operand = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
+            self._layers = (LayerArgs * len(kv_caches))(*(
+                LayerArgs(
+                    _ptr(layer.input_norm), _ptr(layer.post_norm), _ptr(operand(layer.qkv)), _ptr(operand(layer.o)),
+                    _ptr(operand(layer.gate_up)), _ptr(operand(layer.down)), _ptr(layer.qkv_bias),
+                    _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias), k_cache.data_ptr(),
+                    v_cache.data_ptr(),
+                )
+                for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True)
+            ))
+            self._pools = pools
+        return self._layers
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+        model, c = self.model, self.model.config
+        num_tokens, dtype = input_ids.shape[0], model.dtype
+        assert self.takes(num_tokens) and positions.dtype == torch.int64 and positions.is_contiguous()
+        step = cpu_attention.bind(metadata, model.scale)  # checks the metadata; its args carry it
+        block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
+        assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
+        assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype)
+        residual = F.embedding(input_ids, model.embed)
+        scratch = {
+            name: torch.empty(num_tokens, width, dtype=dtype)
+            for name, width in (("out", c.hidden_size), ("x", c.hidden_size),
+                                ("qkv", (c.num_heads + 2 * num_kv_heads) * head_dim),
+                                ("attended", c.num_heads * head_dim), ("delta", c.hidden_size),
+                                ("gate_up", 2 * c.intermediate_size), ("act", c.intermediate_size))
+        }
+        attention = step.args
+        attention.num_heads, attention.num_kv_heads, attention.head_dim = c.num_heads, num_kv_heads, head_dim
+        attention.block_size, attention.block_stride, attention.dtype = block_size, block_stride, DTYPE_CODES[dtype]
+        args = ForwardArgs(
+            layers=self._layer_args(kv_caches), final_norm=model.final_norm.data_ptr(), residual=residual.data_ptr(),
+            **{name: tensor.data_ptr() for name, tensor in scratch.items()},
+            positions=positions.data_ptr(), slot_mapping=step.slots, cos=model.rope.cos_f32.data_ptr(),
+            sin=model.rope.signed_sin_f32.data_ptr(), attention=attention, num_tokens=num_tokens,
+            num_layers=len(model.layers), hidden=c.hidden_size, intermediate=c.intermediate_size,
+            eps=c.rms_norm_eps, dtype=DTYPE_CODES[dtype], linear=self.linear_kind,
+            num_threads=torch.get_num_threads(),
+        )
+        check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
+        return scratch["out"]
