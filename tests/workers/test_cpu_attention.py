@@ -86,6 +86,27 @@ def test_strided_queries_and_two_threads():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["d64", "d32-portable"])
+@pytest.mark.parametrize("spec", [(150, 1), (0, 5)], ids=["decode", "prefill"])
+def test_a_lone_sequence_split_by_kv_head_equals_one_task(spec, head_dim, dtype):
+    """With two threads and one (sequence, query tile) task, the kernel makes a task per kv
+    head; every row is computed as in the one task of one thread, so the outputs are equal bit
+    for bit (a sequence's attention is the same alone and in a batch), and match the oracle."""
+    batch = kc.make_batch([spec], block_size=16, num_kv_heads=3, num_queries_per_kv=3, head_dim=head_dim,
+                          dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(batch)
+        torch.set_num_threads(2)
+        split = _attend(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, split)
+    assert kc.max_abs_err(split, kc.naive_attention(batch)) <= kc.ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_layout_round_trip_and_write(dtype):
     """write_kv_cache puts each token's k and v where from_standard_layout puts the same slot."""
     num_blocks, block_size, num_kv_heads, head_dim = 5, 8, 3, 64

@@ -22,7 +22,11 @@
  * Work split: one task per (sequence, tile of consecutive queries) with all heads, so a task
  * reads each block of its sequence once; rows are (query, head) pairs, row = query_in_tile *
  * num_heads + head, tiles hold about ROWS_PER_TASK rows. Tasks run on the OpenMP threads
- * (torch's runtime: the caller passes torch's thread count), dynamically scheduled.
+ * (torch's runtime: the caller passes torch's thread count), dynamically scheduled. A step
+ * with fewer tiles than threads (a lone decoding sequence) makes one task per tile and kv
+ * head instead, each reading only its head's part of every block, so the second thread is
+ * not idle while the first computes all of a sequence's heads (a row is computed the same
+ * way either way, so its result does not depend on the split).
  *
  * Per task, keys are walked in chunks of up to 16 (never crossing a block), per kv head,
  * with an online softmax in fp32 (running max m, running sum l, accumulator acc):
@@ -60,7 +64,14 @@ typedef struct {
     int64_t num_rows, num_queries, first_position, num_keys;
     const int32_t *table; /* the sequence's block table */
     int64_t group;        /* query heads per kv head */
+    int64_t g0, g1;       /* the kv heads [g0, g1) this task computes (all but where a step has few tasks) */
 } Task;
+
+/* Whether row r's head belongs to one of the task's kv heads. */
+static inline int row_in_task(const Task *t, int64_t r) {
+    const int64_t g = (r % t->a->num_heads) / t->group;
+    return g >= t->g0 && g < t->g1;
+}
 
 typedef struct {
     float qf[MAX_ROWS][MAX_HEAD_DIM];                          /* fp32 pools: the queries times the scale */
@@ -97,12 +108,13 @@ static inline int64_t element_size(const AttentionArgs *a) { return a->dtype == 
  * AVX2 on an EPYC, bench.bench_attention: 30 layers of 16 decodes at 272 keys, 39.2 -> 26.0 ms). */
 static void stream_block(const Task *t, int64_t index) {
     const AttentionArgs *a = t->a;
-    const int64_t bytes = a->block_size * a->num_kv_heads * a->head_dim * element_size(a);
-    const char *k = (const char *)a->k_cache + t->table[index] * a->block_stride * element_size(a);
-    const char *v = (const char *)a->v_cache + t->table[index] * a->block_stride * element_size(a);
+    const int64_t head_bytes = a->block_size * a->head_dim * element_size(a); /* one kv head's K (or V) part */
+    const int64_t bytes = (t->g1 - t->g0) * head_bytes, first = t->g0 * head_bytes;
+    const char *k = (const char *)a->k_cache + t->table[index] * a->block_stride * element_size(a) + first;
+    const char *v = (const char *)a->v_cache + t->table[index] * a->block_stride * element_size(a) + first;
     if ((index + 1) * a->block_size < t->num_keys) {
-        const char *next_k = (const char *)a->k_cache + t->table[index + 1] * a->block_stride * element_size(a);
-        const char *next_v = (const char *)a->v_cache + t->table[index + 1] * a->block_stride * element_size(a);
+        const char *next_k = (const char *)a->k_cache + t->table[index + 1] * a->block_stride * element_size(a) + first;
+        const char *next_v = (const char *)a->v_cache + t->table[index + 1] * a->block_stride * element_size(a) + first;
         for (int64_t offset = 0; offset < bytes; offset += 64) {
             __builtin_prefetch(next_k + offset, 0, 1);
             __builtin_prefetch(next_v + offset, 0, 1);
@@ -156,6 +168,7 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
     const void *kb = (const char *)a->k_cache + block * a->block_stride * element_size(a);
     const void *vb = (const char *)a->v_cache + block * a->block_stride * element_size(a);
     for (int64_t r = 0; r < t->num_rows; r++) {
+        if (!row_in_task(t, r)) continue;
         const int64_t visible = visible_keys(t, r, start, n), g = (r % H) / t->group;
         if (visible <= 0) { /* the whole chunk is in this row's future */
             w->correction[r] = 1.0f;
@@ -302,7 +315,7 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
     const char *kb = (const char *)a->k_cache + block * a->block_stride * element_size(a);
     const char *vb = (const char *)a->v_cache + block * a->block_stride * element_size(a);
     const int64_t most_values = DV <= 4 ? ROW_BATCH : 2; /* head_dim 128: 2 rows x 8 accumulators */
-    for (int64_t g = 0; g < a->num_kv_heads; g++) {
+    for (int64_t g = t->g0; g < t->g1; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
@@ -393,7 +406,7 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
     const int64_t H = a->num_heads, G = t->group, block = t->table[start / a->block_size];
     const float *kb = (const float *)a->k_cache + block * a->block_stride;
     const float *vb = (const float *)a->v_cache + block * a->block_stride;
-    for (int64_t g = 0; g < a->num_kv_heads; g++) {
+    for (int64_t g = t->g0; g < t->g1; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
@@ -424,7 +437,7 @@ static ChunkBody pick_body(const AttentionArgs *a) {
 }
 
 static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t seq, int64_t first_query,
-                     int64_t num_queries) {
+                     int64_t num_queries, int64_t g0, int64_t g1) {
     const int64_t H = a->num_heads, D = a->head_dim, BS = a->block_size;
     const int64_t query_len = a->query_start_loc[seq + 1] - a->query_start_loc[seq];
     const int64_t token0 = a->query_start_loc[seq] + first_query;
@@ -435,9 +448,12 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
         .first_position = a->seq_lens[seq] - query_len + first_query,
         .table = a->block_tables + seq * a->max_blocks_per_seq,
         .group = H / a->num_kv_heads,
+        .g0 = g0,
+        .g1 = g1,
     };
     t.num_keys = t.first_position + num_queries;
     for (int64_t r = 0; r < t.num_rows; r++) {
+        if (!row_in_task(&t, r)) continue;
         const int64_t at = (token0 + r / H) * a->q_stride_token + (r % H) * a->q_stride_head;
         if (a->dtype == DTYPE_F32)
             for (int64_t d = 0; d < D; d++) w->qf[r][d] = ((const float *)a->q)[at + d] * a->scale;
@@ -456,6 +472,7 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
         start += n;
     }
     for (int64_t r = 0; r < t.num_rows; r++) {
+        if (!row_in_task(&t, r)) continue;
         const int64_t offset = (token0 + r / H) * a->out_stride_token + (r % H) * a->out_stride_head;
         const float inv = 1.0f / w->l[r];
         if (a->dtype == DTYPE_F32) {
@@ -484,26 +501,34 @@ int rayllm_paged_attention(const AttentionArgs *a) {
         a->block_size % pack_of(a->dtype) != 0)
         return 1;
     const int64_t tile = a->num_heads >= ROWS_PER_TASK ? 1 : ROWS_PER_TASK / a->num_heads;
+    const int threads = a->num_threads > 0 ? a->num_threads : 1;
     /* One task per (sequence, query tile); each sequence lists its last tile (the one with
-     * the most keys) first, so the dynamic schedule starts the long tasks early. */
-    int64_t num_tasks = 0;
+     * the most keys) first, so the dynamic schedule starts the long tasks early. A step with
+     * fewer such tasks than threads (one decoding sequence) splits each by kv head, so every
+     * thread has work; a row's arithmetic is the same either way. */
+    int64_t num_tiles = 0;
     for (int64_t s = 0; s < a->num_seqs; s++)
-        num_tasks += (a->query_start_loc[s + 1] - a->query_start_loc[s] + tile - 1) / tile;
-    int64_t(*tasks)[3] = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks); /* seq, first query, count */
+        num_tiles += (a->query_start_loc[s + 1] - a->query_start_loc[s] + tile - 1) / tile;
+    const int64_t heads_per_task = num_tiles < threads ? 1 : a->num_kv_heads;
+    const int64_t parts = a->num_kv_heads / heads_per_task, num_tasks = num_tiles * parts;
+    int64_t(*tasks)[4] = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks); /* seq, first query, count, first kv head */
     if (tasks == NULL) return 2;
     int64_t n = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) {
-        for (int64_t first = a->query_start_loc[s + 1] - a->query_start_loc[s]; first > 0; n++) {
+        for (int64_t first = a->query_start_loc[s + 1] - a->query_start_loc[s]; first > 0;) {
             const int64_t count = (first - 1) % tile + 1;
             first -= count;
-            tasks[n][0] = s;
-            tasks[n][1] = first;
-            tasks[n][2] = count;
+            for (int64_t part = 0; part < parts; part++, n++) {
+                tasks[n][0] = s;
+                tasks[n][1] = first;
+                tasks[n][2] = count;
+                tasks[n][3] = part * heads_per_task;
+            }
         }
     }
     const ChunkBody body = pick_body(a);
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads > 0 ? a->num_threads : 1) if (num_tasks > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (num_tasks > 1)
     for (int64_t index = 0; index < num_tasks; index++) {
         Scratch *w = thread_scratch();
         if (w == NULL) {
@@ -511,7 +536,8 @@ int rayllm_paged_attention(const AttentionArgs *a) {
             failed = 1;
             continue;
         }
-        run_task(a, body, w, tasks[index][0], tasks[index][1], tasks[index][2]);
+        run_task(a, body, w, tasks[index][0], tasks[index][1], tasks[index][2], tasks[index][3],
+                 tasks[index][3] + heads_per_task);
     }
     free(tasks);
     return failed ? 2 : 0;
