@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker actor sets it (workers/actor.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker actor sets them (workers/actor.py)
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

@@ -3,6 +3,8 @@ choices fail clearly."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -101,6 +103,36 @@ def test_panel_gemm_rows_are_the_same_in_every_batch(threads):
             assert torch.equal(native.linear(x[:rows], weight), alone[:rows]), rows
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_onednn
+@pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+def test_panel_gemm_from_two_python_threads_at_once():
+    """The kernels share one thread pool (csrc/thread_pool.c): a call arriving while another
+    runs computes its items itself, and both get exact results (ctypes drops the GIL, so the
+    two calls really overlap)."""
+    native = select_linear_backend("native", "cpu", torch.float32)
+    if not native.has_panels:
+        pytest.skip("this CPU's kernels have no panel GEMM")
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(2000, 64, generator=generator)
+    packed = native.pack(weight)
+    inputs = [torch.randn(rows, 64, generator=generator) for rows in (1, 2, 5, 16)]
+    expected = [native.linear(x, packed) for x in inputs]
+    mismatches = []
+
+    def hammer() -> None:
+        for _ in range(200):
+            for x, want in zip(inputs, expected):
+                if not torch.equal(native.linear(x, packed), want):
+                    mismatches.append(x.shape[0])
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not mismatches
 
 
 def test_pack_panels_layout():

@@ -33,7 +33,7 @@ import torch  # loaded before our library, so it binds to torch's libgomp (see a
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "layer_ops.c", "forward.c")  # compiled together; they include csrc/*.h
+SOURCES = ("paged_attention.c", "layer_ops.c", "forward.c", "thread_pool.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.

@@ -38,4 +38,9 @@ int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64
                 int32_t dtype, int32_t out_dtype, int32_t num_threads);
 int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, float *out, int64_t num_rows, int64_t N,
                       int64_t K, int32_t num_threads);
+
+/* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
+ * among them; returns when every item is done. */
+typedef void (*ParallelBody)(void *ctx, int64_t item);
+void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx);
 #endif

@@ -378,6 +378,25 @@ static void panel_rows(const float *x, int64_t K, const float *panels, float *ou
 }
 #endif
 
+#ifdef RAYLLM_AVX2
+typedef struct {
+    const float *x, *panels, *bias;
+    float *out;
+    int64_t num_rows, N, K, num_panels, num_tiles, wide, span; /* span: panels per range, a multiple of wide */
+} PanelJob;
+
+/* Range `range` of a PanelJob: panels [range * span, (range + 1) * span) clipped to the last. */
+static void panel_range(void *context, int64_t range) {
+    const PanelJob *j = context;
+    const int64_t end = (range + 1) * j->span < j->num_panels ? (range + 1) * j->span : j->num_panels;
+    for (int64_t p = range * j->span; p < end;) {
+        const int64_t group = p + j->wide <= end ? j->wide : 1;
+        panel_rows(j->x, j->K, j->panels, j->out, j->N, j->bias, j->num_rows, j->num_tiles, p, group);
+        p += group;
+    }
+}
+#endif
+
 /* 1 where this build has the panel GEMM (AVX2 without AVX-512), else 0. */
 int rayllm_panel_gemm_available(void) {
 #ifdef RAYLLM_AVX2
@@ -398,26 +417,19 @@ int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, fl
     const int64_t num_tiles = (num_rows + PANEL_MAX_TILE - 1) / PANEL_MAX_TILE;
     const int threads = num_threads > 0 ? num_threads : 1;
     /* One row tile (at most 3 rows) takes panels in groups; more rows take them one by one.
-     * Threads take ranges of panels (about 8 per thread, whole groups) as they come free
-     * rather than a fixed half each: a thread the OS takes away for a while (the ingress or
-     * the scheduler running on its core) leaves its ranges to the other instead of making it
-     * wait at the end. SmolLM2 fp32 decode steps, 2 threads, fixed halves vs ranges (measured
-     * alternating in one process, a busy loop taking 25% of one core beside, as
-     * bench.bench_interference runs it): batch 1 36.0 -> 32.0 ms, batch 16 103.9 -> 99.3;
-     * alone 30.1 -> 29.5 and 79.9 -> 74.0. */
+     * Threads claim ranges of panels (about 8 per thread, whole groups) as they come free
+     * (rayllm_parallel_for), rather than a fixed half each: a thread the OS takes away for a
+     * while (the ingress or the scheduler running on its core) leaves its ranges to the other
+     * instead of making it wait. SmolLM2 fp32 decode steps, 2 threads, beside a busy loop
+     * taking 25% of one core (bench.bench_interference), fixed halves -> ranges claimed in an
+     * OpenMP dynamic loop: batch 1 36.0 -> 32.0 ms, batch 16 103.9 -> 99.3 (alone 30.1 -> 29.5
+     * and 79.9 -> 74.0); the thread pool then also spares the wait at the region's end. */
     const int64_t wide = num_tiles == 1 ? panel_group(num_rows) : 1;
     const int64_t num_groups = (num_panels + wide - 1) / wide;
     const int64_t per_range = num_groups / (threads * 8) > 1 ? num_groups / (threads * 8) : 1;
-    const int64_t span = per_range * wide, num_ranges = (num_panels + span - 1) / span;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && num_panels >= 16)
-    for (int64_t range = 0; range < num_ranges; range++) {
-        const int64_t end = (range + 1) * span < num_panels ? (range + 1) * span : num_panels;
-        for (int64_t p = range * span; p < end;) {
-            const int64_t group = p + wide <= end ? wide : 1;
-            panel_rows(x, K, panels, out, N, bias, num_rows, num_tiles, p, group);
-            p += group;
-        }
-    }
+    PanelJob job = {x, panels, bias, out, num_rows, N, K, num_panels, num_tiles, wide, per_range * wide};
+    const int64_t num_ranges = (num_panels + job.span - 1) / job.span;
+    rayllm_parallel_for(num_ranges, num_panels >= 16 ? threads : 1, panel_range, &job);
     return 0;
 #else
     (void)x, (void)panels, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)num_threads;

@@ -21,8 +21,8 @@
  *
  * Work split: one task per (sequence, tile of consecutive queries) with all heads, so a task
  * reads each block of its sequence once; rows are (query, head) pairs, row = query_in_tile *
- * num_heads + head, tiles hold about ROWS_PER_TASK rows. Tasks run on the OpenMP threads
- * (torch's runtime: the caller passes torch's thread count), dynamically scheduled. A step
+ * num_heads + head, tiles hold about ROWS_PER_TASK rows. Threads (the caller passes torch's
+ * thread count) claim tasks as they come free (thread_pool.c: rayllm_parallel_for). A step
  * with fewer tiles than threads (a lone decoding sequence) makes one task per tile and kv
  * head instead, each reading only its head's part of every block, so the second thread is
  * not idle while the first computes all of a sequence's heads (a row is computed the same
@@ -42,6 +42,7 @@
  * for everything else.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -493,6 +494,25 @@ static Scratch *thread_scratch(void) {
     return scratch;
 }
 
+typedef struct {
+    const AttentionArgs *a;
+    ChunkBody body;
+    const int64_t (*tasks)[4]; /* seq, first query, count, first kv head */
+    int64_t heads_per_task;
+    _Atomic int failed; /* a thread could not allocate its scratch */
+} AttentionJob;
+
+static void attention_task(void *context, int64_t index) {
+    AttentionJob *job = context;
+    Scratch *w = thread_scratch();
+    if (w == NULL) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    const int64_t *task = job->tasks[index];
+    run_task(job->a, job->body, w, task[0], task[1], task[2], task[3], task[3] + job->heads_per_task);
+}
+
 /* 0 on success; 1 when the shapes are outside what the kernel supports (the Python side
  * checks them first), 2 when out of memory. */
 int rayllm_paged_attention(const AttentionArgs *a) {
@@ -526,19 +546,9 @@ int rayllm_paged_attention(const AttentionArgs *a) {
             }
         }
     }
-    const ChunkBody body = pick_body(a);
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (num_tasks > 1)
-    for (int64_t index = 0; index < num_tasks; index++) {
-        Scratch *w = thread_scratch();
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        run_task(a, body, w, tasks[index][0], tasks[index][1], tasks[index][2], tasks[index][3],
-                 tasks[index][3] + heads_per_task);
-    }
+    AttentionJob job = {a, pick_body(a), tasks, heads_per_task, 0};
+    rayllm_parallel_for(num_tasks, threads, attention_task, &job); /* tasks claimed as threads come free */
+    const int failed = atomic_load(&job.failed);
     free(tasks);
     return failed ? 2 : 0;
 }

@@ -1,0 +1,139 @@
+/* A parallel for whose caller never waits for a thread that took no work.
+ *
+ *     rayllm_parallel_for(num_items, num_threads, fn, ctx);   // fn(ctx, i) for every i, then returns
+ *
+ * Served, a worker shares its cores with the ingress, the scheduler and Serve's proxy, which
+ * wake at every step. An OpenMP parallel region ends at a barrier every thread of the team
+ * must reach, so when the OS hands one thread's core to them for a few ms, the other thread
+ * finishes the region's work and then waits for it, and the step loses the whole time. Here
+ * items are claimed one at a time from a shared counter by the caller and the helpers alike,
+ * and the caller waits only for items that someone has claimed: a helper that is not running
+ * claims nothing, and the caller does its share.
+ *
+ * The helpers (num_threads - 1, started on first use, grown when more are asked for) spin
+ * for a short while after each job and then sleep on a futex until the next one. One job at
+ * a time: a second caller arriving while a job runs (another Python thread, a nested call)
+ * runs its items itself. A forked child starts with no helpers.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "entry_points.h"
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#define MAX_HELPERS 255
+#define SPIN_ROUNDS 20000 /* pause loops before a helper sleeps (~100-200 us): a step's kernels come back to back */
+
+static struct {
+    pthread_mutex_t lock; /* one job at a time (trylock: a busy pool means run inline) */
+    _Atomic uint64_t state; /* job generation << 32 | next unclaimed item */
+    _Atomic int64_t num_done; /* items of the current job finished */
+    _Atomic uint32_t wake;    /* futex word: bumped for every job */
+    _Atomic int num_sleeping;
+    ParallelBody fn;
+    void *ctx;
+    int64_t num_items;
+    int num_helpers;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t expected) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* Claims and runs items of job `generation` until none are left (or a newer job started). */
+static void work(uint32_t generation) {
+    for (;;) {
+        uint64_t state = atomic_load(&pool.state);
+        if ((uint32_t)(state >> 32) != generation || (int64_t)(state & 0xffffffffu) >= pool.num_items) return;
+        if (!atomic_compare_exchange_weak(&pool.state, &state, state + 1)) continue;
+        /* the item is ours; the job cannot change until it is counted done */
+        pool.fn(pool.ctx, (int64_t)(state & 0xffffffffu));
+        atomic_fetch_add(&pool.num_done, 1);
+    }
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    uint32_t seen = atomic_load(&pool.wake);
+    for (;;) {
+        uint32_t now;
+        for (int round = 0; (now = atomic_load(&pool.wake)) == seen; round++) {
+            if (round < SPIN_ROUNDS) {
+                cpu_relax();
+                continue;
+            }
+            atomic_fetch_add(&pool.num_sleeping, 1);
+            if (atomic_load(&pool.wake) == seen) futex_wait(&pool.wake, seen);
+            atomic_fetch_sub(&pool.num_sleeping, 1);
+            round = 0;
+        }
+        seen = now;
+        work((uint32_t)(atomic_load(&pool.state) >> 32));
+    }
+    return NULL;
+}
+
+static void forget_helpers_in_child(void) {
+    pool.num_helpers = 0; /* a forked child has only the thread that forked */
+    pthread_mutex_init(&pool.lock, NULL);
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_helpers_in_child); }
+
+static void grow(int num_helpers) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+    while (pool.num_helpers < num_helpers && pool.num_helpers < MAX_HELPERS) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper_main, NULL) != 0) return; /* fewer helpers: still correct */
+        pthread_detach(thread);
+        pool.num_helpers++;
+    }
+}
+
+static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
+    for (int64_t i = 0; i < num_items; i++) fn(ctx, i);
+}
+
+void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx) {
+    if (num_items <= 1 || num_threads <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        run_inline(num_items, fn, ctx);
+        return;
+    }
+    grow(num_threads - 1);
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.num_items = num_items;
+    atomic_store(&pool.num_done, 0);
+    const uint32_t generation = (uint32_t)(atomic_load(&pool.state) >> 32) + 1;
+    atomic_store(&pool.state, (uint64_t)generation << 32); /* publishes the job: items from 0 */
+    atomic_fetch_add(&pool.wake, 1);
+    if (atomic_load(&pool.num_sleeping) > 0) futex_wake_all(&pool.wake);
+    work(generation);
+    while (atomic_load(&pool.num_done) < num_items) cpu_relax(); /* only items someone claimed */
+    pthread_mutex_unlock(&pool.lock);
+}
+#else /* no futex: the caller runs every item */
+void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx) {
+    (void)num_threads;
+    for (int64_t i = 0; i < num_items; i++) fn(ctx, i);
+}
+#endif
