@@ -53,8 +53,7 @@ LONG_SCHEMA = {  # shortest document: 64 strings of at least 2 characters, well 
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "words", "schema": LONG_SCHEMA}}
 APP_NAME = "rayllm-bench-structured"
-SHIPPED_APP_ARGS = {"num_workers": 2, "worker_num_cpus": 0.75, "worker_num_threads": 1,
-                    "max_num_batched_tokens": 512, "enable_prefix_caching": False}
+SHIPPED_APP_ARGS = {"num_workers": "auto", "max_num_batched_tokens": 512, "enable_prefix_caching": False}
 
 
 def parse_args() -> argparse.Namespace:

@@ -17,6 +17,7 @@ from scheduler.admission import AdmissionConfig
 from scheduler.config import SchedulerConfig
 from serve_app.limits import ServerLimits
 from serve_app.protocol import MAX_N
+from serve_app.worker_layout import NATIVE_BF16_FLAGS, auto_worker_layout, cpu_flags, usable_cpus
 
 from scheduler.router import RouterConfig
 
@@ -42,7 +43,12 @@ class AppArgs(BaseModel):
         "rayllm", pattern=r"^[A-Za-z0-9_.-]+$",
         description="Prefix of the Ray actor names; unique per application in a cluster.",
     )
-    num_workers: int = Field(1, ge=1, le=64, description="Worker actors, each a full model replica.")
+    num_workers: int = Field(
+        1, ge=1, le=64,
+        description="Worker actors, each a full model replica. 'auto' (the shipped YAML): from this node's CPU, "
+        "one worker per core on CPUs with native bf16, else one worker with a thread per core; worker_num_cpus and "
+        "worker_num_threads follow unless given (serve_app/worker_layout.py).",
+    )
     worker_num_cpus: float = Field(
         1.0, gt=0, description="Logical CPUs per worker; torch threads = floor(worker_num_cpus)."
     )
@@ -197,6 +203,24 @@ class AppArgs(BaseModel):
     resume_timeout_s: float = Field(
         60.0, gt=0, description="How long a request waits for a restarted scheduler before failing (503)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto_layout(cls, data: object) -> object:
+        """num_workers: auto -> numbers, from the CPU of the node this runs on (build_app hands
+        the resolved numbers on, so every deployment sees the same ones)."""
+        if not isinstance(data, dict) or data.get("num_workers") != "auto":
+            return data
+        def value(name: str) -> float:
+            return float(data.get(name, cls.model_fields[name].default))  # `serve run` args come as text
+        reserved = (value("ingress_replicas") * value("ingress_num_cpus")
+                    + value("num_scheduler_shards") * value("scheduler_num_cpus"))
+        layout = auto_worker_layout(usable_cpus(), bool(cpu_flags() & NATIVE_BF16_FLAGS), reserved)
+        resolved = {**data, "num_workers": layout.num_workers}
+        for name in ("worker_num_cpus", "worker_num_threads"):
+            if data.get(name) in (None, "auto"):
+                resolved[name] = getattr(layout, name)
+        return resolved
 
     @property
     def kv_cache_memory_bytes(self) -> int:
