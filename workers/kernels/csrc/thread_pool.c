@@ -36,6 +36,7 @@
 #endif
 
 #define MAX_HELPERS 255
+#define NO_ITEMS 0xffffffffu /* the low half of a state being published: more than any job has */
 #define SPIN_ROUNDS 20000 /* pause loops before a helper sleeps (~100-200 us): a step's kernels come back to back */
 
 static struct {
@@ -114,17 +115,24 @@ static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
 }
 
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx) {
-    if (num_items <= 1 || num_threads <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+    if (num_items <= 1 || num_items >= NO_ITEMS || num_threads <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
         run_inline(num_items, fn, ctx);
         return;
     }
     grow(num_threads - 1);
+    /* Publish in two stores. First a new generation with no item to claim, so a helper still
+     * looking at the last job (it read the old state and is about to compare its item with
+     * num_items) can no longer claim anything: its compare-and-swap expects the old state. Only
+     * then the job's fields, and the generation's items. Writing num_items while the old state
+     * stood let a late helper claim a phantom item of the old job and run it with the new one's
+     * fields, and count it done (a full-suite run caught the wrong tokens). */
+    const uint32_t generation = (uint32_t)(atomic_load(&pool.state) >> 32) + 1;
+    atomic_store(&pool.state, (uint64_t)generation << 32 | NO_ITEMS);
     pool.fn = fn;
     pool.ctx = ctx;
     pool.num_items = num_items;
     atomic_store(&pool.num_done, 0);
-    const uint32_t generation = (uint32_t)(atomic_load(&pool.state) >> 32) + 1;
-    atomic_store(&pool.state, (uint64_t)generation << 32); /* publishes the job: items from 0 */
+    atomic_store(&pool.state, (uint64_t)generation << 32); /* the job's items, from 0 */
     atomic_fetch_add(&pool.wake, 1);
     if (atomic_load(&pool.num_sleeping) > 0) futex_wake_all(&pool.wake);
     work(generation);
