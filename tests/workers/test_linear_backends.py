@@ -59,7 +59,7 @@ def test_native_gemv_and_gemm_agree(rows, dtype):
 
 @needs_onednn
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 16, 17, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 16, 17, 64, 65, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1])
 def test_panel_gemm_on_avx2_matches_float64(rows):
     """On a CPU with AVX2 and no AVX-512, fp32 weights are packed in panels of 16 columns and
     up to PANEL_MAX_ROWS rows take the panel GEMM (row tiles of up to 6, 1-3 rows over 4-2
@@ -86,20 +86,20 @@ def test_panel_gemm_on_avx2_matches_float64(rows):
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_panel_gemm_rows_are_the_same_in_every_batch(threads):
-    """A row's product does not depend on the rows beside it (tile shapes and panel groups vary
-    with the row count, the summation order does not), so a sequence decodes the same tokens
-    alone and in a batch."""
+    """A row's product does not depend on the rows beside it (tile shapes, panel groups and
+    k-blocking vary with the row count, the summation order does not), so a sequence decodes
+    the same tokens alone and in a batch."""
     native = select_linear_backend("native", "cpu", torch.float32)
     if not native.has_panels:
         pytest.skip("this CPU's kernels have no panel GEMM")
     generator = torch.Generator().manual_seed(threads)
-    x = torch.randn(9, 200, generator=generator)
+    x = torch.randn(66, 200, generator=generator)  # k blocks of 64, 64, 64 and 8
     weight = native.pack(torch.randn(330, 200, generator=generator))  # 20 full panels and one of 10 columns
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([native.linear(x[row : row + 1], weight) for row in range(9)])
-        for rows in range(2, 10):
+        alone = torch.cat([native.linear(x[row : row + 1], weight) for row in range(66)])
+        for rows in [*range(2, 10), 17, 64, 65, 66]:
             assert torch.equal(native.linear(x[:rows], weight), alone[:rows]), rows
     finally:
         torch.set_num_threads(previous)
