@@ -350,6 +350,23 @@ static inline __attribute__((always_inline)) void panel_tile_wide(const float *x
     }
 }
 
+/* Rows in the next of `tiles_left` row tiles over `rows_left` rows: tiles as even as they go
+ * (8 rows are 4 + 4). */
+static inline int64_t tile_rows(int64_t rows_left, int64_t tiles_left) {
+    return rows_left / tiles_left + (rows_left % tiles_left != 0);
+}
+
+/* f(x, K, panel, MR, ...) with MR = rows (1 to 6) as a compile-time constant. */
+#define FOR_TILE_ROWS(rows, f, x, K, panel, ...)       \
+    switch (rows) {                                    \
+    case 6: f(x, K, panel, 6, __VA_ARGS__); break;     \
+    case 5: f(x, K, panel, 5, __VA_ARGS__); break;     \
+    case 4: f(x, K, panel, 4, __VA_ARGS__); break;     \
+    case 3: f(x, K, panel, 3, __VA_ARGS__); break;     \
+    case 2: f(x, K, panel, 2, __VA_ARGS__); break;     \
+    default: f(x, K, panel, 1, __VA_ARGS__); break;    \
+    }
+
 /* Rows [0, MR) of x times one panel over k in [k0, k1), continuing the sums in partial[MR][16]
  * (stored back after): the same FMAs in the same k order as panel_tile's. With prefetch, a
  * cache line from there on for every k step. */
@@ -395,18 +412,11 @@ static void panel_rows_blocked(const float *x, int64_t K, const float *panel, fl
     for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_BLOCK) {
         const int64_t k1 = k0 + PANEL_K_BLOCK < K ? k0 + PANEL_K_BLOCK : K;
         for (int64_t t = 0, m = 0; t < num_tiles; t++) {
-            const int64_t rows = (num_rows - m) / (num_tiles - t) + ((num_rows - m) % (num_tiles - t) != 0);
+            const int64_t rows = tile_rows(num_rows - m, num_tiles - t);
             const float *xm = x + m * K;
             float *pm = partial + m * PANEL_WIDTH;
             const float *prefetch = t == 0 ? panel + (k0 + PANEL_K_BLOCK) * PANEL_WIDTH : NULL;
-            switch (rows) {
-            case 6: panel_tile_part(xm, K, panel, 6, k0, k1, pm, prefetch); break;
-            case 5: panel_tile_part(xm, K, panel, 5, k0, k1, pm, prefetch); break;
-            case 4: panel_tile_part(xm, K, panel, 4, k0, k1, pm, prefetch); break;
-            case 3: panel_tile_part(xm, K, panel, 3, k0, k1, pm, prefetch); break;
-            case 2: panel_tile_part(xm, K, panel, 2, k0, k1, pm, prefetch); break;
-            default: panel_tile_part(xm, K, panel, 1, k0, k1, pm, prefetch); break;
-            }
+            FOR_TILE_ROWS(rows, panel_tile_part, xm, K, panel, k0, k1, pm, prefetch);
             m += rows;
         }
     }
@@ -427,8 +437,8 @@ static void panel_rows(const float *x, int64_t K, const float *panels, float *ou
         panel_rows_blocked(x, K, panel, out, N, bias, num_rows, num_tiles, n0);
         return;
     }
-    for (int64_t t = 0, m = 0; t < num_tiles; t++) { /* tiles as even as they go: 8 rows are 4 + 4 */
-        const int64_t rows = (num_rows - m) / (num_tiles - t) + ((num_rows - m) % (num_tiles - t) != 0);
+    for (int64_t t = 0, m = 0; t < num_tiles; t++) {
+        const int64_t rows = tile_rows(num_rows - m, num_tiles - t);
         const float *xm = x + m * K;
         float *om = out + m * N;
         switch (group > 1 ? rows : 0) {
@@ -436,14 +446,7 @@ static void panel_rows(const float *x, int64_t K, const float *panels, float *ou
         case 2: panel_tile_wide(xm, K, panel, 2, 3, om, N, n0, bias); break;
         case 3: panel_tile_wide(xm, K, panel, 3, 2, om, N, n0, bias); break;
         default:
-            switch (rows) {
-            case 6: panel_tile(xm, K, panel, 6, om, N, n0, bias); break;
-            case 5: panel_tile(xm, K, panel, 5, om, N, n0, bias); break;
-            case 4: panel_tile(xm, K, panel, 4, om, N, n0, bias); break;
-            case 3: panel_tile(xm, K, panel, 3, om, N, n0, bias); break;
-            case 2: panel_tile(xm, K, panel, 2, om, N, n0, bias); break;
-            default: panel_tile(xm, K, panel, 1, om, N, n0, bias); break;
-            }
+            FOR_TILE_ROWS(rows, panel_tile, xm, K, panel, om, N, n0, bias);
         }
         m += rows;
     }
