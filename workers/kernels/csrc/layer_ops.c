@@ -301,13 +301,19 @@ static inline void panel_store(float *dst, int64_t width, __m256 lo, __m256 hi, 
     }
 }
 
-/* Rows [0, MR) of x times one panel, into out columns [n0, n0 + 16) clipped to N. MR is a
- * compile-time constant in every call, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, const int MR,
-                                                             float *out, int64_t N, int64_t n0, const float *bias) {
+/* Rows [0, MR) of x times one panel over k in [k0, k1), continuing the sums in partial[MR][16]
+ * (stored back after), each output one k-ordered chain of FMAs. With prefetch, a
+ * cache line from there on for every k step. */
+static inline __attribute__((always_inline)) void panel_tile_part(const float *x, int64_t K, const float *panel,
+                                                                  const int MR, int64_t k0, int64_t k1, float *partial,
+                                                                  const float *prefetch) {
     __m256 acc[PANEL_MAX_TILE][2];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = _mm256_loadu_ps(partial + i * PANEL_WIDTH);
+        acc[i][1] = _mm256_loadu_ps(partial + i * PANEL_WIDTH + 8);
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        if (prefetch) _mm_prefetch((const char *)(prefetch + (k - k0) * PANEL_WIDTH), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(panel + k * PANEL_WIDTH), w1 = _mm256_loadu_ps(panel + k * PANEL_WIDTH + 8);
         for (int i = 0; i < MR; i++) {
             const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
@@ -315,10 +321,30 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
             acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
         }
     }
+    for (int i = 0; i < MR; i++) {
+        _mm256_storeu_ps(partial + i * PANEL_WIDTH, acc[i][0]);
+        _mm256_storeu_ps(partial + i * PANEL_WIDTH + 8, acc[i][1]);
+    }
+}
+
+/* Row sums[m] (16 columns) plus bias into out row m, columns [n0, n0 + 16) clipped to N, for m < num_rows. */
+static inline void panel_store_sums(float *out, int64_t N, int64_t n0, const float *bias, const float *sums,
+                                    int64_t num_rows) {
     const int64_t width = N - n0 < PANEL_WIDTH ? N - n0 : PANEL_WIDTH;
     __m256 b0, b1;
     panel_bias(bias, n0, width, &b0, &b1);
-    for (int i = 0; i < MR; i++) panel_store(out + i * N + n0, width, acc[i][0], acc[i][1], b0, b1);
+    for (int64_t m = 0; m < num_rows; m++)
+        panel_store(out + m * N + n0, width, _mm256_loadu_ps(sums + m * PANEL_WIDTH),
+                    _mm256_loadu_ps(sums + m * PANEL_WIDTH + 8), b0, b1);
+}
+
+/* Rows [0, MR) of x times one panel, into out columns [n0, n0 + 16) clipped to N. MR is a
+ * compile-time constant in every call, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, const int MR,
+                                                             float *out, int64_t N, int64_t n0, const float *bias) {
+    float sums[PANEL_MAX_TILE * PANEL_WIDTH] = {0};
+    panel_tile_part(x, K, panel, MR, 0, K, sums, NULL);
+    panel_store_sums(out, N, n0, bias, sums, MR);
 }
 
 /* The same for MR (1 to 3) rows times P = panel_group(MR) adjacent panels (K * 16 floats
@@ -367,32 +393,6 @@ static inline int64_t tile_rows(int64_t rows_left, int64_t tiles_left) {
     default: f(x, K, panel, 1, __VA_ARGS__); break;    \
     }
 
-/* Rows [0, MR) of x times one panel over k in [k0, k1), continuing the sums in partial[MR][16]
- * (stored back after): the same FMAs in the same k order as panel_tile's. With prefetch, a
- * cache line from there on for every k step. */
-static inline __attribute__((always_inline)) void panel_tile_part(const float *x, int64_t K, const float *panel,
-                                                                  const int MR, int64_t k0, int64_t k1, float *partial,
-                                                                  const float *prefetch) {
-    __m256 acc[PANEL_MAX_TILE][2];
-    for (int i = 0; i < MR; i++) {
-        acc[i][0] = _mm256_loadu_ps(partial + i * PANEL_WIDTH);
-        acc[i][1] = _mm256_loadu_ps(partial + i * PANEL_WIDTH + 8);
-    }
-    for (int64_t k = k0; k < k1; k++) {
-        if (prefetch) _mm_prefetch((const char *)(prefetch + (k - k0) * PANEL_WIDTH), _MM_HINT_T0);
-        const __m256 w0 = _mm256_loadu_ps(panel + k * PANEL_WIDTH), w1 = _mm256_loadu_ps(panel + k * PANEL_WIDTH + 8);
-        for (int i = 0; i < MR; i++) {
-            const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
-            acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
-        }
-    }
-    for (int i = 0; i < MR; i++) {
-        _mm256_storeu_ps(partial + i * PANEL_WIDTH, acc[i][0]);
-        _mm256_storeu_ps(partial + i * PANEL_WIDTH + 8, acc[i][1]);
-    }
-}
-
 /* Up to PANEL_BLOCKED_ROWS rows in several tiles over one panel, a block of PANEL_K_BLOCK k
  * steps (4 KB of the panel) at a time: every tile passes over a block before the next, and
  * the first tile prefetches the next block (past the last one: the next panel, which is where
@@ -420,12 +420,7 @@ static void panel_rows_blocked(const float *x, int64_t K, const float *panel, fl
             m += rows;
         }
     }
-    const int64_t width = N - n0 < PANEL_WIDTH ? N - n0 : PANEL_WIDTH;
-    __m256 b0, b1;
-    panel_bias(bias, n0, width, &b0, &b1);
-    for (int64_t m = 0; m < num_rows; m++)
-        panel_store(out + m * N + n0, width, _mm256_loadu_ps(partial + m * PANEL_WIDTH),
-                    _mm256_loadu_ps(partial + m * PANEL_WIDTH + 8), b0, b1);
+    panel_store_sums(out, N, n0, bias, partial, num_rows);
 }
 
 /* Every row tile over `group` panels from panel p (group is panel_group(tile rows) or 1). */

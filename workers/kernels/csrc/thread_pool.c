@@ -22,6 +22,10 @@
 
 #include "entry_points.h"
 
+static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
+    for (int64_t i = 0; i < num_items; i++) fn(ctx, i);
+}
+
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -110,10 +114,6 @@ static void grow(int num_helpers) {
     }
 }
 
-static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
-    for (int64_t i = 0; i < num_items; i++) fn(ctx, i);
-}
-
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx) {
     if (num_items <= 1 || num_items >= NO_ITEMS || num_threads <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
         run_inline(num_items, fn, ctx);
@@ -142,6 +142,6 @@ void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, vo
 #else /* no futex: the caller runs every item */
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx) {
     (void)num_threads;
-    for (int64_t i = 0; i < num_items; i++) fn(ctx, i);
+    run_inline(num_items, fn, ctx);
 }
 #endif
