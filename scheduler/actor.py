@@ -5,17 +5,21 @@
                         one list of deltas per step, every request of that replica
 
 - EngineGroup (scheduler/engine_group.py, pure, no Ray) holds one scheduler.engine.Engine
-  per worker. Each Engine's loop awaits ONE Ray call per step on its worker (TimedRunner
+  per worker. Each Engine's loop awaits ONE call per step on its worker (TimedRunner
   wraps the handle), so the engines step concurrently and the actor's event loop is free
   between steps: submit, abort and status never wait on a step. A step's deltas are handed
   out while the worker already runs the next step (Engine._run_loop).
+- That call is a frame on the worker's Unix socket when the worker runs on this node
+  (scheduler/step_channel.py: a tenth of a Ray call's CPU), else a Ray actor call. The
+  first ping of each worker incarnation opens the socket; a closed socket is a dead worker.
 - A new request goes where the group's Router sends it (scheduler/router.py; policy and
   knobs from RouterConfig, default prefix_aware); no live worker: NoLiveWorkerError (503).
 - submit() queues a request and returns once it is admitted (its errors: ValueError 400,
   QueueFullError 429, DrainingError and NoLiveWorkerError 503); False when it was aborted
   before it arrived. Its deltas go to the replica's output channel
   (scheduler/output_channel.py), which outputs(channel_id), a Ray streaming generator the
-  replica keeps open, yields as one list per step: one message per step per replica.
+  replica keeps open, yields as one list per step: one message per step per replica. A
+  replica on this node reads it over this actor's Unix socket instead (output_address()).
 - abort() frees the request's blocks at once. An abort that arrives before its submit
   (possible: calls from one caller may interleave on an async actor) is remembered and
   the request is refused when it shows up.
@@ -31,10 +35,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import gc
 import logging
+import os
+import shutil
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -54,6 +63,7 @@ from scheduler.admission import Admission, AdmissionConfig
 from scheduler.output_channel import ChannelItem, OutputChannels
 from scheduler.outputs import EngineRequest, WorkerStateLostError
 from scheduler.router import Router, RouterConfig
+from scheduler.step_channel import StepChannel, StepChannelClosed
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +79,10 @@ def is_actor_death(error: BaseException) -> bool:
 
 
 def is_worker_lost(error: BaseException) -> bool:
-    """A step failed because the worker died, or restarted and lost its state (issue 7)."""
+    """A step failed because the worker died (its Ray actor, or its step socket: the process
+    went away), or restarted and lost its state (issue 7)."""
     cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
-    return is_actor_death(error) or isinstance(cause, WorkerStateLostError)
+    return is_actor_death(error) or isinstance(cause, (WorkerStateLostError, StepChannelClosed))
 
 
 @ray.remote
@@ -90,8 +101,11 @@ class SchedulerActor:
         self._group = EngineGroup(engines, runners, router=Router(router_config), admission=admission)
         self._channels = OutputChannels(abort=self._group.abort, on_finished=self._group.forget)
         self._incarnations: list[str | None] = [None] * len(workers)
+        self._channel_incarnations: list[str | None] = [None] * len(workers)  # whose step socket each runner has
         self._watch_task: asyncio.Task[None] | None = None
         self._install_metrics(worker_labels or [str(index) for index in range(len(workers))])
+        self._incarnation = uuid.uuid4().hex  # a replica tells a restarted scheduler by it
+        self._output_socket: asyncio.Task[str] | None = None  # path of the socket replicas on this node read
         gc.freeze()  # startup objects leave the GC's scans: no long full-collection pauses between steps
 
     async def ready(self) -> bool:
@@ -130,6 +144,22 @@ class SchedulerActor:
         async for batch in self._channels.read(channel_id):
             yield batch
 
+    async def output_address(self) -> tuple[str, str, str]:
+        """(node id, Unix socket path, incarnation): a replica on this node reads its output
+        channel there (OutputChannels.serve_socket_reader), not from outputs()."""
+        self._ensure_watching()
+        if self._output_socket is None:  # one server, however many replicas ask at once
+            self._output_socket = asyncio.get_running_loop().create_task(
+                self._serve_outputs(), context=contextvars.Context())
+        return ray.get_runtime_context().get_node_id(), await self._output_socket, self._incarnation
+
+    async def _serve_outputs(self) -> str:
+        directory = tempfile.mkdtemp(prefix="rayllm-outputs-")  # mode 0700: this user only
+        atexit.register(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "scheduler.sock")
+        self._output_server = await asyncio.start_unix_server(self._channels.serve_socket_reader, path)
+        return path
+
     async def abort(self, request_id: str) -> None:
         self._group.abort(request_id)
 
@@ -147,7 +177,7 @@ class SchedulerActor:
         return [
             {"channel_id": channel.channel_id, "num_open_requests": len(channel.open_request_ids),
              "num_batches": channel.num_batches, "num_deltas": channel.num_deltas,
-             "reader_attached": channel.unread_since is None}
+             "reader_attached": channel.unread_since is None, "reader_transport": channel.reader_transport}
             for channel in self._channels.channels.values()
         ]
 
@@ -183,6 +213,26 @@ class SchedulerActor:
             engine.scheduler.take_requests_for_migration()  # resets the block accounting
             runner.incarnation = incarnation
         runner.alive = True
+        broken = runner.channel is not None and runner.channel.closed
+        if broken or self._channel_incarnations[index] != incarnation:
+            await self._open_step_channel(index, worker)
+
+    async def _open_step_channel(self, index: int, worker: Any) -> None:
+        """Steps go over the worker's Unix socket when it runs on this node (scheduler/
+        step_channel.py); elsewhere, or if the socket cannot be reached, as Ray calls."""
+        runner = self._group.runners[index]
+        if runner.channel is not None:
+            runner.channel.close()
+            runner.channel = None
+        try:
+            node_id, path, incarnation = await asyncio.wait_for(worker.step_address.remote(), WORKER_PING_TIMEOUT_S)
+            if incarnation != runner.incarnation:
+                return  # it restarted meanwhile: the next ping sorts that out first
+            if node_id == ray.get_runtime_context().get_node_id():
+                runner.channel = await StepChannel.connect(path)
+            self._channel_incarnations[index] = incarnation  # another node: Ray calls, not asked again
+        except Exception as error:  # busy, dead or unreachable: Ray calls until the next ping
+            logger.info("worker %d: steps go as Ray calls (no step socket: %r)", index, error)
 
 
     # --- metrics -------------------------------------------------------------------------------

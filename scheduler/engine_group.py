@@ -98,6 +98,11 @@ class TimedRunner:
         self._executor: ThreadPoolExecutor | None = None  # a blocking worker's own thread, made on first use
         self._remote: Callable[..., Awaitable[ModelRunnerOutput]] | None = None  # set by _remote_execute
         self._in_flight = 0  # steps submitted and not returned
+        # A same-node worker's step socket (scheduler/step_channel.py; set by the Ray shell):
+        # steps go there instead of a Ray call once no Ray step is in flight (order is kept).
+        self.channel: Any = None  # a StepChannel, or None
+        self._ray_in_flight = 0  # Ray calls submitted and not returned
+        self.num_channel_steps = 0  # steps sent on the channel
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return await self.start(scheduler_output)
@@ -128,11 +133,16 @@ class TimedRunner:
         return result
 
     def _submit(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput]:
+        channel = self.channel
+        if channel is not None and not channel.closed and self._ray_in_flight == 0:
+            self.num_channel_steps += 1
+            return channel.call(scheduler_output)
         remote = self._remote_execute()
         if remote is not None:  # a Ray actor handle: an ObjectRef, awaited
+            self._ray_in_flight += 1
             if self.incarnation is not None:
-                return remote(scheduler_output, self.incarnation)
-            return remote(scheduler_output)
+                return self._ray_step(remote(scheduler_output, self.incarnation))
+            return self._ray_step(remote(scheduler_output))
         if inspect.iscoroutinefunction(self.worker.execute):
             return self.worker.execute(scheduler_output)
         # A blocking worker (tests, in-process benchmarks): on this runner's own thread, so the
@@ -141,6 +151,12 @@ class TimedRunner:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timed-runner")
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._executor, self.worker.execute, scheduler_output)
+
+    async def _ray_step(self, pending: Awaitable[ModelRunnerOutput]) -> ModelRunnerOutput:
+        try:
+            return await pending
+        finally:
+            self._ray_in_flight -= 1
 
     def _remote_execute(self) -> Callable[..., Awaitable[ModelRunnerOutput]] | None:
         """The worker's execute as a Ray call (None: not a Ray handle). Per-step calls leave
@@ -161,6 +177,8 @@ class TimedRunner:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.channel is not None:
+            self.channel.close()
 
 
 class EngineGroup:
@@ -230,6 +248,7 @@ class EngineGroup:
             "steps_per_worker": [runner.num_steps for runner in self.runners],  # engine steps
             "busy_s_per_worker": [runner.busy_s for runner in self.runners],  # seconds in execute()
             "gap_s_per_worker": [runner.gap_s for runner in self.runners],  # seconds between back-to-back steps
+            "channel_steps_per_worker": [runner.num_channel_steps for runner in self.runners],  # on the step socket
             "prefix_hit_tokens_per_worker": [engine.stats.num_prefix_hit_tokens for engine in self.engines],
             "prefix_query_tokens_per_worker": [engine.stats.num_prefix_query_tokens for engine in self.engines],
         }

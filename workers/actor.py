@@ -5,6 +5,10 @@ re-entrant); model_info() and ping() run in a separate "control" group so they a
 while a long step is running. ping() returns this process's incarnation id, so the
 scheduler can tell a restarted worker (empty KV pool) from the one it knew.
 
+A scheduler on the same node steps the worker over a Unix socket instead (StepServer,
+workers/step_server.py; scheduler/step_channel.py says why): step_address() tells it where.
+One lock serializes the runner between that socket's thread and Ray's calls.
+
 Sizing: on a GPU node the worker takes num_gpus=1; otherwise it takes num_cpus and sets
 torch's threads to floor(num_cpus) explicitly (OMP_NUM_THREADS too, before torch loads).
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import uuid
 from typing import Any
 
@@ -32,20 +37,35 @@ class WorkerActor:
         # processes that create workers never import torch.
         from workers.model_runner import ModelRunner, RunnerConfig
 
+        from workers.step_server import StepServer
+
         self._runner = ModelRunner(RunnerConfig(**runner_kwargs))
         self._incarnation = uuid.uuid4().hex
+        self._runner_lock = threading.Lock()
+        self._step_server = StepServer(self._execute_locked)
 
     def execute(self, scheduler_output: SchedulerOutput, incarnation: str | None = None) -> ModelRunnerOutput:
         """One step. `incarnation`: the one the scheduler's block accounting belongs to; a
         step meant for an earlier incarnation (this worker restarted since) is refused."""
         if incarnation is not None and incarnation != self._incarnation:
             raise WorkerStateLostError(f"this worker restarted: step was for incarnation {incarnation}")
-        return self._runner.execute(scheduler_output)
+        return self._execute_locked(scheduler_output)
+
+    def _execute_locked(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self._runner_lock:
+            return self._runner.execute(scheduler_output)
 
     def reset(self) -> None:
         """Drops every request state (a restarted scheduler starts from nothing). Runs in
-        the default group, so never during a step."""
-        self._runner.reset()
+        the default group, so never during a Ray step; the lock keeps it off a socket step."""
+        with self._runner_lock:
+            self._runner.reset()
+
+    def step_address(self) -> tuple[str, str, str]:
+        """(node id, Unix socket path, incarnation) of this worker's step channel. In the
+        default group on purpose: it answers after every call the caller sent before it
+        (reset, Ray steps), so steps sent on the socket after it cannot overtake them."""
+        return ray.get_runtime_context().get_node_id(), self._step_server.path, self._incarnation
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def model_info(self) -> Any:

@@ -183,6 +183,8 @@ def test_killing_one_of_two_workers_mid_generation_loses_no_stream(fault_app: Fa
 
     before = fault_app.status()
     assert before.num_live_workers == 2
+    channel_steps = ray.get(fault_app.scheduler.routing_stats.remote())["channel_steps_per_worker"]
+    assert all(channel_steps), channel_steps  # both workers are stepped over their Unix sockets
     killed_at = []
 
     def kill_worker_0() -> None:
@@ -197,7 +199,7 @@ def test_killing_one_of_two_workers_mid_generation_loses_no_stream(fault_app: Fa
     assert status.num_migrated_requests > before.num_migrated_requests
     # The worker comes back (a new process, an empty KV pool) and takes requests again.
     fault_app.wait_until(lambda s: s.num_live_workers == 2, 120, "the killed worker back")
-    steps_before = ray.get(fault_app.scheduler.routing_stats.remote())["steps_per_worker"][0]
+    routing_before = ray.get(fault_app.scheduler.routing_stats.remote())
 
     async def fresh_prompts() -> list[int]:  # new prompts: the router spreads them (no warm prefix)
         async with httpx.AsyncClient(base_url=fault_app.url, timeout=120, headers=AUTH) as http:
@@ -206,7 +208,10 @@ def test_killing_one_of_two_workers_mid_generation_loses_no_stream(fault_app: Fa
                                                                   for b in bodies))]
 
     assert asyncio.run(fresh_prompts()) == [200] * 12
-    assert ray.get(fault_app.scheduler.routing_stats.remote())["steps_per_worker"][0] > steps_before
+    routing = ray.get(fault_app.scheduler.routing_stats.remote())
+    assert routing["steps_per_worker"][0] > routing_before["steps_per_worker"][0]
+    # ...over the new process's socket (the killed one's closed: that was the death it saw)
+    assert routing["channel_steps_per_worker"][0] > routing_before["channel_steps_per_worker"][0]
     fault_app.wait_until_idle()
 
 

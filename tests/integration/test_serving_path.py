@@ -36,6 +36,7 @@ def test_one_ray_message_per_step_carries_every_streams_delta(server) -> None:
     server.wait_until_idle()
     batches_before, deltas_before = channel_totals(server)
     steps_before = server.scheduler_status().num_steps
+    channel_steps_before = sum(server.scheduler_call("routing_stats")["channel_steps_per_worker"])
 
     async def run() -> list[int]:
         limits = httpx.Limits(max_connections=NUM_STREAMS + 2)
@@ -57,6 +58,10 @@ def test_one_ray_message_per_step_carries_every_streams_delta(server) -> None:
     assert num_batches <= num_steps, (num_deltas, num_batches, num_steps)
     stats = server.scheduler_call("channel_stats")
     assert len(stats) == 1 and stats[0]["reader_attached"] and stats[0]["num_open_requests"] == 0
+    assert stats[0]["reader_transport"] == "socket"  # the replica is on the scheduler's node
+    # every step went to the worker on its Unix socket (same node), none as a Ray call
+    channel_steps = sum(server.scheduler_call("routing_stats")["channel_steps_per_worker"]) - channel_steps_before
+    assert channel_steps == num_steps, (channel_steps, num_steps)
 
 
 def test_a_stream_whose_client_left_is_aborted_and_frees_its_blocks(server) -> None:

@@ -7,6 +7,9 @@ The real actor path is covered by tests/integration (test_faults, test_serving_p
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,24 +38,51 @@ class Method:
         return self.fn(*args)
 
 
-class StandInScheduler:
-    """submit/outputs/abort/ready with a SchedulerActor's shapes; kill() ends its streams like
-    a dead actor, and the next call finds a fresh one (Ray's restart)."""
+NODE = "this-node"  # the node the client (the replica) runs on
+TRANSPORTS = ["ray", "socket"]  # how the replica reads its output channel
 
-    def __init__(self, delay_s: float = 0.002) -> None:
+
+class StandInScheduler:
+    """submit/outputs/abort/ready/output_address with a SchedulerActor's shapes; kill() ends
+    its streams like a dead actor, and the next call finds a fresh one (Ray's restart).
+    transport "socket": it says it runs on the client's node and serves the output channel on
+    a real Unix socket (OutputChannels.serve_socket_reader), which kill() closes; "ray": it
+    says it runs elsewhere, so the client reads outputs() (a Ray streaming generator)."""
+
+    def __init__(self, delay_s: float = 0.002, transport: str = "ray") -> None:
         self.delay_s = delay_s
+        self.transport = transport
         self.num_aborts = 0
+        self.num_socket_readers = 0
+        self._directory = tempfile.mkdtemp()
         self._start()
         self.submit = Method(lambda request, channel_id: asyncio.ensure_future(self._submit(request, channel_id)))
         self.outputs = Method(self._outputs)
         self.abort = Method(self._abort)
         self.ready = Method(lambda: asyncio.ensure_future(asyncio.sleep(0, True)))
+        self.output_address = Method(lambda: asyncio.ensure_future(self._output_address()))
 
     def _start(self) -> None:
         runner = TimedRunner(FakeRunner(CFG.block_size, CFG.num_blocks, delay_s=self.delay_s))
         self.group = EngineGroup([Engine(CFG, runner)], [runner])
         self.channels = OutputChannels(abort=self.group.abort, on_finished=self.group.forget)
         self.dead = asyncio.Event()
+        self.incarnation = uuid.uuid4().hex
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def _output_address(self) -> tuple[str, str, str]:
+        if self.transport == "ray":
+            return "another-node", "", self.incarnation
+        path = os.path.join(self._directory, f"{self.incarnation}.sock")
+        if self._server is None:
+            self._server = await asyncio.start_unix_server(self._serve_reader, path)
+        return NODE, path, self.incarnation
+
+    async def _serve_reader(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_socket_readers += 1
+        self._writers.append(writer)
+        await self.channels.serve_socket_reader(reader, writer)
 
     async def _submit(self, request: EngineRequest, channel_id: str) -> bool:
         channel = self.channels.get(channel_id)
@@ -77,6 +107,10 @@ class StandInScheduler:
         for engine in self.group.engines:
             engine.take_for_migration()  # its state is gone with it
         self.dead.set()
+        if self._server is not None:  # its process is gone: so are its sockets
+            self._server.close()
+            for writer in self._writers:
+                writer.close()
         self._start()
 
 
@@ -88,12 +122,14 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [output async for output in outputs]
 
 
-def test_every_request_streams_over_one_output_stream() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_request_streams_over_one_output_stream(transport: str) -> None:
     async def main():
-        scheduler = StandInScheduler()
-        client = RayEngineClient(scheduler)
+        scheduler = StandInScheduler(transport=transport)
+        client = RayEngineClient(scheduler, node_id=NODE)
         requests = [EngineRequest(f"r{i}", list(range(i, i + 5)), greedy(8, n=2 if i == 0 else 1)) for i in range(6)]
         results = await asyncio.gather(*(collect(client.generate(r)) for r in requests))
+        assert scheduler.num_socket_readers == (transport == "socket")  # one socket, or none
         return client, results
 
     client, results = asyncio.run(main())
@@ -107,10 +143,11 @@ def test_every_request_streams_over_one_output_stream() -> None:
     assert client.num_deltas >= 6 * client.num_batches - 6
 
 
-def test_a_dead_scheduler_fails_waiting_requests_and_resume_continues_them() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_dead_scheduler_fails_waiting_requests_and_resume_continues_them(transport: str) -> None:
     async def main():
-        scheduler = StandInScheduler(delay_s=0.005)
-        client = RayEngineClient(scheduler)
+        scheduler = StandInScheduler(delay_s=0.005, transport=transport)
+        client = RayEngineClient(scheduler, node_id=NODE)
         plain = client.generate(EngineRequest("plain", [1, 2, 3], greedy(30)))
         resuming = ResumingEngineClient(client, max_resumes=2, resume_timeout_s=5)
         resumed_task = asyncio.ensure_future(collect(resuming.generate(EngineRequest("kept", [4, 5, 6], greedy(30)))))
@@ -121,6 +158,7 @@ def test_a_dead_scheduler_fails_waiting_requests_and_resume_continues_them() -> 
             await collect(plain)
         kept = await resumed_task
         fresh = await collect(client.generate(EngineRequest("after", [7, 8], greedy(3))))
+        assert scheduler.num_socket_readers == (2 if transport == "socket" else 0)  # the new one's socket
         return first, kept, fresh
 
     first, kept, fresh = asyncio.run(main())
@@ -133,10 +171,11 @@ def test_a_dead_scheduler_fails_waiting_requests_and_resume_continues_them() -> 
     assert sum(len(o.new_token_ids) for o in fresh) == 3  # the next request opened a new stream
 
 
-def test_deltas_of_a_request_nobody_waits_for_get_it_aborted_once() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_deltas_of_a_request_nobody_waits_for_get_it_aborted_once(transport: str) -> None:
     async def main():
-        scheduler = StandInScheduler()
-        client = RayEngineClient(scheduler)
+        scheduler = StandInScheduler(transport=transport)
+        client = RayEngineClient(scheduler, node_id=NODE)
         orphan = EngineRequest("orphan", [9, 9, 9], greedy(50))
         await scheduler.submit.remote(orphan, client.channel_id)  # submitted, but no one reads it here
         done = await collect(client.generate(EngineRequest("mine", [1, 2], greedy(4))))
@@ -150,9 +189,10 @@ def test_deltas_of_a_request_nobody_waits_for_get_it_aborted_once() -> None:
     assert status.num_unfinished_requests == 0 and status.num_running == 0
 
 
-def test_a_request_id_in_flight_here_is_refused_with_400() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_request_id_in_flight_here_is_refused_with_400(transport: str) -> None:
     async def main():
-        client = RayEngineClient(StandInScheduler())
+        client = RayEngineClient(StandInScheduler(transport=transport), node_id=NODE)
         first = client.generate(EngineRequest("same", [1, 2], greedy(20)))
         await anext(first)
         with pytest.raises(OpenAIError) as refused:

@@ -1,0 +1,112 @@
+"""Steps to a worker on the same node over a Unix socket instead of a Ray actor call.
+
+    channel = await StepChannel.connect(path)        # the path the worker's StepServer listens on
+    result = await channel.call(scheduler_output)    # frames are written at once; replies in order
+
+Why: a Ray actor call costs about 2 ms of CPU (1 ms in the caller, 0.9 in the callee) and
+1.8 ms of wall time on a 2-core VM, every engine step; a pickled frame over a Unix socket
+costs about 0.15 ms (bench/bench_transport.py). On a CPU node that CPU comes out of the
+cores the model runs on.
+
+The frame: 4 bytes little-endian length, then a pickle. A request is one object (a
+SchedulerOutput); a reply is (True, result) or (False, exception). Calls may be pipelined
+(async scheduling submits step N+1 while N runs): the worker runs them in order and replies
+in order, so the oldest pending call takes each reply.
+
+The socket's connection is the worker process's: when that process dies the socket closes
+and every pending call fails with StepChannelClosed, which the scheduler treats as the
+worker's death (its requests migrate). The socket lives in a directory only this user can
+enter (a pickle from anyone else must never reach it).
+
+Stdlib only: the worker side (workers/step_server.py) uses the same framing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from collections import deque
+from typing import Any
+
+HEADER = struct.Struct("<I")
+
+
+class StepChannelClosed(ConnectionError):
+    """The worker's end of the channel is gone (its process died, or the socket broke)."""
+
+
+def encode_frame(obj: Any) -> bytes:
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(body)) + body
+
+
+def picklable_error(error: BaseException) -> BaseException:
+    """The error itself when it survives pickling, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+class StepChannel:
+    """The scheduler's end of one worker's step socket (asyncio)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._pending: deque[asyncio.Future[Any]] = deque()  # oldest first: replies come in order
+        self.closed = False
+        self.num_calls = 0
+        self._read_task = asyncio.get_running_loop().create_task(self._read_replies())
+
+    @classmethod
+    async def connect(cls, path: str) -> StepChannel:
+        reader, writer = await asyncio.open_unix_connection(path)
+        return cls(reader, writer)
+
+    def call(self, request: Any) -> asyncio.Future[Any]:
+        """Sends the request now; the future gets the reply (or the worker's error)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.closed:
+            future.set_exception(StepChannelClosed("the step channel is closed"))
+            return future
+        self._pending.append(future)
+        self.num_calls += 1
+        self._writer.write(encode_frame(request))
+        return future
+
+    async def _read_replies(self) -> None:
+        error: BaseException = StepChannelClosed("the worker closed the step channel")
+        try:
+            while True:
+                header = await self._reader.readexactly(HEADER.size)
+                ok, value = pickle.loads(await self._reader.readexactly(HEADER.unpack(header)[0]))
+                future = self._pending.popleft()
+                if future.done():  # its awaiter was cancelled
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as lost:
+            error = StepChannelClosed(f"the worker's step channel broke: {lost!r}")
+        except asyncio.CancelledError:
+            error = StepChannelClosed("the step channel was closed")
+        except Exception as bad:  # a reply that does not unpickle: nothing after it can be trusted
+            error = StepChannelClosed(f"unreadable reply on the step channel: {bad!r}")
+        finally:
+            self._close(error)
+
+    def _close(self, error: BaseException) -> None:
+        self.closed = True
+        while self._pending:
+            future = self._pending.popleft()
+            if not future.done():
+                future.set_exception(error)
+        self._writer.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._read_task.cancel()
