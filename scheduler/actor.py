@@ -144,14 +144,19 @@ class SchedulerActor:
         async for batch in self._channels.read(channel_id):
             yield batch
 
-    async def output_address(self) -> tuple[str, str, str]:
-        """(node id, Unix socket path, incarnation): a replica on this node reads its output
-        channel there (OutputChannels.serve_socket_reader), not from outputs()."""
+    async def output_address(self) -> tuple[str, str | None, str]:
+        """(node id, Unix socket path or None, incarnation): a replica on this node reads its
+        output channel there (OutputChannels.serve_socket_reader), not from outputs()."""
         self._ensure_watching()
         if self._output_socket is None:  # one server, however many replicas ask at once
             self._output_socket = asyncio.get_running_loop().create_task(
                 self._serve_outputs(), context=contextvars.Context())
-        return ray.get_runtime_context().get_node_id(), await self._output_socket, self._incarnation
+        try:
+            path: str | None = await asyncio.shield(self._output_socket)
+        except OSError as error:  # no usable temp dir: replicas read outputs() (Ray) instead
+            logger.warning("no output socket (%r): replicas read their outputs as a Ray stream", error)
+            path = None
+        return ray.get_runtime_context().get_node_id(), path, self._incarnation
 
     async def _serve_outputs(self) -> str:
         directory = tempfile.mkdtemp(prefix="rayllm-outputs-")  # mode 0700: this user only
@@ -226,13 +231,18 @@ class SchedulerActor:
             runner.channel = None
         try:
             node_id, path, incarnation = await asyncio.wait_for(worker.step_address.remote(), WORKER_PING_TIMEOUT_S)
-            if incarnation != runner.incarnation:
-                return  # it restarted meanwhile: the next ping sorts that out first
-            if node_id == ray.get_runtime_context().get_node_id():
-                runner.channel = await StepChannel.connect(path)
-            self._channel_incarnations[index] = incarnation  # another node: Ray calls, not asked again
-        except Exception as error:  # busy, dead or unreachable: Ray calls until the next ping
-            logger.info("worker %d: steps go as Ray calls (no step socket: %r)", index, error)
+        except Exception as error:  # busy or dead: Ray calls, and the next ping asks again
+            logger.info("worker %d: steps go as Ray calls for now (%r)", index, error)
+            return
+        if incarnation != runner.incarnation:
+            return  # it restarted meanwhile: the next ping sorts that out first
+        self._channel_incarnations[index] = incarnation  # asked once per incarnation (and per broken socket)
+        if path is None or node_id != ray.get_runtime_context().get_node_id():
+            return  # another node (or no socket there): Ray calls
+        try:
+            runner.channel = await StepChannel.connect(path)
+        except OSError as error:  # same node id, but not the same file system (a container): Ray calls
+            logger.warning("worker %d: its step socket is unreachable (%r): steps go as Ray calls", index, error)
 
 
     # --- metrics -------------------------------------------------------------------------------

@@ -152,11 +152,18 @@ class TimedRunner:
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._executor, self.worker.execute, scheduler_output)
 
-    async def _ray_step(self, pending: Awaitable[ModelRunnerOutput]) -> ModelRunnerOutput:
-        try:
-            return await pending
-        finally:
-            self._ray_in_flight -= 1
+    def _ray_step(self, pending: Awaitable[ModelRunnerOutput]) -> Awaitable[ModelRunnerOutput]:
+        """The Ray call as a future that counts itself out when the call completes, whether or
+        not anyone awaits it (a step abandoned at shutdown must not pin later steps to Ray, and
+        a socket step must not overtake a Ray step still running)."""
+        future = asyncio.ensure_future(pending)
+        future.add_done_callback(self._ray_step_done)
+        return asyncio.shield(future)  # a cancelled awaiter leaves the call running, and counted
+
+    def _ray_step_done(self, future: asyncio.Future[ModelRunnerOutput]) -> None:
+        self._ray_in_flight -= 1
+        if not future.cancelled():
+            future.exception()  # retrieved here: an abandoned step's error is not logged as lost
 
     def _remote_execute(self) -> Callable[..., Awaitable[ModelRunnerOutput]] | None:
         """The worker's execute as a Ray call (None: not a Ray handle). Per-step calls leave

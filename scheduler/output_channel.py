@@ -31,6 +31,7 @@ Lifetimes:
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from scheduler.engine import RequestStream, StreamListener
 from scheduler.outputs import RequestOutput
 from scheduler.step_channel import HEADER, encode_frame
+
+logger = logging.getLogger(__name__)
 
 ORPHAN_AFTER_S = 60.0  # a channel with no reader for this long: its requests are aborted
 
@@ -176,6 +179,10 @@ class OutputChannels:
             pumping.cancel()
             hung_up.cancel()
             writer.close()
+        if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
+            logger.warning("output socket of channel %s failed: %r", channel_id, pumping.exception())
+        if hung_up.done() and not hung_up.cancelled():
+            hung_up.exception()  # a reset connection is a replica gone, as EOF is
 
     def reap_orphans(self) -> int:
         """Aborts the open requests of channels unread for orphan_after_s and drops those

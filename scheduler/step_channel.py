@@ -72,9 +72,10 @@ class StepChannel:
         if self.closed:
             future.set_exception(StepChannelClosed("the step channel is closed"))
             return future
+        frame = encode_frame(request)  # before it is pending: a request that fails to pickle takes no reply slot
         self._pending.append(future)
         self.num_calls += 1
-        self._writer.write(encode_frame(request))
+        self._writer.write(frame)
         return future
 
     async def _read_replies(self) -> None:
@@ -82,24 +83,28 @@ class StepChannel:
         try:
             while True:
                 header = await self._reader.readexactly(HEADER.size)
-                ok, value = pickle.loads(await self._reader.readexactly(HEADER.unpack(header)[0]))
+                body = await self._reader.readexactly(HEADER.unpack(header)[0])
                 future = self._pending.popleft()
+                try:
+                    ok, value = pickle.loads(body)
+                except Exception as bad:  # framing is intact: this step fails, the worker is not dead
+                    ok, value = False, RuntimeError(f"unreadable reply on the step channel: {bad!r}")
                 if future.done():  # its awaiter was cancelled
                     continue
                 if ok:
                     future.set_result(value)
                 else:
                     future.set_exception(value)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as lost:
+        except (asyncio.IncompleteReadError, OSError) as lost:
             error = StepChannelClosed(f"the worker's step channel broke: {lost!r}")
         except asyncio.CancelledError:
             error = StepChannelClosed("the step channel was closed")
-        except Exception as bad:  # a reply that does not unpickle: nothing after it can be trusted
-            error = StepChannelClosed(f"unreadable reply on the step channel: {bad!r}")
         finally:
             self._close(error)
 
     def _close(self, error: BaseException) -> None:
+        if self.closed and not self._pending:
+            return
         self.closed = True
         while self._pending:
             future = self._pending.popleft()
@@ -109,4 +114,5 @@ class StepChannel:
 
     def close(self) -> None:
         if not self.closed:
+            self._close(StepChannelClosed("the step channel was closed"))  # now: the task may not have started
             self._read_task.cancel()

@@ -130,12 +130,8 @@ class RayEngineClient:
         me = asyncio.current_task()
         incarnation = None
         try:
-            address = await self._output_address()
-            if address is not None:
-                path, incarnation = address
-                batches = self._socket_batches(path)
-            else:
-                batches = self._ray_batches()
+            socket, incarnation = await self._open_output_socket()
+            batches = self._socket_batches(*socket) if socket is not None else self._ray_batches()
             async for batch in batches:
                 self.num_batches += 1
                 self.num_deltas += len(batch)
@@ -150,8 +146,11 @@ class RayEngineClient:
             raise
         except (RayTaskError, RayActorError) as error:
             failure = engine_error(error)
-        except (asyncio.IncompleteReadError, OSError) as error:  # the output socket closed or broke
-            failure = await self._socket_failure(incarnation, error)
+        except (asyncio.IncompleteReadError, OSError) as error:
+            if incarnation is None:  # not from a socket
+                failure = EngineUnavailableError(f"output stream failed ({type(error).__name__}); retry later")
+            else:  # the output socket closed or broke
+                failure = await self._socket_failure(incarnation, error)
         except Exception as error:  # never leave a request waiting on a reader that is gone
             failure = EngineUnavailableError(f"output stream failed ({type(error).__name__}); retry later")
         if self._reader is me:
@@ -159,24 +158,33 @@ class RayEngineClient:
         for queue in list(self._queues.values()):
             queue.put_nowait(failure)
 
-    async def _output_address(self) -> tuple[str, str] | None:
-        """(socket path, scheduler incarnation) when the scheduler runs on this node."""
-        node_id, path, incarnation = await asyncio.wait_for(self._scheduler.output_address.remote(),
-                                                            ADDRESS_TIMEOUT_S)
+    async def _open_output_socket(self) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, str | None]:
+        """The scheduler's output socket, connected and told our channel, with its incarnation,
+        when the scheduler runs on this node and the socket is reachable; (None, None): read
+        the Ray stream. A dead scheduler raises here (RayActorError), as outputs() would."""
+        try:
+            node_id, path, incarnation = await asyncio.wait_for(self._scheduler.output_address.remote(),
+                                                                ADDRESS_TIMEOUT_S)
+        except asyncio.TimeoutError:  # slow to answer: the Ray stream waits for it as before
+            return None, None
         if self._node_id is None:
             self._node_id = ray.get_runtime_context().get_node_id()
-        if node_id != self._node_id:
-            return None
-        return path, incarnation
+        if path is None or node_id != self._node_id:
+            return None, None
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+        except OSError:  # same node id, another file system (a container): the Ray stream
+            return None, None
+        writer.write(encode_frame(self.channel_id))
+        return (reader, writer), incarnation
 
     async def _ray_batches(self) -> AsyncIterator[list[ChannelItem]]:
         async for ref in self._scheduler.outputs.remote(self.channel_id):
             yield await ref
 
-    async def _socket_batches(self, path: str) -> AsyncIterator[list[ChannelItem]]:
-        reader, writer = await asyncio.open_unix_connection(path)
+    async def _socket_batches(self, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> AsyncIterator[list[ChannelItem]]:
         try:
-            writer.write(encode_frame(self.channel_id))
             while True:
                 header = await reader.readexactly(HEADER.size)
                 yield pickle.loads(await reader.readexactly(HEADER.unpack(header)[0]))
@@ -190,7 +198,7 @@ class RayEngineClient:
             _, _, now = await asyncio.wait_for(self._scheduler.output_address.remote(), ADDRESS_TIMEOUT_S)
         except (RayTaskError, RayActorError) as gone:
             return engine_error(gone)
-        except Exception:
+        except Exception:  # a live scheduler answers at once; its socket closing AND no answer: it died
             return SchedulerGoneError("the scheduler does not answer; retry later")
         if now != incarnation:
             return SchedulerGoneError("the scheduler restarted; retry later")

@@ -16,6 +16,7 @@ torch's threads to floor(num_cpus) explicitly (OMP_NUM_THREADS too, before torch
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 import uuid
@@ -26,6 +27,7 @@ import ray
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, WorkerStateLostError
 
 CONTROL_GROUP = "control"
+logger = logging.getLogger(__name__)
 
 
 @ray.remote(concurrency_groups={CONTROL_GROUP: 1})
@@ -42,7 +44,11 @@ class WorkerActor:
         self._runner = ModelRunner(RunnerConfig(**runner_kwargs))
         self._incarnation = uuid.uuid4().hex
         self._runner_lock = threading.Lock()
-        self._step_server = StepServer(self._execute_locked)
+        try:
+            self._step_server: StepServer | None = StepServer(self._execute_locked)
+        except OSError as error:  # no usable temp dir: the scheduler steps us with Ray calls
+            logger.warning("no step socket (%r): steps come as Ray calls", error)
+            self._step_server = None
 
     def execute(self, scheduler_output: SchedulerOutput, incarnation: str | None = None) -> ModelRunnerOutput:
         """One step. `incarnation`: the one the scheduler's block accounting belongs to; a
@@ -61,11 +67,12 @@ class WorkerActor:
         with self._runner_lock:
             self._runner.reset()
 
-    def step_address(self) -> tuple[str, str, str]:
-        """(node id, Unix socket path, incarnation) of this worker's step channel. In the
-        default group on purpose: it answers after every call the caller sent before it
+    def step_address(self) -> tuple[str, str | None, str]:
+        """(node id, Unix socket path or None, incarnation) of this worker's step channel. In
+        the default group on purpose: it answers after every call the caller sent before it
         (reset, Ray steps), so steps sent on the socket after it cannot overtake them."""
-        return ray.get_runtime_context().get_node_id(), self._step_server.path, self._incarnation
+        path = self._step_server.path if self._step_server is not None else None
+        return ray.get_runtime_context().get_node_id(), path, self._incarnation
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def model_info(self) -> Any:

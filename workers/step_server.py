@@ -54,14 +54,18 @@ class StepServer:
                 header = stream.read(HEADER.size)
                 if len(header) < HEADER.size:
                     return  # the scheduler went away
-                request = pickle.loads(stream.read(HEADER.unpack(header)[0]))
-                try:
-                    reply = (True, self._handle(request))
+                body = stream.read(HEADER.unpack(header)[0])
+                try:  # every frame gets a reply, so the scheduler's replies stay in step
+                    reply = (True, self._handle(pickle.loads(body)))
                     self.num_steps += 1
                 except Exception as error:
                     reply = (False, picklable_error(error))
                 try:
-                    connection.sendall(encode_frame(reply))
+                    frame = encode_frame(reply)
+                except Exception as error:  # a result that does not pickle: that step fails
+                    frame = encode_frame((False, RuntimeError(f"unpicklable step result: {error!r}")))
+                try:
+                    connection.sendall(frame)
                 except OSError:
                     return
 

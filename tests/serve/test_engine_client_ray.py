@@ -39,7 +39,10 @@ class Method:
 
 
 NODE = "this-node"  # the node the client (the replica) runs on
-TRANSPORTS = ["ray", "socket"]  # how the replica reads its output channel
+# how the replica reads its output channel: a Ray stream (scheduler elsewhere), the scheduler's
+# socket (same node), or a Ray stream again where the socket cannot be reached (same node id,
+# another file system)
+TRANSPORTS = ["ray", "socket", "unreachable"]
 
 
 class StandInScheduler:
@@ -74,6 +77,8 @@ class StandInScheduler:
     async def _output_address(self) -> tuple[str, str, str]:
         if self.transport == "ray":
             return "another-node", "", self.incarnation
+        if self.transport == "unreachable":
+            return NODE, os.path.join(self._directory, "nobody-listens.sock"), self.incarnation
         path = os.path.join(self._directory, f"{self.incarnation}.sock")
         if self._server is None:
             self._server = await asyncio.start_unix_server(self._serve_reader, path)

@@ -75,6 +75,44 @@ def test_a_runner_error_comes_back_as_itself_and_the_channel_goes_on() -> None:
     server.close()
 
 
+def test_a_result_that_does_not_pickle_fails_only_its_step() -> None:
+    def handle(scheduler_output: SchedulerOutput) -> object:
+        if "odd" in scheduler_output.num_scheduled_tokens:
+            return lambda: None  # no pickle for this
+        return ModelRunnerOutput({"a": 1})
+
+    server = StepServer(handle)
+
+    async def main() -> None:
+        channel = await StepChannel.connect(server.path)
+        with pytest.raises(RuntimeError, match="unpicklable"):
+            await channel.call(step("odd"))
+        assert (await channel.call(step("a"))).sampled_token_ids == {"a": 1}  # replies still in step
+        assert not channel.closed
+        channel.close()
+
+    asyncio.run(main())
+    server.close()
+
+
+def test_closing_the_channel_fails_its_pending_steps_at_once() -> None:
+    gate = threading.Event()
+    server = StepServer(Recorder(gate))
+
+    async def main() -> None:
+        channel = await StepChannel.connect(server.path)
+        pending = channel.call(step("a"))
+        channel.close()  # before its reader task has run at all
+        with pytest.raises(StepChannelClosed):
+            await asyncio.wait_for(pending, 5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        server.close()
+
+
 WORKER = """
 import sys, time
 from scheduler.outputs import ModelRunnerOutput
