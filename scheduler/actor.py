@@ -35,13 +35,9 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextvars
 import gc
 import logging
-import os
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -63,7 +59,7 @@ from scheduler.admission import Admission, AdmissionConfig
 from scheduler.output_channel import ChannelItem, OutputChannels
 from scheduler.outputs import EngineRequest, WorkerStateLostError
 from scheduler.router import Router, RouterConfig
-from scheduler.step_channel import StepChannel, StepChannelClosed
+from scheduler.step_channel import StepChannel, StepChannelClosed, private_socket_path
 
 logger = logging.getLogger(__name__)
 
@@ -159,9 +155,7 @@ class SchedulerActor:
         return ray.get_runtime_context().get_node_id(), path, self._incarnation
 
     async def _serve_outputs(self) -> str:
-        directory = tempfile.mkdtemp(prefix="rayllm-outputs-")  # mode 0700: this user only
-        atexit.register(shutil.rmtree, directory, True)
-        path = os.path.join(directory, "scheduler.sock")
+        path = private_socket_path("rayllm-outputs-", "scheduler.sock")
         self._output_server = await asyncio.start_unix_server(self._channels.serve_socket_reader, path)
         return path
 

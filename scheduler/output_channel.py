@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from scheduler.engine import RequestStream, StreamListener
 from scheduler.outputs import RequestOutput
-from scheduler.step_channel import HEADER, encode_frame
+from scheduler.step_channel import encode_frame, picklable_error, read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,9 @@ ChannelItem = RequestOutput | RequestFailed
 
 
 def failure_of(request_id: str, error: BaseException) -> RequestFailed:
-    """A RequestFailed that is sure to cross Ray: an error that cannot be pickled becomes a
-    RuntimeError with its type and message (a batch must never fail to serialize)."""
-    try:
-        pickle.dumps(error)
-    except Exception:
-        error = RuntimeError(f"{type(error).__name__}: {error}"[:500])
-    return RequestFailed(request_id, error)
+    """A RequestFailed that is sure to cross Ray or a socket: an error that cannot be pickled
+    becomes a RuntimeError with its type and message (picklable_error)."""
+    return RequestFailed(request_id, picklable_error(error))
 
 
 class OutputChannel:
@@ -160,8 +156,7 @@ class OutputChannels:
         callback): the first frame is the channel id, then each batch goes out as a frame
         until the replica hangs up or another reader of the channel takes over."""
         try:
-            header = await reader.readexactly(HEADER.size)
-            channel_id = pickle.loads(await reader.readexactly(HEADER.unpack(header)[0]))
+            channel_id = pickle.loads(await read_frame(reader))
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return

@@ -24,8 +24,12 @@ Stdlib only: the worker side (workers/step_server.py) uses the same framing.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
 import pickle
+import shutil
 import struct
+import tempfile
 from collections import deque
 from typing import Any
 
@@ -41,13 +45,28 @@ def encode_frame(obj: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's pickle (IncompleteReadError when the other end has gone)."""
+    header = await reader.readexactly(HEADER.size)
+    return await reader.readexactly(HEADER.unpack(header)[0])
+
+
+def private_socket_path(prefix: str, name: str) -> str:
+    """A path for a Unix socket in a fresh directory only this user can enter (mkdtemp:
+    mode 0700; a pickle from anyone else must never reach it), removed at exit."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, directory, True)
+    return os.path.join(directory, name)
+
+
 def picklable_error(error: BaseException) -> BaseException:
-    """The error itself when it survives pickling, else a RuntimeError that names it."""
+    """The error itself when it survives pickling, else a RuntimeError that names it (a
+    reply or a batch must never fail to serialize)."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        return RuntimeError(f"{type(error).__name__}: {error}"[:500])
 
 
 class StepChannel:
@@ -82,8 +101,7 @@ class StepChannel:
         error: BaseException = StepChannelClosed("the worker closed the step channel")
         try:
             while True:
-                header = await self._reader.readexactly(HEADER.size)
-                body = await self._reader.readexactly(HEADER.unpack(header)[0])
+                body = await read_frame(self._reader)
                 future = self._pending.popleft()
                 try:
                     ok, value = pickle.loads(body)

@@ -52,7 +52,7 @@ from scheduler.actor import is_actor_death
 from scheduler.engine_group import NoLiveWorkerError
 from scheduler.output_channel import ChannelItem, RequestFailed
 from scheduler.outputs import EngineRequest, RequestOutput
-from scheduler.step_channel import HEADER, encode_frame
+from scheduler.step_channel import encode_frame, read_frame
 
 
 def engine_error(error: Exception) -> OpenAIError:
@@ -186,8 +186,7 @@ class RayEngineClient:
                               writer: asyncio.StreamWriter) -> AsyncIterator[list[ChannelItem]]:
         try:
             while True:
-                header = await reader.readexactly(HEADER.size)
-                yield pickle.loads(await reader.readexactly(HEADER.unpack(header)[0]))
+                yield pickle.loads(await read_frame(reader))
         finally:
             writer.close()
 

@@ -5,25 +5,23 @@ steps this worker without a Ray actor call per step.
 Each connection gets its own thread, which reads a frame, runs `handle` on it and writes
 the reply, one frame at a time and in order. `handle` serializes with everything else
 that touches the runner (WorkerActor holds one lock around the runner). The socket sits in
-a fresh directory only this user can enter (mkdtemp: mode 0700), removed at exit.
+a fresh directory only this user can enter (private_socket_path), removed at close or exit.
 
 Stdlib only (no torch, no Ray).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pickle
 import shutil
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.step_channel import HEADER, encode_frame, picklable_error
+from scheduler.step_channel import HEADER, encode_frame, picklable_error, private_socket_path
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +29,11 @@ logger = logging.getLogger(__name__)
 class StepServer:
     def __init__(self, handle: Callable[[Any], Any]) -> None:
         self._handle = handle
-        self._directory = tempfile.mkdtemp(prefix="rayllm-steps-")
-        self.path = os.path.join(self._directory, "worker.sock")
+        self.path = private_socket_path("rayllm-steps-", "worker.sock")
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socket.bind(self.path)
         self._socket.listen(4)
         self.num_steps = 0
-        atexit.register(self.close)
         threading.Thread(target=self._accept_forever, name="step-server", daemon=True).start()
 
     def _accept_forever(self) -> None:
@@ -73,4 +69,4 @@ class StepServer:
         try:
             self._socket.close()
         finally:
-            shutil.rmtree(self._directory, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
