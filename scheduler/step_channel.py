@@ -53,10 +53,30 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
 
 def private_socket_path(prefix: str, name: str) -> str:
     """A path for a Unix socket in a fresh directory only this user can enter (mkdtemp:
-    mode 0700; a pickle from anyone else must never reach it), removed at exit."""
-    directory = tempfile.mkdtemp(prefix=prefix)
+    mode 0700; a pickle from anyone else must never reach it), removed at exit. The
+    directory's name carries this process's pid: a process that did not exit cleanly (Ray
+    kills actors without atexit) leaves its directory, which the next one made here removes."""
+    remove_dead_processes_directories(prefix)
+    directory = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
     atexit.register(shutil.rmtree, directory, True)
     return os.path.join(directory, name)
+
+
+def remove_dead_processes_directories(prefix: str) -> None:
+    """Removes this user's `<prefix><pid>-*` temp directories whose process is gone."""
+    root = tempfile.gettempdir()
+    for entry in os.scandir(root):
+        pid_text = entry.name[len(prefix):].partition("-")[0]
+        if not entry.name.startswith(prefix) or not pid_text.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
+                continue
+            os.kill(int(pid_text), 0)  # alive (or another user's pid now): keep it
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def picklable_error(error: BaseException) -> BaseException:

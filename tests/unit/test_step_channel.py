@@ -3,8 +3,11 @@
 
 import asyncio
 import os
+import shutil
 import stat
+import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -154,3 +157,18 @@ def test_the_socket_is_private_to_this_user_and_removed_on_close() -> None:
     assert stat.S_ISSOCK(os.stat(server.path).st_mode)
     server.close()
     assert not os.path.exists(directory)
+
+
+def test_a_dead_processes_socket_directory_is_removed_by_the_next_server() -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # that process has exited
+    stale = tempfile.mkdtemp(prefix=f"rayllm-steps-{dead_pid}-")
+    alive = tempfile.mkdtemp(prefix=f"rayllm-steps-{os.getpid()}-")  # a live process's (ours)
+    server = StepServer(Recorder())
+    try:
+        assert not os.path.exists(stale)
+        assert os.path.isdir(alive)
+        assert os.path.basename(os.path.dirname(server.path)).startswith(f"rayllm-steps-{os.getpid()}-")
+    finally:
+        server.close()
+        shutil.rmtree(alive, ignore_errors=True)
