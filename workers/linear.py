@@ -34,6 +34,15 @@ to 2 panels at once (layer_ops.c), one run on a slower day: 1 row 34.0 vs 52.6, 
 thread): 512 rows 1571 vs 1799 ms, 1024 rows 3376 vs 3772, 2048 rows 7754 vs 7451 (2 threads:
 even at 512 and 2048, 2330 vs 2460 at 1024), so past PANEL_MAX_ROWS oneDNN keeps the work.
 
+On CPUs with AVX512_BF16 (Zen 4, Sapphire Rapids on), bf16 takes a panel GEMM of its own,
+rayllm_panel_gemm_bf16 (csrc/panel_bf16.c: vdpbf16ps over panels of 16 columns x k pairs), for
+every product of at most BF16_PANEL_MAX_ROWS rows, in place of both the GEMV and oneDNN: one
+summation order at every row count (a row's result is the same alone or in a batch), and our
+thread pool instead of OpenMP, whose sleeping thread each oneDNN call had to wake. SmolLM2's
+products (30 layers and the lm_head, weights streamed from memory, Zen 4, median of 7, ms per
+step): 2 threads 1 row 13.0 vs 20.2 GEMV, 16 rows 20.3 vs 30.4 oneDNN, 128 rows 131 vs 149,
+512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows 395 vs 376).
+
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
 """
@@ -50,7 +59,8 @@ from workers.kernels.native import DTYPE_CODES, check_status, native_available, 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
 PANEL_MAX_ROWS = 1024  # rows at most that take the panel GEMM (AVX2, fp32); more go to oneDNN
-PANEL_WIDTH = 16  # output columns per panel (layer_ops.c)
+BF16_PANEL_MAX_ROWS = 512  # rows at most that take the bf16 panel GEMM (AVX512_BF16); more go to oneDNN
+PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_bf16.c)
 
 
 class TorchLinear:
@@ -84,9 +94,18 @@ class DualWeight:
 
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
-    panels: torch.Tensor  # [ceil(out / 16), in, 16] fp32: the panel GEMM's operand (layer_ops.c)
-    packed: torch.Tensor  # oneDNN's reordered copy, for products of more than PANEL_MAX_ROWS rows
+    panels: torch.Tensor  # fp32 [ceil(out / 16), in, 16] (layer_ops.c) or bf16 [ceil(out / 16), in / 2, 16, 2] (panel_bf16.c)
+    packed: torch.Tensor  # oneDNN's reordered copy, for products of more rows than max_rows
     out_features: int
+
+    @property
+    def max_rows(self) -> int:
+        return panel_max_rows(self.panels.dtype)
+
+
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """Rows at most that the panel GEMM of this dtype takes (more go to oneDNN)."""
+    return PANEL_MAX_ROWS if dtype == torch.float32 else BF16_PANEL_MAX_ROWS
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -98,45 +117,71 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(-1, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
 
 
+def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16, in even -> [ceil(out / 16), in / 2, 16, 2]: panel p, pair j, lane c holds
+    weight[16p + c, 2j] and weight[16p + c, 2j + 1] (zeros past out), one vdpbf16ps operand."""
+    out_features, in_features = weight.shape
+    assert in_features % 2 == 0 and weight.dtype == torch.bfloat16
+    padding = -out_features % PANEL_WIDTH
+    if padding:
+        weight = torch.cat([weight, weight.new_zeros(padding, in_features)])
+    return weight.reshape(-1, PANEL_WIDTH, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 class NativeLinear:
     name = "native"
 
     def __init__(self) -> None:
         self.library = native_library()
         self.onednn = OneDnnLinear()
-        self.has_panels = bool(self.library.rayllm_panel_gemm_available())  # AVX2 without AVX-512
+        self.has_panels = bool(self.library.rayllm_panel_gemm_available())  # fp32: AVX2 or AVX-512
+        self.has_bf16_panels = bool(self.library.rayllm_panel_gemm_bf16_available())  # AVX512_BF16
 
     def pack(self, weight: torch.Tensor) -> DualWeight | PanelWeight:
         if self.has_panels and weight.dtype == torch.float32:
             return PanelWeight(pack_panels(weight), self.onednn.pack(weight), weight.shape[0])
+        if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+            return PanelWeight(pack_panels_bf16(weight), self.onednn.pack(weight), weight.shape[0])
         return DualWeight(weight.contiguous(), self.onednn.pack(weight))
 
     def linear(self, x: torch.Tensor, weight: DualWeight | PanelWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, PanelWeight):
-            if not 0 < x.shape[0] <= PANEL_MAX_ROWS:
+            if not 0 < x.shape[0] <= weight.max_rows:
                 return self.onednn.linear(x, weight.packed, bias)
-            return self._panel_gemm(x, weight, bias)
+            return self._panel_gemm(x, weight, bias, x.dtype)
         if not 0 < x.shape[0] <= GEMV_MAX_ROWS:
             return self.onednn.linear(x, weight.packed, bias)
         return self._gemv(x, weight.plain, bias, x.dtype)
 
     def logits(self, x: torch.Tensor, weight: DualWeight | PanelWeight) -> torch.Tensor:
         if isinstance(weight, PanelWeight):
-            return self.linear(x, weight)  # fp32 already
+            if not 0 < x.shape[0] <= weight.max_rows:
+                return self.onednn.linear(x, weight.packed).float()
+            return self._panel_gemm(x, weight, None, torch.float32)
         if not 0 < x.shape[0] <= GEMV_MAX_ROWS:
             return self.onednn.linear(x, weight.packed).float()
         return self._gemv(x, weight.plain, None, torch.float32)
 
-    def _panel_gemm(self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def _panel_gemm(self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
         x = x.contiguous()
         num_rows, width = x.shape
-        assert weight.panels.shape[1] == width and x.dtype == torch.float32
-        out = torch.empty(num_rows, weight.out_features, dtype=torch.float32)
-        check_status(self.library.rayllm_panel_gemm(
-            x.data_ptr(), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            num_rows, weight.out_features, width, torch.get_num_threads(),
-        ), "rayllm_panel_gemm")
+        assert x.dtype == weight.panels.dtype
+        out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if x.dtype == torch.float32:
+            assert weight.panels.shape[1] == width
+            check_status(self.library.rayllm_panel_gemm(
+                x.data_ptr(), weight.panels.data_ptr(), bias_ptr, out.data_ptr(), num_rows, weight.out_features, width,
+                torch.get_num_threads(),
+            ), "rayllm_panel_gemm")
+        else:
+            assert weight.panels.shape[1] * 2 == width and (bias is None or bias.dtype == torch.bfloat16)
+            check_status(self.library.rayllm_panel_gemm_bf16(
+                x.data_ptr(), weight.panels.data_ptr(), bias_ptr, out.data_ptr(), num_rows, weight.out_features, width,
+                DTYPE_CODES[out_dtype], torch.get_num_threads(),
+            ), "rayllm_panel_gemm_bf16")
         return out
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,12 +1,13 @@
 """The decoder layers of a step in one C call (workers/kernels/csrc/forward.c), where every
 product of the step has a C kernel: fp32 panels on AVX2-only CPUs (up to PANEL_MAX_ROWS
-rows), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes).
+rows), bf16 panels on AVX512_BF16 CPUs (up to BF16_PANEL_MAX_ROWS), or our GEMV (up to
+GEMV_MAX_ROWS rows, both dtypes).
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
 same arguments, so it returns the same hidden states bit for bit (a test compares them).
 What it saves is the Python between the kernels: about ten ctypes crossings per layer,
 each with its checks and a fresh output tensor. A step with more rows than the C products
-take (oneDNN's, on the GEMV path; past PANEL_MAX_ROWS on the panel path) runs the Python
+take (oneDNN's, on the GEMV path; past the panels' row limit on the panel paths) runs the Python
 loop.
 
     native = NativeForward.for_model(model)      # None where the model's parts are not all ours
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from workers.kernels import cpu_attention
 from workers.kernels.native import DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
 from workers.layer_ops import NativeOps
-from workers.linear import GEMV_MAX_ROWS, PANEL_MAX_ROWS, DualWeight, NativeLinear, PanelWeight
+from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight
 
 LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
 
@@ -51,7 +52,7 @@ class NativeForward:
             return None
         weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if all(isinstance(w, PanelWeight) for w in weights):
-            return cls(model, LINEAR_PANELS, PANEL_MAX_ROWS)
+            return cls(model, LINEAR_PANELS, min(w.max_rows for w in weights))
         if all(isinstance(w, DualWeight) for w in weights):
             return cls(model, LINEAR_GEMV, GEMV_MAX_ROWS)
         return None

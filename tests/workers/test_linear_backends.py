@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from workers.kernels.native import native_available
-from workers.linear import (GEMV_MAX_ROWS, PANEL_MAX_ROWS, PanelWeight, onednn_available, pack_panels,
-                            select_linear_backend)
+from workers.linear import (BF16_PANEL_MAX_ROWS, GEMV_MAX_ROWS, PANEL_MAX_ROWS, PanelWeight, onednn_available,
+                            pack_panels, pack_panels_bf16, select_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
                                   reason="torch built without oneDNN")
@@ -57,67 +57,90 @@ def test_native_gemv_and_gemm_agree(rows, dtype):
     torch.testing.assert_close(logits.double(), expected, **tolerance)
 
 
+PANEL_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)]
+PANEL_TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
+
+
+def has_panels_for(native, dtype: torch.dtype) -> bool:
+    """fp32 panels on AVX2 without AVX-512 (layer_ops.c), bf16 panels on AVX512_BF16 (panel_bf16.c)."""
+    return native.has_panels if dtype == torch.float32 else native.has_bf16_panels
+
+
+def panel_row_counts(dtype: torch.dtype) -> list[int]:
+    max_rows = PANEL_MAX_ROWS if dtype == torch.float32 else BF16_PANEL_MAX_ROWS
+    return [1, 2, 3, 5, 6, 8, 16, 17, 48, 49, 64, 65, max_rows, max_rows + 1]
+
+
 @needs_onednn
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 16, 17, 64, 65, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1])
-def test_panel_gemm_on_avx2_matches_float64(rows):
-    """On a CPU with AVX2 and no AVX-512, fp32 weights are packed in panels of 16 columns and
-    up to PANEL_MAX_ROWS rows take the panel GEMM (row tiles of up to 6, 1-3 rows over 4-2
-    panels at once, a last panel cut short); more take oneDNN. Elsewhere the GEMV/oneDNN split above holds and this checks the
-    same products through it."""
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 72, generator=generator)
-    weight = torch.randn(1001, 72, generator=generator)  # 62 full panels and one of 9 columns
-    bias = torch.randn(1001, generator=generator)
-    native = select_linear_backend("native", "cpu", torch.float32)
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=["fp32", "bf16"])
+def test_panel_gemm_matches_float64(dtype):
+    """fp32 weights on a CPU with AVX2 and no AVX-512, and bf16 weights on one with AVX512_BF16,
+    are packed in panels of 16 columns, and up to the dtype's row limit the panel GEMM takes
+    the product (row tiles of up to 6 over up to 4 panels, a last panel cut short, rows in
+    chunks); more rows take oneDNN. Elsewhere the GEMV/oneDNN split above holds and this
+    checks the same products through it."""
+    native = select_linear_backend("native", "cpu", dtype)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1001, 72, generator=generator).to(dtype)  # 62 full panels and one of 9 columns
+    bias = torch.randn(1001, generator=generator).to(dtype)
     packed = native.pack(weight)
-    assert isinstance(packed, PanelWeight) == native.has_panels
-    expected = x.double() @ weight.double().T
-    out = native.linear(x, packed, bias)
-    assert out.dtype == torch.float32 and out.shape == (rows, 1001)
-    torch.testing.assert_close(out.double(), expected + bias.double(), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(native.logits(x, packed).double(), expected, atol=1e-4, rtol=1e-4)
-    strided = torch.randn(rows, 144, generator=generator)[:, ::2]  # a view, as the model passes some inputs
-    torch.testing.assert_close(native.linear(strided, packed).double(), strided.double() @ weight.double().T,
-                               atol=1e-4, rtol=1e-4)
+    assert isinstance(packed, PanelWeight) == has_panels_for(native, dtype)
+    tolerance = PANEL_TOLERANCE[dtype]
+    for rows in panel_row_counts(dtype):
+        x = torch.randn(rows, 72, generator=generator).to(dtype)
+        expected = x.double() @ weight.double().T
+        out = native.linear(x, packed, bias)
+        assert out.dtype == dtype and out.shape == (rows, 1001)
+        torch.testing.assert_close(out.double(), expected + bias.double(), **tolerance)
+        logits = native.logits(x, packed)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits.double(), expected, **tolerance)
+        strided = torch.randn(rows, 144, generator=generator).to(dtype)[:, ::2]  # a view, as the model passes some
+        torch.testing.assert_close(native.linear(strided, packed).double(), strided.double() @ weight.double().T,
+                                   **tolerance)
 
 
 @needs_onednn
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_panel_gemm_rows_are_the_same_in_every_batch(threads):
-    """A row's product does not depend on the rows beside it (tile shapes, panel groups and
-    k-blocking vary with the row count, the summation order does not), so a sequence decodes
-    the same tokens alone and in a batch."""
-    native = select_linear_backend("native", "cpu", torch.float32)
-    if not native.has_panels:
-        pytest.skip("this CPU's kernels have no panel GEMM")
+def test_panel_gemm_rows_are_the_same_in_every_batch(threads, dtype):
+    """A row's product does not depend on the rows beside it (tile shapes, panel groups,
+    k-blocking and row chunks vary with the row count, the summation order does not), so a
+    sequence decodes the same tokens alone and in a batch; the logits (fp32 out) too."""
+    native = select_linear_backend("native", "cpu", dtype)
+    if not has_panels_for(native, dtype):
+        pytest.skip(f"this CPU's kernels have no {dtype} panel GEMM")
     generator = torch.Generator().manual_seed(threads)
-    x = torch.randn(66, 200, generator=generator)  # k blocks of 64, 64, 64 and 8
-    weight = native.pack(torch.randn(330, 200, generator=generator))  # 20 full panels and one of 10 columns
+    x = torch.randn(100, 260, generator=generator).to(dtype)  # fp32: k blocks of 64 (x4) and 4; bf16: pairs 64, 64, 2
+    weight = native.pack(torch.randn(330, 260, generator=generator).to(dtype))  # 20 full panels and one of 10 columns
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([native.linear(x[row : row + 1], weight) for row in range(66)])
-        for rows in [*range(2, 10), 17, 64, 65, 66]:
+        alone = torch.cat([native.linear(x[row : row + 1], weight) for row in range(100)])
+        alone_logits = torch.cat([native.logits(x[row : row + 1], weight) for row in range(100)])
+        for rows in [*range(2, 10), 17, 47, 48, 49, 64, 65, 66, 97, 100]:
             assert torch.equal(native.linear(x[:rows], weight), alone[:rows]), rows
+            assert torch.equal(native.logits(x[:rows], weight), alone_logits[:rows]), rows
     finally:
         torch.set_num_threads(previous)
 
 
 @needs_onednn
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
-def test_panel_gemm_from_two_python_threads_at_once():
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=["fp32", "bf16"])
+def test_panel_gemm_from_two_python_threads_at_once(dtype):
     """The kernels share one thread pool (csrc/thread_pool.c): a call arriving while another
     runs computes its items itself, and both get exact results (ctypes drops the GIL, so the
     two calls really overlap)."""
-    native = select_linear_backend("native", "cpu", torch.float32)
-    if not native.has_panels:
-        pytest.skip("this CPU's kernels have no panel GEMM")
+    native = select_linear_backend("native", "cpu", dtype)
+    if not has_panels_for(native, dtype):
+        pytest.skip(f"this CPU's kernels have no {dtype} panel GEMM")
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(2000, 64, generator=generator)
+    weight = torch.randn(2000, 64, generator=generator).to(dtype)
     packed = native.pack(weight)
-    inputs = [torch.randn(rows, 64, generator=generator) for rows in (1, 2, 5, 16)]
+    inputs = [torch.randn(rows, 64, generator=generator).to(dtype) for rows in (1, 2, 5, 16)]
     expected = [native.linear(x, packed) for x in inputs]
     mismatches = []
 
@@ -140,6 +163,15 @@ def test_pack_panels_layout():
     panels = pack_panels(weight)
     assert panels.shape == (2, 3, 16)
     assert torch.equal(panels[0, 2], weight[:16, 2]) and torch.equal(panels[1, 1, :4], weight[16:, 1])
+    assert not panels[1, :, 4:].any()  # zeros past the last column
+
+
+def test_pack_panels_bf16_layout():
+    weight = torch.arange(20 * 4, dtype=torch.float32).reshape(20, 4).bfloat16()
+    panels = pack_panels_bf16(weight)
+    assert panels.shape == (2, 2, 16, 2)  # panels, k pairs, columns, pair
+    assert torch.equal(panels[0, 1, :, 0], weight[:16, 2]) and torch.equal(panels[0, 1, :, 1], weight[:16, 3])
+    assert torch.equal(panels[1, 0, :4, 1], weight[16:, 1])
     assert not panels[1, :, 4:].any()  # zeros past the last column
 
 

@@ -33,7 +33,7 @@ import torch  # loaded before our library, so it binds to torch's libgomp (see a
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "layer_ops.c", "forward.c", "thread_pool.c")  # compiled together; they include csrc/*.h
+SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "thread_pool.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -208,6 +208,9 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # x, panels, bias, out, num_rows, N, K, num_threads (fp32)
     "rayllm_panel_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32],
     "rayllm_panel_gemm_available": [],
+    # x, panels, bias, out, num_rows, N, K, out_dtype, num_threads (bf16 in)
+    "rayllm_panel_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32],
+    "rayllm_panel_gemm_bf16_available": [],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
 }
 

@@ -39,6 +39,12 @@ int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64
 int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, float *out, int64_t num_rows, int64_t N,
                       int64_t K, int32_t num_threads);
 
+/* panel_avx512.c: the panel GEMM of AVX-512 builds (dtype and out_dtype: DTYPE_F32 or DTYPE_BF16) */
+int rayllm_panel_gemm_avx512(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows,
+                             int64_t N, int64_t K, int32_t dtype, int32_t out_dtype, int32_t num_threads);
+int rayllm_panel_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows, int64_t N,
+                           int64_t K, int32_t out_dtype, int32_t num_threads);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);

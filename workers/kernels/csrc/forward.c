@@ -10,8 +10,8 @@
  *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight)
  *
  * and after the last layer out = rms_norm(residual + delta) * final_norm. The products are
- * ours only: the panel GEMM (fp32 on AVX2-only CPUs, up to 1024 rows) or the GEMV (a few
- * rows); the Python side (workers/native_forward.py) calls this only for steps whose every
+ * ours only: the panel GEMM (fp32 on AVX2-only CPUs, up to 1024 rows; bf16 on AVX512_BF16
+ * CPUs, panel_bf16.c, up to 512) or the GEMV (a few rows); the Python side (workers/native_forward.py) calls this only for steps whose every
  * product one of them takes, and runs its own loop otherwise (oneDNN's products).
  */
 #include <stdint.h>
@@ -23,7 +23,7 @@ enum { LINEAR_PANELS = 0, LINEAR_GEMV = 1 };
 
 typedef struct {
     const void *input_norm, *post_norm;         /* [hidden] */
-    const void *qkv, *o, *gate_up, *down;       /* panels (LINEAR_PANELS) or row-major [out, in] (LINEAR_GEMV) */
+    const void *qkv, *o, *gate_up, *down;       /* panels of the dtype (LINEAR_PANELS) or row-major [out, in] (LINEAR_GEMV) */
     const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [out] or NULL */
     void *k_cache, *v_cache;                    /* this layer's pool (cpu_attention.allocate_kv_cache) */
 } LayerArgs;
@@ -50,7 +50,9 @@ typedef struct {
 static int linear(const ForwardArgs *a, const void *x, const void *w, const void *bias, void *out, int64_t N,
                   int64_t K) {
     if (a->linear == LINEAR_PANELS)
-        return a->dtype == DTYPE_F32 ? rayllm_panel_gemm(x, w, bias, out, a->num_tokens, N, K, a->num_threads) : 1;
+        return a->dtype == DTYPE_F32
+                   ? rayllm_panel_gemm(x, w, bias, out, a->num_tokens, N, K, a->num_threads)
+                   : rayllm_panel_gemm_bf16(x, w, bias, out, a->num_tokens, N, K, DTYPE_BF16, a->num_threads);
     return rayllm_gemv(x, w, bias, out, a->num_tokens, N, K, a->dtype, a->dtype, a->num_threads);
 }
 

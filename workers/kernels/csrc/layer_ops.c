@@ -467,9 +467,9 @@ static void panel_range(void *context, int64_t range) {
 }
 #endif
 
-/* 1 where this build has the panel GEMM (AVX2 without AVX-512), else 0. */
+/* 1 where this build has the fp32 panel GEMM (AVX2, or AVX-512: panel_avx512.c), else 0. */
 int rayllm_panel_gemm_available(void) {
-#ifdef RAYLLM_AVX2
+#if defined(RAYLLM_AVX2) || defined(__AVX512F__)
     return 1;
 #else
     return 0;
@@ -477,8 +477,8 @@ int rayllm_panel_gemm_available(void) {
 }
 
 /* x: [num_rows, K] fp32; panels: [ceil(N / 16), K, 16] fp32 (layout above); bias: [N] or NULL;
- * out: [num_rows, N] fp32. Returns 1 where this build has no panel kernel (no AVX2, or AVX-512:
- * those CPUs take oneDNN and the GEMV). */
+ * out: [num_rows, N] fp32. AVX-512 builds run panel_avx512.c's kernel over the same layout (the
+ * same sums, bit for bit). Returns 1 where this build has no panel kernel (no AVX2). */
 int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, float *out, int64_t num_rows, int64_t N,
                       int64_t K, int32_t num_threads) {
 #ifdef RAYLLM_AVX2
@@ -501,6 +501,8 @@ int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, fl
     const int64_t num_ranges = (num_panels + job.span - 1) / job.span;
     rayllm_parallel_for(num_ranges, num_panels >= 16 ? threads : 1, panel_range, &job);
     return 0;
+#elif defined(__AVX512F__)
+    return rayllm_panel_gemm_avx512(x, panels, bias, out, num_rows, N, K, DTYPE_F32, DTYPE_F32, num_threads);
 #else
     (void)x, (void)panels, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)num_threads;
     return 1;
