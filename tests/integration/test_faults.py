@@ -186,14 +186,19 @@ def test_killing_one_of_two_workers_mid_generation_loses_no_stream(fault_app: Fa
     routing = ray.get(fault_app.scheduler.routing_stats.remote())
     stepped = [(c, s) for c, s in zip(routing["channel_steps_per_worker"], routing["steps_per_worker"]) if s]
     assert stepped and all(c > 0 for c, _ in stepped), routing  # workers are stepped over their Unix sockets
-    killed_at = []
+    killed = []  # (requests running, the worker killed)
 
-    def kill_worker_0() -> None:
-        killed_at.append(fault_app.status().num_running)
-        ray.kill(fault_app.worker(0), no_restart=False)  # Ray restarts it (max_restarts)
+    def kill_the_busiest_worker() -> None:
+        # the one routed most of these streams: the reference run left their prefixes warm on one
+        # worker, and the prefix-aware router may send it every stream, leaving the other idle
+        routed = ray.get(fault_app.scheduler.routing_stats.remote())["routed_per_worker"]
+        index = max(range(len(routed)), key=lambda i: routed[i] - routing["routed_per_worker"][i])
+        killed.append((fault_app.status().num_running, index))
+        ray.kill(fault_app.worker(index), no_restart=False)  # Ray restarts it (max_restarts)
 
-    results = asyncio.run(run_streams(fault_app.url, during=kill_worker_0))
-    assert killed_at and killed_at[0] > 0, killed_at
+    results = asyncio.run(run_streams(fault_app.url, during=kill_the_busiest_worker))
+    assert killed and killed[0][0] > 0, killed
+    killed_index = killed[0][1]
     assert [r[0] for r in results] == [200] * NUM_STREAMS, results
     assert results == reference  # same text, same finish reason, for every stream
     status = fault_app.wait_until_idle()
@@ -210,9 +215,10 @@ def test_killing_one_of_two_workers_mid_generation_loses_no_stream(fault_app: Fa
 
     assert asyncio.run(fresh_prompts()) == [200] * 12
     routing = ray.get(fault_app.scheduler.routing_stats.remote())
-    assert routing["steps_per_worker"][0] > routing_before["steps_per_worker"][0]
+    assert routing["steps_per_worker"][killed_index] > routing_before["steps_per_worker"][killed_index]
     # ...over the new process's socket (the killed one's closed: that was the death it saw)
-    assert routing["channel_steps_per_worker"][0] > routing_before["channel_steps_per_worker"][0]
+    channel_steps = routing["channel_steps_per_worker"][killed_index]
+    assert channel_steps > routing_before["channel_steps_per_worker"][killed_index]
     fault_app.wait_until_idle()
 
 

@@ -132,7 +132,10 @@ def test_parse_returns_an_object_for_each_of_20_varied_prompts(client) -> None:
 
 def test_json_object_always_parses(client) -> None:
     # any JSON object is unbounded: a 135M model can ramble inside one until max_tokens (then the
-    # text is a cut document with finish_reason "length", as with OpenAI); these it finishes
+    # text is a cut document with finish_reason "length", as with OpenAI). Which prompts it
+    # finishes moves with the kernels' rounding (a bf16 kernel change turned one greedy answer
+    # into "A JSON is a JSON is ..." until the limit), so: most finish, every finished one
+    # parses as an object, and a cut one is still an object's beginning
     cases = [("List three fruits as JSON.", 0.7, 0), ("Give me a JSON object about a dog.", 0.7, 1),
              ("Describe the weather as JSON.", 0.7, 2), ("Return your name and age in JSON.", 0.7, 3),
              ("Tell a joke as JSON.", 0.7, 5), ("Return your name and age in JSON.", 0.0, None),
@@ -145,10 +148,13 @@ def test_json_object_always_parses(client) -> None:
 
     with ThreadPoolExecutor(len(cases)) as pool:
         replies = list(pool.map(ask, cases))
-    for reply in replies:
-        choice = reply.choices[0]
-        assert choice.finish_reason == "stop", choice.message.content
+    finished = [reply.choices[0] for reply in replies if reply.choices[0].finish_reason == "stop"]
+    assert len(finished) >= len(cases) - 2, [reply.choices[0].message.content for reply in replies]
+    for choice in finished:
         assert isinstance(json.loads(choice.message.content), dict)
+    for reply in replies:
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.choices[0].message.content.lstrip().startswith("{"), reply.choices[0].message.content
 
 
 def test_n4_gives_four_valid_documents_and_completions_too(client) -> None:
