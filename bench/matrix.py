@@ -94,9 +94,9 @@ ALL_CELLS = tuple(CELLS)
 _ONE_WORKER = ("num_workers=1", "worker_num_cpus=1", "worker_num_threads=1", "max_num_batched_tokens=2048")
 _TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1", "max_num_batched_tokens=2048")
 SERVERS: dict[str, Server] = {s.name: s for s in [
-    Server("ours", "our server, deploy/serve.yaml as shipped (num_workers auto: 1 worker x a thread per core, or where "
-           "the CPU has native bf16 a 1-thread worker per core; 2048-token steps, 512 per prompt, async scheduling, "
-           "new prompts batched while streams decode)", "ours.sh", 8000, ALL_CELLS),
+    Server("ours", "our server, deploy/serve.yaml as shipped (num_workers auto: 1 worker x a thread per core; "
+           "2048-token steps, 512 per prompt, async scheduling, new prompts batched while streams decode)", "ours.sh",
+           8000, ALL_CELLS),
     Server("ours-sync", "ours with async_scheduling=false: each step scheduled after the last one's result came back "
            "(the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("async_scheduling=false",)),
     Server("ours-nohold", "ours with waiting_served_ratio=0: every arrival admitted at the next step, beside running "
@@ -106,7 +106,7 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            ALL_CELLS, _ONE_WORKER),
     Server("ours-1w2t", "ours with 1 worker x 2 torch threads (the shipped YAML otherwise)", "ours.sh", 8000,
            ("c1", "c16"), ("num_workers=1", "worker_num_cpus=1.5", "worker_num_threads=2")),
-    Server("ours-2w1t", "ours with 2 workers x 1 torch thread (the YAML's layout before num_workers auto)", "ours.sh",
+    Server("ours-2w1t", "ours with 2 workers x 1 torch thread (num_workers auto's layout on native-bf16 CPUs until the AVX-512 panel GEMM)", "ours.sh",
            8000, ("c1", "c16"), ("num_workers=2", "worker_num_cpus=0.75", "worker_num_threads=1")),
     Server("ours-chunk256", "ours with 256-token steps (max_num_batched_tokens=256; the shipped YAML otherwise)",
            "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=256",)),

@@ -17,7 +17,7 @@ from scheduler.admission import AdmissionConfig
 from scheduler.config import SchedulerConfig
 from serve_app.limits import ServerLimits
 from serve_app.protocol import MAX_N
-from serve_app.worker_layout import NATIVE_BF16_FLAGS, auto_worker_layout, cpu_flags, usable_cpus
+from serve_app.worker_layout import auto_worker_layout, usable_cpus
 
 from scheduler.router import RouterConfig
 
@@ -215,7 +215,7 @@ class AppArgs(BaseModel):
             return float(data.get(name, cls.model_fields[name].default))  # `serve run` args come as text
         reserved = (value("ingress_replicas") * value("ingress_num_cpus")
                     + value("num_scheduler_shards") * value("scheduler_num_cpus"))
-        layout = auto_worker_layout(usable_cpus(), bool(cpu_flags() & NATIVE_BF16_FLAGS), reserved)
+        layout = auto_worker_layout(usable_cpus(), reserved)
         resolved = {**data, "num_workers": layout.num_workers}
         for name in ("worker_num_cpus", "worker_num_threads"):
             if data.get(name) in (None, "auto"):

@@ -10,24 +10,19 @@ from serve_app.config import AppArgs, plan_resources
 from serve_app.worker_layout import WorkerLayout, auto_worker_layout
 
 
-def test_one_worker_per_core_with_native_bf16_else_one_worker_with_every_core():
-    assert auto_worker_layout(2, native_bf16=True, reserved_cpus=0.5) == WorkerLayout(2, 0.75, 1)
-    assert auto_worker_layout(2, native_bf16=False, reserved_cpus=0.5) == WorkerLayout(1, 1.5, 2)
-    assert auto_worker_layout(8, native_bf16=False, reserved_cpus=1.0) == WorkerLayout(1, 7.0, 8)
+def test_one_worker_with_every_core():
+    assert auto_worker_layout(2, reserved_cpus=0.5) == WorkerLayout(1, 1.5, 2)
+    assert auto_worker_layout(8, reserved_cpus=1.0) == WorkerLayout(1, 7.0, 8)
 
 
 def test_nothing_left_for_a_worker_says_what_to_change():
     with pytest.raises(ValueError, match="nothing is left for a worker"):
-        auto_worker_layout(1, native_bf16=False, reserved_cpus=1.0)
+        auto_worker_layout(1, reserved_cpus=1.0)
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({"avx2", "avx512f", "avx512_bf16"}, (2, 0.75, 1)),
-    ({"avx2", "fma"}, (1, 1.5, 2)),
-])
-def test_app_args_resolve_auto_from_the_cpu_and_fit_the_node(monkeypatch, flags, expected):
+def test_app_args_resolve_auto_from_the_cpus_and_fit_the_node(monkeypatch):
     monkeypatch.setattr(config, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
+    expected = (1, 1.5, 2)
     args = AppArgs.model_validate({"num_workers": "auto"})
     assert (args.num_workers, args.worker_num_cpus, args.worker_num_threads) == expected
     assert plan_resources(args, {"CPU": 2.0}).total_cpus == pytest.approx(2.0)  # the whole node, no more
@@ -37,7 +32,6 @@ def test_app_args_resolve_auto_from_the_cpu_and_fit_the_node(monkeypatch, flags,
 
 def test_auto_counts_the_ingress_and_scheduler_cpus_and_keeps_explicit_settings(monkeypatch):
     monkeypatch.setattr(config, "usable_cpus", lambda: 4)
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2"}))
     args = AppArgs.model_validate({"num_workers": "auto", "ingress_replicas": "2", "ingress_num_cpus": 0.5,
                                    "worker_num_threads": 3})
     assert (args.num_workers, args.worker_num_cpus, args.worker_num_threads) == (1, 2.75, 3)
