@@ -8,7 +8,7 @@ Each tree's csrc is compiled into its own library with the flags the workers use
 (workers/kernels/native.py), and both run SmolLM2-135M's decode products (30 layers and the
 lm_head, random weights, each its own tensor so that every product streams its weight from
 memory), alternating; the median of --repeats passes per tree and row count is printed.
-Only for CPUs with the panel GEMM (AVX2 without AVX-512).
+Only for CPUs with the fp32 panel GEMM (AVX2 or AVX-512).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def load_panel_gemm(source_dir: Path, library: Path):
                    check=True)
     lib = ctypes.CDLL(str(library))
     if not lib.rayllm_panel_gemm_available():
-        raise SystemExit(f"{source_dir}: this CPU's build has no panel GEMM (AVX-512 CPUs use the GEMV and oneDNN)")
+        raise SystemExit(f"{source_dir}: this CPU's build has no fp32 panel GEMM (it needs AVX2 or AVX-512)")
     gemm = lib.rayllm_panel_gemm
     gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
     gemm.restype = ctypes.c_int

@@ -1,18 +1,19 @@
 """A decode step's matrix products, our linear paths side by side, weights streamed from DRAM.
 
-    .venv/bin/python -m bench.bench_linear                     # 1 thread, rows 1,2,4,8,16
-    .venv/bin/python -m bench.bench_linear --threads 2 --rows 1,8,16
+    .venv/bin/python -m bench.bench_linear                     # fp32, 1 thread, rows 1,2,4,8,16
+    .venv/bin/python -m bench.bench_linear --dtype bfloat16 --threads 2 --rows 1,16,64,512
     .venv/bin/python -m bench.bench_linear --rows 512,1024,2048 --repeats 2   # prefill steps
 
 Random weights of SmolLM2-135M's shapes (30 layers of qkv, o, gate_up, down, then the
-lm_head: 538 MB in fp32), each its own tensor, so every product reads its weight from memory
-as a real step does (a benchmark that repeats one small weight measures the cache instead).
-Per row count, the median over --repeats passes of all of them, the paths alternating:
+lm_head, each its own tensor, so every product reads its weight from memory as a real step
+does; a benchmark that repeats one small weight measures the cache instead). Per row count,
+the median over --repeats passes of all of them, the paths alternating:
 
-- panels: the AVX2 panel GEMM (workers/linear.py, PanelWeight), where this CPU has it, at
-  every row count (past PANEL_MAX_ROWS too, which is what the cutoff is judged by);
-- gemv/onednn: our GEMV up to GEMV_MAX_ROWS rows, oneDNN's prepacked GEMM above (DualWeight),
-  the path of AVX-512 CPUs.
+- panels: our panel GEMM (workers/linear.py, PanelWeight: fp32 on AVX2 or AVX-512, bf16 on
+  AVX512_BF16), at every row count (past its row limit too, which is what the limit is
+  judged by);
+- onednn: oneDNN's prepacked GEMM, at every row count;
+- gemv: our GEMV, at the rows it takes (GEMV_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from workers.linear import DualWeight, NativeLinear, PanelWeight, pack_panels  # noqa: E402
+from workers.linear import GEMV_MAX_ROWS, NativeLinear, PanelWeight  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 
@@ -37,37 +38,46 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     native = NativeLinear()
-    if not native.has_panels:
-        print("this CPU's kernels have no panel GEMM (AVX-512 builds use the GEMV and oneDNN): nothing to compare")
+    if not isinstance(native.pack(torch.zeros(16, 16, dtype=dtype)), PanelWeight):
+        print(f"this CPU's kernels have no {args.dtype} panel GEMM: nothing to compare")
         return
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
     shapes.append((VOCAB, HIDDEN))
-    print(f"packing {len(shapes)} weights ({sum(n * k for n, k in shapes) * 4 / 1e6:.0f} MB fp32 each way)", flush=True)
-    panels, duals = [], []
-    for out_features, in_features in shapes:
-        weight = torch.randn(out_features, in_features)
-        panel = PanelWeight(pack_panels(weight), native.onednn.pack(weight), out_features)
-        panels.append(panel)
-        duals.append(DualWeight(weight, panel.packed))
-    print(f"threads {args.threads} | ms per step's products (median of {args.repeats})")
+    size = torch.finfo(dtype).bits // 8
+    print(f"packing {len(shapes)} weights ({sum(n * k for n, k in shapes) * size / 1e6:.0f} MB {args.dtype} each way)",
+          flush=True)
+    plain = [torch.randn(out_features, in_features).to(dtype) for out_features, in_features in shapes]
+    packed = [native.pack(weight) for weight in plain]
+    print(f"{args.dtype} | threads {args.threads} | ms per step's products (median of {args.repeats}); panels take "
+          f"up to {packed[0].max_rows} rows when serving")
+
+    def step(rows: int, path: str, inputs: dict[int, torch.Tensor]) -> None:
+        for weight, panel in zip(plain, packed):
+            x = inputs[weight.shape[1]]
+            if path == "panels":
+                native._panel_gemm(x, panel, None, dtype)
+            elif path == "onednn":
+                native.onednn.linear(x, panel.packed)
+            else:
+                native._gemv(x, weight, None, dtype)
+
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {width: torch.randn(rows, width) for width in (HIDDEN, INTERMEDIATE)}
-        times: dict[str, list[float]] = {"panels": [], "gemv/onednn": []}
+        inputs = {width: torch.randn(rows, width).to(dtype) for width in (HIDDEN, INTERMEDIATE)}
+        paths = ["panels", "onednn"] + (["gemv"] if rows <= GEMV_MAX_ROWS else [])
+        times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.repeats):
-            for name, weights in (("panels", panels), ("gemv/onednn", duals)):
+            for path in paths:
                 started = time.perf_counter()
-                for weight in weights:
-                    if isinstance(weight, PanelWeight):
-                        native._panel_gemm(inputs[weight.panels.shape[1]], weight, None)
-                    else:
-                        native.linear(inputs[weight.plain.shape[1]], weight)
-                times[name].append(time.perf_counter() - started)
-        panel_s, other_s = (statistics.median(times[name]) for name in ("panels", "gemv/onednn"))
-        print(f"rows {rows:3d}: panels {panel_s * 1e3:7.1f}   gemv/onednn {other_s * 1e3:7.1f}   "
-              f"ratio {other_s / panel_s:.2f}x", flush=True)
+                step(rows, path, inputs)
+                times[path].append(time.perf_counter() - started)
+        medians = {path: statistics.median(spent) for path, spent in times.items()}
+        print(f"rows {rows:4d}: " + "   ".join(f"{path} {s * 1e3:8.1f}" for path, s in medians.items())
+              + f"   onednn / panels {medians['onednn'] / medians['panels']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,11 @@ summation order at every row count (a row's result is the same alone or in a bat
 thread pool instead of OpenMP, whose sleeping thread each oneDNN call had to wake. SmolLM2's
 products (30 layers and the lm_head, weights streamed from memory, Zen 4, median of 7, ms per
 step): 2 threads 1 row 13.0 vs 20.2 GEMV, 16 rows 20.3 vs 30.4 oneDNN, 128 rows 131 vs 149,
-512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows 395 vs 376).
+512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows 395 vs 376). The
+same kernel runs fp32 on AVX-512 CPUs (FMAs over the AVX2 kernel's panel layout, the same
+sums bit for bit): 2 threads, 1 row 19.3 vs 26.6 GEMV, 16 rows 31.7 vs 39.2 oneDNN, 64 rows
+102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so there fp32 panels stop at
+AVX512_PANEL_MAX_ROWS.
 
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
@@ -58,7 +62,8 @@ from workers.kernels.native import DTYPE_CODES, check_status, native_available, 
 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
-PANEL_MAX_ROWS = 1024  # rows at most that take the panel GEMM (AVX2, fp32); more go to oneDNN
+PANEL_MAX_ROWS = 1024  # rows at most that take the fp32 panel GEMM on AVX2; more go to oneDNN
+AVX512_PANEL_MAX_ROWS = 128  # ... on AVX-512 CPUs (panel_avx512.c)
 BF16_PANEL_MAX_ROWS = 512  # rows at most that take the bf16 panel GEMM (AVX512_BF16); more go to oneDNN
 PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_bf16.c)
 
@@ -97,15 +102,7 @@ class PanelWeight:
     panels: torch.Tensor  # fp32 [ceil(out / 16), in, 16] (layer_ops.c) or bf16 [ceil(out / 16), in / 2, 16, 2] (panel_bf16.c)
     packed: torch.Tensor  # oneDNN's reordered copy, for products of more rows than max_rows
     out_features: int
-
-    @property
-    def max_rows(self) -> int:
-        return panel_max_rows(self.panels.dtype)
-
-
-def panel_max_rows(dtype: torch.dtype) -> int:
-    """Rows at most that the panel GEMM of this dtype takes (more go to oneDNN)."""
-    return PANEL_MAX_ROWS if dtype == torch.float32 else BF16_PANEL_MAX_ROWS
+    max_rows: int  # rows at most that the panel GEMM takes (measured per dtype and vector width)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -136,12 +133,17 @@ class NativeLinear:
         self.onednn = OneDnnLinear()
         self.has_panels = bool(self.library.rayllm_panel_gemm_available())  # fp32: AVX2 or AVX-512
         self.has_bf16_panels = bool(self.library.rayllm_panel_gemm_bf16_available())  # AVX512_BF16
+        avx512 = self.library.rayllm_vector_width() == 16
+        self.panel_max_rows = {torch.float32: AVX512_PANEL_MAX_ROWS if avx512 else PANEL_MAX_ROWS,
+                               torch.bfloat16: BF16_PANEL_MAX_ROWS}
 
     def pack(self, weight: torch.Tensor) -> DualWeight | PanelWeight:
         if self.has_panels and weight.dtype == torch.float32:
-            return PanelWeight(pack_panels(weight), self.onednn.pack(weight), weight.shape[0])
+            return PanelWeight(pack_panels(weight), self.onednn.pack(weight), weight.shape[0],
+                               self.panel_max_rows[torch.float32])
         if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
-            return PanelWeight(pack_panels_bf16(weight), self.onednn.pack(weight), weight.shape[0])
+            return PanelWeight(pack_panels_bf16(weight), self.onednn.pack(weight), weight.shape[0],
+                               self.panel_max_rows[torch.bfloat16])
         return DualWeight(weight.contiguous(), self.onednn.pack(weight))
 
     def linear(self, x: torch.Tensor, weight: DualWeight | PanelWeight,

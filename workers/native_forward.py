@@ -1,6 +1,6 @@
 """The decoder layers of a step in one C call (workers/kernels/csrc/forward.c), where every
-product of the step has a C kernel: fp32 panels on AVX2-only CPUs (up to PANEL_MAX_ROWS
-rows), bf16 panels on AVX512_BF16 CPUs (up to BF16_PANEL_MAX_ROWS), or our GEMV (up to
+product of the step has a C kernel: fp32 panels on AVX2 or AVX-512 CPUs, bf16 panels on
+AVX512_BF16 CPUs (each up to its measured row limit, workers/linear.py), or our GEMV (up to
 GEMV_MAX_ROWS rows, both dtypes).
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the

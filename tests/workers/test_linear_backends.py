@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from workers.kernels.native import native_available
-from workers.linear import (BF16_PANEL_MAX_ROWS, GEMV_MAX_ROWS, PANEL_MAX_ROWS, PanelWeight, onednn_available,
-                            pack_panels, pack_panels_bf16, select_linear_backend)
+from workers.linear import (GEMV_MAX_ROWS, PanelWeight, onednn_available, pack_panels, pack_panels_bf16,
+                            select_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
                                   reason="torch built without oneDNN")
@@ -66,9 +66,9 @@ def has_panels_for(native, dtype: torch.dtype) -> bool:
     return native.has_panels if dtype == torch.float32 else native.has_bf16_panels
 
 
-def panel_row_counts(dtype: torch.dtype) -> list[int]:
-    max_rows = PANEL_MAX_ROWS if dtype == torch.float32 else BF16_PANEL_MAX_ROWS
-    return [1, 2, 3, 5, 6, 8, 16, 17, 48, 49, 64, 65, max_rows, max_rows + 1]
+def panel_row_counts(native, dtype: torch.dtype) -> list[int]:
+    max_rows = native.panel_max_rows[dtype]
+    return sorted({1, 2, 3, 5, 6, 8, 16, 17, 48, 49, 64, 65, max_rows, max_rows + 1})
 
 
 @needs_onednn
@@ -87,7 +87,7 @@ def test_panel_gemm_matches_float64(dtype):
     packed = native.pack(weight)
     assert isinstance(packed, PanelWeight) == has_panels_for(native, dtype)
     tolerance = PANEL_TOLERANCE[dtype]
-    for rows in panel_row_counts(dtype):
+    for rows in panel_row_counts(native, dtype):
         x = torch.randn(rows, 72, generator=generator).to(dtype)
         expected = x.double() @ weight.double().T
         out = native.linear(x, packed, bias)

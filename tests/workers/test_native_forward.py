@@ -9,7 +9,7 @@ import torch
 from runner_helpers import greedy, make_runner, prompts_of_lengths, run_requests
 
 from workers.kernels.native import native_available
-from workers.linear import BF16_PANEL_MAX_ROWS, GEMV_MAX_ROWS, NativeLinear
+from workers.linear import GEMV_MAX_ROWS, NativeLinear
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
 
@@ -43,9 +43,9 @@ def test_c_loop_equals_the_python_loop(tiny_model_dir, threads):
     compared = compare_every_step(runner)
     prompts = prompts_of_lengths([1, 3, 8, 17, 29, 45], runner.model_info.vocab_size)
     run_requests(runner, prompts, greedy(12), token_budget=16)  # chunked prompts beside decodes
-    if runner.model.native_forward.max_rows >= 16:  # fp32 panels (AVX2): every step
+    if runner.model.native_forward.max_rows >= 16:  # fp32 panels (AVX2, AVX-512): every step
         assert len(compared) >= 12 and min(compared) < max(compared), compared
-    else:  # the GEMV path (AVX-512): the steps of a few rows, as the sequences finish
+    else:  # the GEMV path (CPUs without panels): the steps of a few rows, as the sequences finish
         assert len(compared) >= 6 and max(compared) <= GEMV_MAX_ROWS, compared
 
 
@@ -56,7 +56,7 @@ def test_c_loop_in_bf16_on_panels(tiny_model_dir):
     linear = runner.model.linear_backend
     if not (isinstance(linear, NativeLinear) and linear.has_bf16_panels):
         pytest.skip("this CPU has no bf16 panel GEMM")
-    assert runner.model.native_forward.max_rows == BF16_PANEL_MAX_ROWS
+    assert runner.model.native_forward.max_rows == linear.panel_max_rows[torch.bfloat16]
     compared = compare_every_step(runner)
     prompts = prompts_of_lengths([1, 3, 8, 17, 29, 45], runner.model_info.vocab_size)
     run_requests(runner, prompts, greedy(12), token_budget=16)

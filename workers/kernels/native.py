@@ -211,6 +211,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # x, panels, bias, out, num_rows, N, K, out_dtype, num_threads (bf16 in)
     "rayllm_panel_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32],
     "rayllm_panel_gemm_bf16_available": [],
+    "rayllm_vector_width": [],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
 }
 

@@ -179,6 +179,17 @@ int rayllm_panel_gemm_avx512(const void *x, const void *panels, const void *bias
 }
 #endif
 
+/* fp32 lanes of this build's vectors: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (portable C). */
+int rayllm_vector_width(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(RAYLLM_AVX2)
+    return 8;
+#else
+    return 1;
+#endif
+}
+
 /* 1 where this build has the bf16 panel GEMM (AVX512_BF16), else 0. */
 int rayllm_panel_gemm_bf16_available(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
