@@ -35,13 +35,16 @@ thread): 512 rows 1571 vs 1799 ms, 1024 rows 3376 vs 3772, 2048 rows 7754 vs 745
 even at 512 and 2048, 2330 vs 2460 at 1024), so past PANEL_MAX_ROWS oneDNN keeps the work.
 
 On CPUs with AVX512_BF16 (Zen 4, Sapphire Rapids on), bf16 takes a panel GEMM of its own,
-rayllm_panel_gemm_bf16 (csrc/panel_bf16.c: vdpbf16ps over panels of 16 columns x k pairs), for
+rayllm_panel_gemm_bf16 (csrc/panel_avx512.c: vdpbf16ps over panels of 16 columns x k pairs), for
 every product of at most BF16_PANEL_MAX_ROWS rows, in place of both the GEMV and oneDNN: one
 summation order at every row count (a row's result is the same alone or in a batch), and our
 thread pool instead of OpenMP, whose sleeping thread each oneDNN call had to wake. SmolLM2's
 products (30 layers and the lm_head, weights streamed from memory, Zen 4, median of 7, ms per
 step): 2 threads 1 row 13.0 vs 20.2 GEMV, 16 rows 20.3 vs 30.4 oneDNN, 128 rows 131 vs 149,
-512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows 395 vs 376). The
+256 rows 199 vs 205, 512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows
+395 vs 376). A later run (`bench.bench_linear --dtype bfloat16 --threads 2`) had oneDNN ahead
+from 256 rows on (238 vs 227 ms, 512 rows 476 vs 429, 1024 rows 899 vs 861, 2048 rows 2046 vs
+1905), so bf16 panels stop at BF16_PANEL_MAX_ROWS = 256. The
 same kernel runs fp32 on AVX-512 CPUs (FMAs over the AVX2 kernel's panel layout, the same
 sums bit for bit): 2 threads, 1 row 19.3 vs 26.6 GEMV, 16 rows 31.7 vs 39.2 oneDNN, 64 rows
 102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so there fp32 panels stop at
@@ -64,8 +67,8 @@ LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
 PANEL_MAX_ROWS = 1024  # rows at most that take the fp32 panel GEMM on AVX2; more go to oneDNN
 AVX512_PANEL_MAX_ROWS = 128  # ... on AVX-512 CPUs (panel_avx512.c)
-BF16_PANEL_MAX_ROWS = 512  # rows at most that take the bf16 panel GEMM (AVX512_BF16); more go to oneDNN
-PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_bf16.c)
+BF16_PANEL_MAX_ROWS = 256  # rows at most that take the bf16 panel GEMM (AVX512_BF16); more go to oneDNN
+PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
 
 
 class TorchLinear:
@@ -99,7 +102,7 @@ class DualWeight:
 
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
-    panels: torch.Tensor  # fp32 [ceil(out / 16), in, 16] (layer_ops.c) or bf16 [ceil(out / 16), in / 2, 16, 2] (panel_bf16.c)
+    panels: torch.Tensor  # fp32 [ceil(out / 16), in, 16] (layer_ops.c) or bf16 [ceil(out / 16), in / 2, 16, 2] (panel_avx512.c)
     packed: torch.Tensor  # oneDNN's reordered copy, for products of more rows than max_rows
     out_features: int
     max_rows: int  # rows at most that the panel GEMM takes (measured per dtype and vector width)

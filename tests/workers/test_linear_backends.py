@@ -62,7 +62,7 @@ PANEL_TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: di
 
 
 def has_panels_for(native, dtype: torch.dtype) -> bool:
-    """fp32 panels on AVX2 without AVX-512 (layer_ops.c), bf16 panels on AVX512_BF16 (panel_bf16.c)."""
+    """fp32 panels on AVX2 (layer_ops.c) or AVX-512 (panel_avx512.c), bf16 panels on AVX512_BF16 (panel_avx512.c)."""
     return native.has_panels if dtype == torch.float32 else native.has_bf16_panels
 
 
@@ -75,7 +75,7 @@ def panel_row_counts(native, dtype: torch.dtype) -> list[int]:
 @pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
 @pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=["fp32", "bf16"])
 def test_panel_gemm_matches_float64(dtype):
-    """fp32 weights on a CPU with AVX2 and no AVX-512, and bf16 weights on one with AVX512_BF16,
+    """fp32 weights on a CPU with AVX2 or AVX-512, and bf16 weights on one with AVX512_BF16,
     are packed in panels of 16 columns, and up to the dtype's row limit the panel GEMM takes
     the product (row tiles of up to 6 over up to 4 panels, a last panel cut short, rows in
     chunks); more rows take oneDNN. Elsewhere the GEMV/oneDNN split above holds and this

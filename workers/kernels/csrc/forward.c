@@ -10,9 +10,10 @@
  *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight)
  *
  * and after the last layer out = rms_norm(residual + delta) * final_norm. The products are
- * ours only: the panel GEMM (fp32 on AVX2-only CPUs, up to 1024 rows; bf16 on AVX512_BF16
- * CPUs, panel_bf16.c, up to 512) or the GEMV (a few rows); the Python side (workers/native_forward.py) calls this only for steps whose every
- * product one of them takes, and runs its own loop otherwise (oneDNN's products).
+ * ours only: the panel GEMM (fp32 on AVX2 or AVX-512 CPUs, bf16 on AVX512_BF16 CPUs, each up
+ * to its row limit in workers/linear.py) or the GEMV (a few rows); the Python side
+ * (workers/native_forward.py) calls this only for steps whose every product one of them
+ * takes, and runs its own loop otherwise (oneDNN's products).
  */
 #include <stdint.h>
 
