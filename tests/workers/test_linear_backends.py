@@ -32,6 +32,18 @@ def test_onednn_matches_f_linear(rows):
 
 ONEDNN_BF16 = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.bfloat16),
                                  reason="oneDNN's bf16 path needs AVX512BW or AVX-NE-CONVERT")
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
+
+
+def assert_products(native, x, weight, packed, bias) -> None:
+    """linear (with bias, in the input dtype) and logits (no bias, fp32) against float64."""
+    expected = x.double() @ weight.double().T
+    out = native.linear(x, packed, bias)
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], weight.shape[0])
+    torch.testing.assert_close(out.double(), expected + bias.double(), **TOLERANCE[x.dtype])
+    logits = native.logits(x, packed)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), expected, **TOLERANCE[x.dtype])
 
 
 @needs_onednn
@@ -46,19 +58,10 @@ def test_native_gemv_and_gemm_agree(rows, dtype):
     weight = torch.randn(1001, 72, generator=generator).to(dtype)  # no multiple of the GEMV's tiles
     bias = torch.randn(1001, generator=generator).to(dtype)
     native = select_linear_backend("native", "cpu", dtype)
-    packed = native.pack(weight)
-    expected = x.double() @ weight.double().T
-    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
-    out = native.linear(x, packed, bias)
-    assert out.dtype == dtype and out.shape == (rows, 1001)
-    torch.testing.assert_close(out.double(), expected + bias.double(), **tolerance)
-    logits = native.logits(x, packed)
-    assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits.double(), expected, **tolerance)
+    assert_products(native, x, weight, native.pack(weight), bias)
 
 
 PANEL_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)]
-PANEL_TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
 
 
 def has_panels_for(native, dtype: torch.dtype) -> bool:
@@ -86,19 +89,11 @@ def test_panel_gemm_matches_float64(dtype):
     bias = torch.randn(1001, generator=generator).to(dtype)
     packed = native.pack(weight)
     assert isinstance(packed, PanelWeight) == has_panels_for(native, dtype)
-    tolerance = PANEL_TOLERANCE[dtype]
     for rows in panel_row_counts(native, dtype):
-        x = torch.randn(rows, 72, generator=generator).to(dtype)
-        expected = x.double() @ weight.double().T
-        out = native.linear(x, packed, bias)
-        assert out.dtype == dtype and out.shape == (rows, 1001)
-        torch.testing.assert_close(out.double(), expected + bias.double(), **tolerance)
-        logits = native.logits(x, packed)
-        assert logits.dtype == torch.float32
-        torch.testing.assert_close(logits.double(), expected, **tolerance)
+        assert_products(native, torch.randn(rows, 72, generator=generator).to(dtype), weight, packed, bias)
         strided = torch.randn(rows, 144, generator=generator).to(dtype)[:, ::2]  # a view, as the model passes some
         torch.testing.assert_close(native.linear(strided, packed).double(), strided.double() @ weight.double().T,
-                                   **tolerance)
+                                   **TOLERANCE[dtype])
 
 
 @needs_onednn
