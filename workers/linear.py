@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.huge_pages import HugeArena
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
@@ -139,13 +140,18 @@ class NativeLinear:
         avx512 = self.library.rayllm_vector_width() == 16
         self.panel_max_rows = {torch.float32: AVX512_PANEL_MAX_ROWS if avx512 else PANEL_MAX_ROWS,
                                torch.bfloat16: BF16_PANEL_MAX_ROWS}
+        self.arena = HugeArena()  # the panels, on 2 MB pages (workers/huge_pages.py)
+
+    def _placed(self, panels: torch.Tensor) -> torch.Tensor:
+        placed = self.arena.empty(tuple(panels.shape), panels.dtype)
+        return placed.copy_(panels)
 
     def pack(self, weight: torch.Tensor) -> DualWeight | PanelWeight:
         if self.has_panels and weight.dtype == torch.float32:
-            return PanelWeight(pack_panels(weight), self.onednn.pack(weight), weight.shape[0],
+            return PanelWeight(self._placed(pack_panels(weight)), self.onednn.pack(weight), weight.shape[0],
                                self.panel_max_rows[torch.float32])
         if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
-            return PanelWeight(pack_panels_bf16(weight), self.onednn.pack(weight), weight.shape[0],
+            return PanelWeight(self._placed(pack_panels_bf16(weight)), self.onednn.pack(weight), weight.shape[0],
                                self.panel_max_rows[torch.bfloat16])
         return DualWeight(weight.contiguous(), self.onednn.pack(weight))
 

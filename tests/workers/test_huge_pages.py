@@ -1,0 +1,35 @@
+"""workers/huge_pages.py: advised allocations and the arena the packed weights are carved from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.huge_pages import HUGE_PAGE, HugeArena, advise_huge_pages, empty_huge
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def test_arena_carves_aligned_disjoint_tensors_and_gives_big_ones_their_own():
+    arena = HugeArena(chunk_bytes=1 << 20)
+    small = [arena.empty((3, 5), torch.bfloat16), arena.empty((7,), torch.float32), arena.empty((100, 33), torch.float32)]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in small)
+    assert all(start % HugeArena.ALIGN == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))  # no overlap
+    for index, tensor in enumerate(small):
+        tensor.fill_(index)
+    assert [t.float().mean().item() for t in small] == [0.0, 1.0, 2.0]  # each keeps what was written
+    big = arena.empty((300_000,), torch.float32)  # more than half a chunk: an allocation of its own
+    assert big.untyped_storage().data_ptr() != small[0].untyped_storage().data_ptr()
+    full = [arena.empty((100_000,), torch.float32) for _ in range(4)]  # 400 KB each: a new chunk when one is full
+    assert len({t.untyped_storage().data_ptr() for t in full}) == 2
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_the_os_takes_the_advice_for_whole_2mb_pages():
+    assert advise_huge_pages(torch.empty(3 * HUGE_PAGE, dtype=torch.uint8))  # holds at least two aligned pages
+    assert not advise_huge_pages(torch.empty(1000, dtype=torch.uint8))  # holds none
+    tensor = empty_huge((HUGE_PAGE,), torch.float32)
+    assert tensor.shape == (HUGE_PAGE,) and tensor.dtype == torch.float32
