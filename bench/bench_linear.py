@@ -48,15 +48,15 @@ def main() -> None:
         return
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
     shapes.append((VOCAB, HIDDEN))
-    size = torch.finfo(dtype).bits // 8
-    print(f"packing {len(shapes)} weights ({sum(n * k for n, k in shapes) * size / 1e6:.0f} MB {args.dtype} each way)",
+    print(f"packing {len(shapes)} weights ({sum(n * k for n, k in shapes) * dtype.itemsize / 1e6:.0f} MB {args.dtype} "
+          "each way)",
           flush=True)
     plain = [torch.randn(out_features, in_features).to(dtype) for out_features, in_features in shapes]
     packed = [native.pack(weight) for weight in plain]
     print(f"{args.dtype} | threads {args.threads} | ms per step's products (median of {args.repeats}); panels take "
           f"up to {packed[0].max_rows} rows when serving")
 
-    def step(rows: int, path: str, inputs: dict[int, torch.Tensor]) -> None:
+    def step(path: str, inputs: dict[int, torch.Tensor]) -> None:
         for weight, panel in zip(plain, packed):
             x = inputs[weight.shape[1]]
             if path == "panels":
@@ -73,7 +73,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for path in paths:
                 started = time.perf_counter()
-                step(rows, path, inputs)
+                step(path, inputs)
                 times[path].append(time.perf_counter() - started)
         medians = {path: statistics.median(spent) for path, spent in times.items()}
         print(f"rows {rows:4d}: " + "   ".join(f"{path} {s * 1e3:8.1f}" for path, s in medians.items())

@@ -157,22 +157,21 @@ class NativeLinear:
 
     def linear(self, x: torch.Tensor, weight: DualWeight | PanelWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, PanelWeight):
-            if not 0 < x.shape[0] <= weight.max_rows:
-                return self.onednn.linear(x, weight.packed, bias)
-            return self._panel_gemm(x, weight, bias, x.dtype)
-        if not 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return self.onednn.linear(x, weight.packed, bias)
-        return self._gemv(x, weight.plain, bias, x.dtype)
+        return self._product(x, weight, bias, x.dtype)
 
     def logits(self, x: torch.Tensor, weight: DualWeight | PanelWeight) -> torch.Tensor:
-        if isinstance(weight, PanelWeight):
-            if not 0 < x.shape[0] <= weight.max_rows:
-                return self.onednn.linear(x, weight.packed).float()
-            return self._panel_gemm(x, weight, None, torch.float32)
-        if not 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return self.onednn.linear(x, weight.packed).float()
-        return self._gemv(x, weight.plain, None, torch.float32)
+        return self._product(x, weight, None, torch.float32)
+
+    def _product(self, x: torch.Tensor, weight: DualWeight | PanelWeight, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+        """Our kernel where it takes this many rows (panels up to their limit, the GEMV up to
+        GEMV_MAX_ROWS), else oneDNN's prepacked GEMM."""
+        rows = x.shape[0]
+        if isinstance(weight, PanelWeight) and 0 < rows <= weight.max_rows:
+            return self._panel_gemm(x, weight, bias, out_dtype)
+        if isinstance(weight, DualWeight) and 0 < rows <= GEMV_MAX_ROWS:
+            return self._gemv(x, weight.plain, bias, out_dtype)
+        return self.onednn.linear(x, weight.packed, bias).to(out_dtype)
 
     def _panel_gemm(self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None,
                     out_dtype: torch.dtype) -> torch.Tensor:
