@@ -83,16 +83,78 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
         store_element(out, i, load_element(residual, i, dtype) * inv_rms * load_element(weight, i, dtype), dtype);
 }
 
+/* The row-wise ops (norms, rope, silu) over many rows run on the same thread pool as the
+ * products and attention (thread_pool.c), in ranges of ROWS_PER_ITEM rows claimed as threads
+ * come free; a few rows run on the caller alone. They used OpenMP: in a prefill step through
+ * the C forward, OpenMP's team and our pool's spinning helper then fought over the second core
+ * at every op (perf: 18% of a 2048-token step in libgomp). Each row is computed the same way
+ * on any thread, so results do not change. */
+#define ROWS_PER_ITEM 16
+#define MIN_PARALLEL_ROWS 64
+
+typedef struct {
+    void (*row)(const void *job, int64_t t);
+    const void *job;
+    int64_t num_rows;
+} RowsJob;
+
+static void rows_item(void *context, int64_t item) {
+    const RowsJob *rows = context;
+    const int64_t t1 = (item + 1) * ROWS_PER_ITEM < rows->num_rows ? (item + 1) * ROWS_PER_ITEM : rows->num_rows;
+    for (int64_t t = item * ROWS_PER_ITEM; t < t1; t++) rows->row(rows->job, t);
+}
+
+static void for_each_row(void (*row)(const void *, int64_t), const void *job, int64_t num_rows, int32_t num_threads) {
+    RowsJob rows = {row, job, num_rows};
+    const int threads = num_rows >= MIN_PARALLEL_ROWS && num_threads > 1 ? num_threads : 1;
+    rayllm_parallel_for((num_rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, threads, rows_item, &rows);
+}
+
 /* residual[t] += delta[t] (when delta is not NULL); out[t] = residual[t] / rms(residual[t]) * weight.
  * In bf16 the sum is rounded to bf16 before it is normalised, as a bf16 model computes it. */
+typedef struct {
+    void *residual, *out;
+    const void *delta, *weight;
+    int64_t hidden;
+    float eps;
+    int32_t dtype;
+} NormJob;
+
+static void norm_row(const void *context, int64_t t) {
+    const NormJob *j = context;
+    const int64_t bytes = j->hidden * (j->dtype == DTYPE_BF16 ? 2 : 4);
+    add_rms_norm_row((char *)j->residual + t * bytes, j->delta ? (const char *)j->delta + t * bytes : NULL, j->weight,
+                     (char *)j->out + t * bytes, j->hidden, j->eps, j->dtype);
+}
+
 int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
                         int64_t hidden, float eps, int32_t dtype, int32_t num_threads) {
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_rows >= 64)
-    for (int64_t t = 0; t < num_rows; t++)
-        add_rms_norm_row((char *)residual + t * hidden * elem, delta ? (const char *)delta + t * hidden * elem : NULL,
-                         weight, (char *)out + t * hidden * elem, hidden, eps, dtype);
+    const NormJob job = {residual, out, delta, weight, hidden, eps, dtype};
+    for_each_row(norm_row, &job, num_rows, num_threads);
     return 0;
+}
+
+typedef struct {
+    void *qkv;
+    const int64_t *positions;
+    const float *cos, *sin;
+    int64_t num_heads, num_kv_heads, head_dim;
+    int32_t dtype;
+} RopeJob;
+
+static void rope_row(const void *context, int64_t t) {
+    const RopeJob *j = context;
+    const int64_t D = j->head_dim, row_width = (j->num_heads + 2 * j->num_kv_heads) * D, half = D / 2;
+    const float *c = j->cos + j->positions[t] * D, *s = j->sin + j->positions[t] * D;
+    for (int64_t h = 0; h < j->num_heads + j->num_kv_heads; h++) { /* q heads, then k heads */
+        const int64_t at = t * row_width + h * D;
+        float x[1024];
+        for (int64_t i = 0; i < D; i++) x[i] = load_element(j->qkv, at + i, j->dtype);
+        for (int64_t i = 0; i < D; i++) {
+            const float swapped = i < half ? x[i + half] : x[i - half];
+            store_element(j->qkv, at + i, x[i] * c[i] + swapped * s[i], j->dtype);
+        }
+    }
 }
 
 /* qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows (q heads, then k, then v);
@@ -102,51 +164,50 @@ int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, v
 int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const float *sin, int64_t num_tokens,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int32_t dtype, int32_t num_threads) {
     if (head_dim > 1024 || head_dim % 2) return 1;
-    const int64_t row_width = (num_heads + 2 * num_kv_heads) * head_dim, half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_tokens > 64)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
-        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) { /* q heads, then k heads */
-            const int64_t at = t * row_width + h * head_dim;
-            float x[1024];
-            for (int64_t i = 0; i < head_dim; i++) x[i] = load_element(qkv, at + i, dtype);
-            for (int64_t i = 0; i < head_dim; i++) {
-                const float swapped = i < half ? x[i + half] : x[i - half];
-                store_element(qkv, at + i, x[i] * c[i] + swapped * s[i], dtype);
-            }
-        }
-    }
+    const RopeJob job = {qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, dtype};
+    for_each_row(rope_row, &job, num_tokens, num_threads);
     return 0;
+}
+
+typedef struct {
+    const void *gate_up;
+    void *out;
+    int64_t width;
+    int32_t dtype;
+} SiluJob;
+
+static void silu_row(const void *context, int64_t t) {
+    const SiluJob *j = context;
+    const int bf16 = j->dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4, width = j->width;
+    const int32_t dtype = j->dtype;
+    const char *gate = (const char *)j->gate_up + t * 2 * width * elem, *up = gate + width * elem;
+    char *dst = (char *)j->out + t * width * elem;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= width; i += 16) {
+        const __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(dst + i * elem, _mm512_mul_ps(silu, u), bf16);
+    }
+#elif defined(RAYLLM_AVX2)
+    for (; i + 8 <= width; i += 8) {
+        const __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        store8(dst + i * elem, _mm256_mul_ps(silu, u), bf16);
+    }
+#endif
+    for (; i < width; i++) {
+        const float g = load_element(gate, i, dtype), u = load_element(up, i, dtype);
+        store_element(dst, i, g / (1.0f + expf(-g)) * u, dtype);
+    }
 }
 
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width]. */
 int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t dtype,
                     int32_t num_threads) {
-    const int bf16 = dtype == DTYPE_BF16;
-    const int64_t elem = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (num_rows >= 64)
-    for (int64_t t = 0; t < num_rows; t++) {
-        const char *gate = (const char *)gate_up + t * 2 * width * elem, *up = gate + width * elem;
-        char *dst = (char *)out + t * width * elem;
-        int64_t i = 0;
-#ifdef __AVX512F__
-        for (; i + 16 <= width; i += 16) {
-            const __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            store16(dst + i * elem, _mm512_mul_ps(silu, u), bf16);
-        }
-#elif defined(RAYLLM_AVX2)
-        for (; i + 8 <= width; i += 8) {
-            const __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            store8(dst + i * elem, _mm256_mul_ps(silu, u), bf16);
-        }
-#endif
-        for (; i < width; i++) {
-            const float g = load_element(gate, i, dtype), u = load_element(up, i, dtype);
-            store_element(dst, i, g / (1.0f + expf(-g)) * u, dtype);
-        }
-    }
+    const SiluJob job = {gate_up, out, width, dtype};
+    for_each_row(silu_row, &job, num_rows, num_threads);
     return 0;
 }
 

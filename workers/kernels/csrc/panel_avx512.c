@@ -39,6 +39,7 @@
 #define PANEL_MAX_TILE 6   /* rows per tile */
 #define PANEL_K_BLOCK 64   /* k steps per block: 4 KB of each panel */
 #define PANEL_ROW_CHUNK 48 /* rows whose sums are kept across a group's blocks (more rows: chunks) */
+#define PANEL_ROW_SPAN (4 * PANEL_ROW_CHUNK) /* rows per claimed range, past which rows are split too */
 #define SUMS_ROW (PANEL_MAX_GROUP * PANEL_COLUMNS) /* floats per row of kept sums */
 
 /* Rows [0, MR) of x (row stride K elements) times P panels (panel_stride bytes apart) over k
@@ -124,18 +125,19 @@ typedef struct {
     const void *x, *panels, *bias;
     void *out;
     int64_t num_rows, N, K, num_panels, span; /* span: panels per claimed range */
+    int64_t row_span, num_row_spans;          /* rows per claimed range, and how many such row ranges */
     int dtype, out_dtype;
 } PanelJob;
 
-/* Every row of the job times `panels` panels from panel p. */
-static void panel_group(const PanelJob *job, int64_t p, int panels) {
+/* Rows [row_begin, row_end) of the job times `panels` panels from panel p. */
+static void panel_group(const PanelJob *job, int64_t p, int panels, int64_t row_begin, int64_t row_end) {
     const int bf16 = job->dtype == DTYPE_BF16;
     const int64_t steps = bf16 ? job->K / 2 : job->K, panel_stride = steps * 64, elem = bf16 ? 2 : 4;
     const char *panel = (const char *)job->panels + p * panel_stride;
     const int64_t out_row_bytes = job->N * (job->out_dtype == DTYPE_F32 ? 4 : 2);
     float sums[PANEL_ROW_CHUNK * SUMS_ROW];
-    for (int64_t m0 = 0; m0 < job->num_rows; m0 += PANEL_ROW_CHUNK) {
-        const int64_t rows = job->num_rows - m0 < PANEL_ROW_CHUNK ? job->num_rows - m0 : PANEL_ROW_CHUNK;
+    for (int64_t m0 = row_begin; m0 < row_end; m0 += PANEL_ROW_CHUNK) {
+        const int64_t rows = row_end - m0 < PANEL_ROW_CHUNK ? row_end - m0 : PANEL_ROW_CHUNK;
         const int64_t num_tiles = (rows + PANEL_MAX_TILE - 1) / PANEL_MAX_TILE;
         memset(sums, 0, (size_t)rows * SUMS_ROW * sizeof(float));
         for (int64_t k0 = 0; k0 < steps; k0 += PANEL_K_BLOCK) {
@@ -152,12 +154,16 @@ static void panel_group(const PanelJob *job, int64_t p, int panels) {
     }
 }
 
-static void panel_range(void *context, int64_t range) {
+/* Item `item` is panel range item / num_row_spans times row range item % num_row_spans: one
+ * thread walks a range's row ranges in turn while its panels stay in L2. */
+static void panel_range(void *context, int64_t item) {
     const PanelJob *job = context;
-    const int64_t start = range * job->span;
+    const int64_t start = item / job->num_row_spans * job->span;
     const int64_t end = start + job->span < job->num_panels ? start + job->span : job->num_panels;
+    const int64_t row_begin = item % job->num_row_spans * job->row_span;
+    const int64_t row_end = row_begin + job->row_span < job->num_rows ? row_begin + job->row_span : job->num_rows;
     for (int64_t p = start; p < end; p += PANEL_MAX_GROUP)
-        panel_group(job, p, (int)(end - p < PANEL_MAX_GROUP ? end - p : PANEL_MAX_GROUP));
+        panel_group(job, p, (int)(end - p < PANEL_MAX_GROUP ? end - p : PANEL_MAX_GROUP), row_begin, row_end);
 }
 
 int rayllm_panel_gemm_avx512(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows,
@@ -171,10 +177,14 @@ int rayllm_panel_gemm_avx512(const void *x, const void *panels, const void *bias
     /* ranges of whole groups, about 8 per thread, claimed as threads come free */
     const int64_t num_groups = (num_panels + PANEL_MAX_GROUP - 1) / PANEL_MAX_GROUP;
     const int64_t groups_per_range = num_groups / (threads * 8) > 1 ? num_groups / (threads * 8) : 1;
-    PanelJob job = {x, panels, bias, out, num_rows, N, K, num_panels, groups_per_range * PANEL_MAX_GROUP, dtype,
-                    out_dtype};
+    /* many rows (a prefill step): also split into ranges of PANEL_ROW_SPAN rows, so a product
+     * with few panel ranges (N = 576: 9) still spreads evenly over the threads */
+    const int64_t row_span = num_rows > PANEL_ROW_SPAN ? PANEL_ROW_SPAN : num_rows;
+    const int64_t num_row_spans = (num_rows + row_span - 1) / row_span;
+    PanelJob job = {x, panels, bias, out, num_rows, N, K, num_panels, groups_per_range * PANEL_MAX_GROUP,
+                    row_span, num_row_spans, dtype, out_dtype};
     const int64_t num_ranges = (num_panels + job.span - 1) / job.span;
-    rayllm_parallel_for(num_ranges, num_panels >= 8 ? threads : 1, panel_range, &job);
+    rayllm_parallel_for(num_ranges * num_row_spans, num_panels >= 8 ? threads : 1, panel_range, &job);
     return 0;
 }
 #endif
