@@ -44,7 +44,17 @@ step): 2 threads 1 row 13.0 vs 20.2 GEMV, 16 rows 20.3 vs 30.4 oneDNN, 128 rows 
 256 rows 199 vs 205, 512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows
 395 vs 376). A later run (`bench.bench_linear --dtype bfloat16 --threads 2`) had oneDNN ahead
 from 256 rows on (238 vs 227 ms, 512 rows 476 vs 429, 1024 rows 899 vs 861, 2048 rows 2046 vs
-1905), so bf16 panels stop at BF16_PANEL_MAX_ROWS = 256. The
+1905), so bf16 panels stopped at 256 rows. In a whole prefill step, though (ninth session),
+the panels won once the norms, rope and silu ran on the same thread pool instead of OpenMP
+(layer_ops.c) and large row counts were split over the threads too (panel_avx512.c): 8
+prompts of 256 tokens, bf16, 2 threads, alternating, 1251-1325 ms through the C forward on
+panels vs 1341-1396 ms through oneDNN, and served at c16 (`bench.bench_http`, one run each in
+two rounds) 295.9 / 277.5 out tok/s vs 279.6 / 256.3 with the 256-row limit, TTFT p99 2803 /
+3031 vs 3111 / 3846 ms. Products alone still favour oneDNN by 2-4% at 256-2048 rows
+(`bench.bench_linear`), but the pool's dynamic split loses less when the serving processes
+take a core, and one kernel for every row count keeps one summation order. So bf16 panels
+take every product (BF16_PANEL_MAX_ROWS = None) and no oneDNN copy of a bf16 weight is kept
+(-269 MB per SmolLM2 worker). The
 same kernel runs fp32 on AVX-512 CPUs (FMAs over the AVX2 kernel's panel layout, the same
 sums bit for bit): 2 threads, 1 row 19.3 vs 26.6 GEMV, 16 rows 31.7 vs 39.2 oneDNN, 64 rows
 102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so there fp32 panels stop at
@@ -68,7 +78,7 @@ LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
 PANEL_MAX_ROWS = 1024  # rows at most that take the fp32 panel GEMM on AVX2; more go to oneDNN
 AVX512_PANEL_MAX_ROWS = 128  # ... on AVX-512 CPUs (panel_avx512.c)
-BF16_PANEL_MAX_ROWS = 256  # rows at most that take the bf16 panel GEMM (AVX512_BF16); more go to oneDNN
+BF16_PANEL_MAX_ROWS: int | None = None  # the bf16 panel GEMM (AVX512_BF16) takes every row count
 PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
 
 
@@ -104,9 +114,12 @@ class DualWeight:
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
     panels: torch.Tensor  # fp32 [ceil(out / 16), in, 16] (layer_ops.c) or bf16 [ceil(out / 16), in / 2, 16, 2] (panel_avx512.c)
-    packed: torch.Tensor  # oneDNN's reordered copy, for products of more rows than max_rows
+    packed: torch.Tensor | None  # oneDNN's reordered copy, for products of more rows than max_rows
     out_features: int
-    max_rows: int  # rows at most that the panel GEMM takes (measured per dtype and vector width)
+    max_rows: int | None  # rows at most that the panel GEMM takes (measured per dtype and vector width); None: all
+
+    def takes(self, rows: int) -> bool:
+        return rows > 0 and (self.max_rows is None or rows <= self.max_rows)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -148,12 +161,16 @@ class NativeLinear:
 
     def pack(self, weight: torch.Tensor) -> DualWeight | PanelWeight:
         if self.has_panels and weight.dtype == torch.float32:
-            return PanelWeight(self._placed(pack_panels(weight)), self.onednn.pack(weight), weight.shape[0],
-                               self.panel_max_rows[torch.float32])
+            return self._panel_weight(weight, pack_panels(weight))
         if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
-            return PanelWeight(self._placed(pack_panels_bf16(weight)), self.onednn.pack(weight), weight.shape[0],
-                               self.panel_max_rows[torch.bfloat16])
+            return self._panel_weight(weight, pack_panels_bf16(weight))
         return DualWeight(weight.contiguous(), self.onednn.pack(weight))
+
+    def _panel_weight(self, weight: torch.Tensor, panels: torch.Tensor) -> PanelWeight:
+        """The panels, and oneDNN's copy only where more rows than the panels' limit go to it."""
+        max_rows = self.panel_max_rows[weight.dtype]
+        packed = None if max_rows is None else self.onednn.pack(weight)
+        return PanelWeight(self._placed(panels), packed, weight.shape[0], max_rows)
 
     def linear(self, x: torch.Tensor, weight: DualWeight | PanelWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,7 +184,10 @@ class NativeLinear:
         """Our kernel where it takes this many rows (panels up to their limit, the GEMV up to
         GEMV_MAX_ROWS), else oneDNN's prepacked GEMM."""
         rows = x.shape[0]
-        if isinstance(weight, PanelWeight) and 0 < rows <= weight.max_rows:
+        if rows == 0:  # nothing to multiply (and a PanelWeight may have no oneDNN copy to ask)
+            out_features = weight.out_features if isinstance(weight, PanelWeight) else weight.plain.shape[0]
+            return x.new_empty(0, out_features, dtype=out_dtype)
+        if isinstance(weight, PanelWeight) and weight.takes(rows):
             return self._panel_gemm(x, weight, bias, out_dtype)
         if isinstance(weight, DualWeight) and 0 < rows <= GEMV_MAX_ROWS:
             return self._gemv(x, weight.plain, bias, out_dtype)

@@ -35,10 +35,10 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 class NativeForward:
-    def __init__(self, model, linear_kind: int, max_rows: int) -> None:
+    def __init__(self, model, linear_kind: int, max_rows: int | None) -> None:
         self.model = model
         self.linear_kind = linear_kind
-        self.max_rows = max_rows  # rows per step at most that every product of the C loop takes
+        self.max_rows = max_rows  # rows per step at most that every product of the C loop takes; None: any
         self.function = native_library().rayllm_decoder_forward
         self._layers: ctypes.Array | None = None  # LayerArgs per layer, built for one set of pools
         self._pools: list[int] = []  # data_ptr of each layer's K pool, what _layers was built for
@@ -52,13 +52,14 @@ class NativeForward:
             return None
         weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if all(isinstance(w, PanelWeight) for w in weights):
-            return cls(model, LINEAR_PANELS, min(w.max_rows for w in weights))
+            limits = [w.max_rows for w in weights if w.max_rows is not None]
+            return cls(model, LINEAR_PANELS, min(limits) if limits else None)
         if all(isinstance(w, DualWeight) for w in weights):
             return cls(model, LINEAR_GEMV, GEMV_MAX_ROWS)
         return None
 
     def takes(self, num_tokens: int) -> bool:
-        return 0 < num_tokens <= self.max_rows
+        return num_tokens > 0 and (self.max_rows is None or num_tokens <= self.max_rows)
 
     def _layer_args(self, kv_caches) -> ctypes.Array:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]

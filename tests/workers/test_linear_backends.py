@@ -71,7 +71,8 @@ def has_panels_for(native, dtype: torch.dtype) -> bool:
 
 def panel_row_counts(native, dtype: torch.dtype) -> list[int]:
     max_rows = native.panel_max_rows[dtype]
-    return sorted({1, 2, 3, 5, 6, 8, 16, 17, 48, 49, 64, 65, max_rows, max_rows + 1})
+    limit = {max_rows, max_rows + 1} if max_rows is not None else {191, 192, 193, 500}  # row spans past 192
+    return sorted({1, 2, 3, 5, 6, 8, 16, 17, 48, 49, 64, 65} | limit)
 
 
 @needs_onednn
