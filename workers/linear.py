@@ -58,7 +58,10 @@ take every product (BF16_PANEL_MAX_ROWS = None) and no oneDNN copy of a bf16 wei
 same kernel runs fp32 on AVX-512 CPUs (FMAs over the AVX2 kernel's panel layout, the same
 sums bit for bit): 2 threads, 1 row 19.3 vs 26.6 GEMV, 16 rows 31.7 vs 39.2 oneDNN, 64 rows
 102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so there fp32 panels stop at
-AVX512_PANEL_MAX_ROWS.
+AVX512_PANEL_MAX_ROWS. Unlike bf16, fp32 gained nothing from taking every row count after the
+pool changes (ninth session): a 2048-token prefill step 2520-2572 ms on panels vs 2469-2642
+through oneDNN, and served at c16 (`bench.bench_http --skip-engine`, fp32, two rounds) 161.4 /
+168.9 out tok/s vs 169.2 / 160.8 with the limit, so the limit stays.
 
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
