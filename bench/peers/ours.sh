@@ -5,7 +5,9 @@
 #   PORT=8000 bash bench/peers/ours.sh                                # the default config
 #   PORT=8000 bash bench/peers/ours.sh enable_prefix_caching=false    # one knob off
 #   PORT=8000 bash bench/peers/ours.sh num_workers=2 worker_num_threads=1 router_policy=round_robin
-# Stop it with: kill -INT "$(cat ~/.cache/rayllm-peers/ours.pid)"  (serve run then shuts its Ray down)
+# Stop it with: kill -TERM -- -"$(cat ~/.cache/rayllm-peers/ours.pid)" (its process group; started from a
+# script, serve run inherits SIGINT as ignored, so kill -INT does nothing), then kill what is left in its
+# session (ps -eo pid,sid), as bench/matrix.py's stop() does.
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8000}
 cd "$REPO_ROOT"

@@ -1,6 +1,6 @@
-/* Matrix products over weight panels on AVX-512 CPUs, for the rows of a decode step (and
- * small prefill chunks): bf16 with vdpbf16ps where the CPU has AVX512_BF16 (Zen 4, Sapphire
- * Rapids and later), fp32 with FMAs on any AVX-512 CPU.
+/* Matrix products over weight panels on AVX-512 CPUs: bf16 with vdpbf16ps where the CPU has
+ * AVX512_BF16 (Zen 4, Sapphire Rapids and later), every row count (decode steps and prefill
+ * steps alike), and fp32 with FMAs on any AVX-512 CPU, up to its row limit (workers/linear.py).
  *
  *     out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])      x, w, bias one dtype; out that or fp32
  *
@@ -23,7 +23,7 @@
  * A group of P panels is walked a block of PANEL_K_BLOCK k steps at a time, every row tile
  * in turn over the block (the first from memory, the others from L1); the sums are kept
  * between blocks in exact fp32 stores (the same chain, bit for bit). Threads claim ranges of
- * groups as they come free. No software prefetch: the hardware's streams did better alone
+ * groups (and, past PANEL_ROW_SPAN rows, of rows too) as they come free. No software prefetch: the hardware's streams did better alone
  * (SmolLM2's bf16 products at 1 row, 1 thread: 17.6 ms with the next block prefetched by the
  * first tile, 14.5 without; 16 rows even).
  */
