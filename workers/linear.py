@@ -122,7 +122,12 @@ class PanelWeight:
     max_rows: int | None  # rows at most that the panel GEMM takes (measured per dtype and vector width); None: all
 
     def takes(self, rows: int) -> bool:
-        return rows > 0 and (self.max_rows is None or rows <= self.max_rows)
+        return within_row_limit(rows, self.max_rows)
+
+
+def within_row_limit(rows: int, max_rows: int | None) -> bool:
+    """At least one row, and at most max_rows (None: no limit)."""
+    return rows > 0 and (max_rows is None or rows <= max_rows)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

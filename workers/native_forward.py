@@ -1,7 +1,7 @@
 """The decoder layers of a step in one C call (workers/kernels/csrc/forward.c), where every
-product of the step has a C kernel: fp32 panels on AVX2 or AVX-512 CPUs, bf16 panels on
-AVX512_BF16 CPUs (each up to its measured row limit, workers/linear.py), or our GEMV (up to
-GEMV_MAX_ROWS rows, both dtypes).
+product of the step has a C kernel: fp32 panels on AVX2 or AVX-512 CPUs (up to their measured
+row limit, workers/linear.py), bf16 panels on AVX512_BF16 CPUs (every row count), or our GEMV
+(up to GEMV_MAX_ROWS rows, both dtypes).
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
 same arguments, so it returns the same hidden states bit for bit (a test compares them).
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from workers.kernels import cpu_attention
 from workers.kernels.native import DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
 from workers.layer_ops import NativeOps
-from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight
+from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
 
 LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
 
@@ -59,7 +59,7 @@ class NativeForward:
         return None
 
     def takes(self, num_tokens: int) -> bool:
-        return num_tokens > 0 and (self.max_rows is None or num_tokens <= self.max_rows)
+        return within_row_limit(num_tokens, self.max_rows)
 
     def _layer_args(self, kv_caches) -> ctypes.Array:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]

@@ -23,9 +23,10 @@
  * A group of P panels is walked a block of PANEL_K_BLOCK k steps at a time, every row tile
  * in turn over the block (the first from memory, the others from L1); the sums are kept
  * between blocks in exact fp32 stores (the same chain, bit for bit). Threads claim ranges of
- * groups (and, past PANEL_ROW_SPAN rows, of rows too) as they come free. No software prefetch: the hardware's streams did better alone
- * (SmolLM2's bf16 products at 1 row, 1 thread: 17.6 ms with the next block prefetched by the
- * first tile, 14.5 without; 16 rows even).
+ * groups (and, past PANEL_ROW_SPAN rows, of rows too) as they come free. No software
+ * prefetch: the hardware's streams did better alone (SmolLM2's bf16 products at 1 row, 1
+ * thread: 17.6 ms with the next block prefetched by the first tile, 14.5 without; 16 rows
+ * even).
  */
 #include <stdint.h>
 #include <string.h>
