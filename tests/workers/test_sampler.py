@@ -7,7 +7,7 @@ import torch
 from runner_helpers import make_runner, prompts_of_lengths, run_requests
 
 from scheduler.sampling_params import SamplingParams
-from workers.sampler import Sampler, SamplingBatch, apply_penalties, position_seed
+from workers.sampler import Sampler, SamplingBatch, apply_penalties, argmax_rows, position_seed
 
 VOCAB = 50
 
@@ -32,6 +32,26 @@ def test_all_greedy_batch_is_argmax():
     out = Sampler().sample(logits, batch_of([SamplingParams(temperature=0.0)] * 6))
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 49152])
+def test_argmax_rows_gives_torch_argmax_answers_on_ties_nan_and_inf(width):
+    """Our C argmax (CPU fp32 rows) against torch's: the first index on ties, the first NaN of a
+    row holding one, index 0 of an all -inf row; vector lanes and the scalar tail alike."""
+    generator = torch.Generator().manual_seed(width)
+    rows = [torch.randn(width, generator=generator),
+            torch.randint(-2, 3, (width,), generator=generator).float(),  # many ties
+            torch.full((width,), float("-inf")),
+            torch.zeros(width)]
+    with_nan = torch.randn(width, generator=generator)
+    with_nan[width // 2] = float("nan")
+    rows.append(with_nan)
+    late_max = torch.randn(width, generator=generator)
+    late_max[-1] = 100.0  # in the tail past the last full vector
+    rows.append(late_max)
+    logits = torch.stack(rows)
+    assert argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    assert argmax_rows(logits[:1]).tolist() == logits[:1].argmax(-1).tolist()  # one row: no split
 
 
 @pytest.mark.parametrize("params", [

@@ -203,6 +203,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
     # gate_up, out, num_rows, width, dtype, num_threads
     "rayllm_silu_mul": [_P, _P, _I64, _I64, _I32, _I32],
+    # x, out, num_rows, width, num_threads
+    "rayllm_argmax": [_P, _P, _I64, _I64, _I32],
     # x, w, bias, out, num_rows, N, K, dtype, out_dtype, num_threads
     "rayllm_gemv": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     # x, panels, bias, out, num_rows, N, K, num_threads (fp32)
