@@ -57,11 +57,15 @@ take every product (BF16_PANEL_MAX_ROWS = None) and no oneDNN copy of a bf16 wei
 (-269 MB per SmolLM2 worker). The
 same kernel runs fp32 on AVX-512 CPUs (FMAs over the AVX2 kernel's panel layout, the same
 sums bit for bit): 2 threads, 1 row 19.3 vs 26.6 GEMV, 16 rows 31.7 vs 39.2 oneDNN, 64 rows
-102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so there fp32 panels stop at
-AVX512_PANEL_MAX_ROWS. Unlike bf16, fp32 gained nothing from taking every row count after the
-pool changes (ninth session): a 2048-token prefill step 2520-2572 ms on panels vs 2469-2642
-through oneDNN, and served at c16 (`bench.bench_http --skip-engine`, fp32, two rounds) 161.4 /
-168.9 out tok/s vs 169.2 / 160.8 with the limit, so the limit stays.
+102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so fp32 panels stopped at 128
+rows. fp32 gained nothing from taking every row count after the pool changes (ninth session:
+served at c16 161.4 / 168.9 out tok/s vs 169.2 / 160.8 with the limit). With the panels'
+prefetch of the next k block (tenth session, panel_avx512.c) it does: an fp32 prefill of one
+256-token prompt, alternating, 301 / 330 ms through the C forward on panels vs 360 / 375 ms
+through oneDNN (8 prompts: 2388 / 2474 vs 2394 / 2552 ms), and served at c16 (`bench.bench_http
+--skip-engine`, fp32, two rounds) 183.0 / 185.3 out tok/s vs 177.6 / 183.8, TTFT p99 5383 /
+5346 vs 6067 / 5994 ms. So on AVX-512 fp32 panels take every row count too, and no fp32 oneDNN
+copy is kept (-540 MB per SmolLM2 worker); AVX2 CPUs keep PANEL_MAX_ROWS.
 
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
@@ -80,7 +84,7 @@ from workers.kernels.native import DTYPE_CODES, check_status, native_available, 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
 PANEL_MAX_ROWS = 1024  # rows at most that take the fp32 panel GEMM on AVX2; more go to oneDNN
-AVX512_PANEL_MAX_ROWS = 128  # ... on AVX-512 CPUs (panel_avx512.c)
+AVX512_PANEL_MAX_ROWS: int | None = None  # ... on AVX-512 CPUs (panel_avx512.c): every row count
 BF16_PANEL_MAX_ROWS: int | None = None  # the bf16 panel GEMM (AVX512_BF16) takes every row count
 PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
 

@@ -1,6 +1,6 @@
 /* Matrix products over weight panels on AVX-512 CPUs: bf16 with vdpbf16ps where the CPU has
  * AVX512_BF16 (Zen 4, Sapphire Rapids and later), every row count (decode steps and prefill
- * steps alike), and fp32 with FMAs on any AVX-512 CPU, up to its row limit (workers/linear.py).
+ * steps alike), and fp32 with FMAs on any AVX-512 CPU, every row count too (workers/linear.py).
  *
  *     out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])      x, w, bias one dtype; out that or fp32
  *
