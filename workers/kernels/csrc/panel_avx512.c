@@ -50,7 +50,6 @@
 #define PANEL_ROW_SPAN (4 * PANEL_ROW_CHUNK) /* rows per claimed range, past which rows are split too */
 #define SUMS_ROW (PANEL_MAX_GROUP * PANEL_COLUMNS) /* floats per row of kept sums */
 
-
 /* Rows [0, MR) of x (row stride K elements) times P panels (panel_stride bytes apart) over k
  * steps [k0, k1), continuing the sums in sums[MR][SUMS_ROW]. A k step is one k (fp32) or one
  * pair of k (bf16); every panel line is 64 bytes. At each k step it also prefetches into L2
@@ -85,12 +84,12 @@ static inline __attribute__((always_inline)) void panel_tile(const void *x, int6
 }
 
 /* panel_tile with MR = rows (1-6), P = panels (1-4) and the dtype as compile-time constants. */
-#define TILE_CASE(MR_, P_)                                                                        \
-    case (MR_) * 8 + (P_):                                                                        \
-        if (bf16)                                                                                 \
-            panel_tile(x, K, panel, panel_stride, MR_, P_, 1, k0, k1, sums, pf, pf_first, pf_end);  \
-        else                                                                                      \
-            panel_tile(x, K, panel, panel_stride, MR_, P_, 0, k0, k1, sums, pf, pf_first, pf_end);  \
+#define TILE_CASE(MR_, P_)                                                                         \
+    case (MR_) * 8 + (P_):                                                                         \
+        if (bf16)                                                                                  \
+            panel_tile(x, K, panel, panel_stride, MR_, P_, 1, k0, k1, sums, pf, pf_first, pf_end); \
+        else                                                                                       \
+            panel_tile(x, K, panel, panel_stride, MR_, P_, 0, k0, k1, sums, pf, pf_first, pf_end); \
         break;
 #define TILE_CASES(P_) TILE_CASE(1, P_) TILE_CASE(2, P_) TILE_CASE(3, P_) TILE_CASE(4, P_) TILE_CASE(5, P_) TILE_CASE(6, P_)
 static void panel_tile_dispatch(const void *x, int64_t K, const char *panel, int64_t panel_stride, int rows,
