@@ -274,7 +274,7 @@ static void argmax_row(void *context, int64_t r) {
                 best_value = lane_values[lane], best = lane_indices[lane];
     }
 #endif
-    for (; i < width; i++) { /* the tail (all of it without AVX-512) */
+    for (; i < width; i++) { /* the tail (the whole row without a vector path) */
         has_nan |= row[i] != row[i];
         if (row[i] > best_value) best_value = row[i], best = i;
     }
