@@ -1,8 +1,7 @@
 """The decoder layers of a step in one C call (workers/kernels/csrc/forward.c), where every
 product of the step has a C kernel: fp32 panels on AVX2 CPUs (up to their measured row limit,
 workers/linear.py) and AVX-512 CPUs (every row count), bf16 panels on AVX512_BF16 CPUs (every
-row count), or our GEMV
-(up to GEMV_MAX_ROWS rows, both dtypes).
+row count), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes).
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
 same arguments, so it returns the same hidden states bit for bit (a test compares them).

@@ -45,11 +45,11 @@ int rayllm_panel_gemm_avx512(const void *x, const void *panels, const void *bias
 int rayllm_panel_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows, int64_t N,
                            int64_t K, int32_t out_dtype, int32_t num_threads);
 
-/* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
- * among them; returns when every item is done. */
-/* x: [num_rows, width] fp32 -> out[r] = argmax of row r (torch.argmax's answer), as int64. */
+/* layer_ops.c: x: [num_rows, width] fp32 -> out[r] = argmax of row r (torch.argmax's answer), as int64. */
 int rayllm_argmax(const float *x, int64_t *out, int64_t num_rows, int64_t width, int32_t num_threads);
 
+/* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
+ * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx);
 #endif
