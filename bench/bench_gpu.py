@@ -3,11 +3,14 @@ Hugging Face generate on the same weights, and the Triton attention kernel again
 
     python -m bench.bench_gpu                         # SmolLM2-135M shapes, random bf16 weights
     python -m bench.bench_gpu --batch-sizes 1,64 --skip-attention
+    python -m bench.bench_gpu --shape llama-3.2-1b --batch-sizes 1,16,64 --skip-attention
     python -m bench.bench_gpu --model /models/SmolLM2-135M-Instruct
 
 GPU machines lent to this project reach no model hub and take at most 64 MiB of files, so
 by default the weights are random, in SmolLM2-135M-Instruct's exact shapes (30 layers, 576
-wide, 9 query and 3 KV heads of 64, vocabulary 49152, tied embeddings). Speed does not
+wide, 9 query and 3 KV heads of 64, vocabulary 49152, tied embeddings), or with --shape
+llama-3.2-1b in Llama-3.2-1B's (16 layers, 2048 wide, 32 query and 8 KV heads of 64, MLP 8192,
+vocabulary 128256, tied embeddings, llama3 RoPE scaling). Speed does not
 depend on the weights' values; agreement in greedy tokens does, so the 'same tokens' column
 is only a sanity check there.
 
@@ -45,6 +48,15 @@ SMOLLM2_135M = {
     "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "bfloat16",
 }
+LLAMA_32_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_32_1B}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -179,7 +191,9 @@ def _attention_rows(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="local HF directory (default: random SmolLM2-135M weights)")
+    parser.add_argument("--model", default=None, help="local HF directory (default: random weights in --shape)")
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
+                        help="the architecture of the random weights when --model is not given")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--attention-backend", default="triton", choices=("triton", "torch", "cpu"))
@@ -201,9 +215,11 @@ def main() -> None:
               f"{args.dtype} | prompt {args.prompt_len} | new tokens {args.new_tokens}", flush=True)
     if not args.skip_runner:
         with tempfile.TemporaryDirectory() as scratch:
-            model_dir = Path(args.model) if args.model else Path(scratch) / "smollm2-135m-random"
+            model_dir = Path(args.model) if args.model else Path(scratch) / f"{args.shape}-random"
             if not args.model:
-                write_random_model(model_dir, SMOLLM2_135M)
+                started = time.perf_counter()
+                write_random_model(model_dir, SHAPES[args.shape])
+                print(f"random {args.shape} weights written in {time.perf_counter() - started:.1f} s", flush=True)
             _decode_rows(args, model_dir, [int(size) for size in args.batch_sizes.split(",")])
     if not args.skip_attention:
         _attention_rows(args)
