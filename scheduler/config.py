@@ -15,6 +15,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # reuse computed full blocks across requests
     enable_chunked_prefill: bool = True  # off: a waiting request's tokens must fit the budget whole
     long_prefill_token_threshold: int | None = None  # tokens one request may take per step; None: the budget
+    # Prompt tokens one step may compute, summed over requests, while sequences decode (None: the
+    # budget). Every prompt token in a step delays each decoding stream's next token, so this
+    # bounds that delay per step (Sarathi-Serve's stall-free batching) instead of computing
+    # waves of prompts in single long steps.
+    max_prefill_tokens_while_decoding: int | None = None
     # The engine decides step N+1 while the worker runs step N (Scheduler.schedule_ahead), so
     # the worker never waits for the scheduler between steps. Needs a worker that runs steps
     # in the order they were handed out (a Ray actor does, per caller; so do the engine's threads).
@@ -34,6 +39,8 @@ class SchedulerConfig:
         assert self.max_model_len >= 2, self.max_model_len
         t = self.long_prefill_token_threshold
         assert t is None or t >= 1, t
+        cap = self.max_prefill_tokens_while_decoding
+        assert cap is None or cap >= 1, cap
         assert self.waiting_served_ratio >= 0, self.waiting_served_ratio
         assert self.max_waiting_steps >= 0, self.max_waiting_steps
         # A lone sequence of max_model_len tokens must fit the pool, or preemption could loop.

@@ -79,6 +79,7 @@ class Scheduler:
         # Steps handed out and not updated yet, oldest first: one, or two with schedule_ahead.
         self._in_flight: deque[tuple[SchedulerOutput, dict[str, Request], StepStats]] = deque()
         self._num_steps_handed_out = 0
+        self._prefill_left = config.max_num_batched_tokens  # prompt tokens the step being decided may still compute
 
     # --- queries -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -183,6 +184,7 @@ class Scheduler:
         stats = StepStats(step=self.totals.num_steps + 1)
         batch = StepBatch()
         self._fork_ready_parents(batch, stats)
+        self._prefill_left = self._prefill_tokens_this_step()
         budget = self._schedule_running(self.config.max_num_batched_tokens, batch, stats)
         if stats.num_preemptions == 0:
             self._schedule_waiting(budget, batch, stats)
@@ -200,6 +202,7 @@ class Scheduler:
         running_step = self._in_flight[0][0].num_scheduled_tokens
         plan = []  # (request, computed by then, tokens now)
         budget = self.config.max_num_batched_tokens
+        self._prefill_left = self._prefill_tokens_this_step(running_step)
         for request in self.running:
             if request.is_fork_parent and request.num_computed_tokens == request.num_tokens_to_compute:
                 return _empty_step()  # a fork is due: it happens in a synchronous schedule()
@@ -216,6 +219,7 @@ class Scheduler:
             if num_new > 0:
                 plan.append((request, computed, num_new))
                 budget -= num_new
+                self._charge_prefill(target - computed, num_new)
         num_new_blocks = sum(self.kv.num_blocks_to_grow(request.request_id, computed + num_new)
                              for request, computed, num_new in plan)
         if num_new_blocks > self.kv.num_free_blocks:
@@ -320,13 +324,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._cap_new_tokens(request.num_tokens_to_compute - request.num_computed_tokens, budget)
-            assert num_new > 0, f"{request.request_id} is running with nothing to compute"
+            num_left = request.num_tokens_to_compute - request.num_computed_tokens
+            assert num_left > 0, f"{request.request_id} is running with nothing to compute"
+            num_new = self._cap_new_tokens(num_left, budget)
+            if num_new == 0:  # a prompt chunk, and this step's prompt tokens are spent
+                i += 1
+                continue
             while (allocation := self.kv.allocate_slots(request, num_new)) is None:
                 if self._preempt_newest(batch, stats) is request:
                     return budget
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
+            self._charge_prefill(num_left, num_new)
             i += 1
         return budget
 
@@ -341,10 +350,13 @@ class Scheduler:
             num_new = request.num_tokens_to_compute - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = self._cap_new_tokens(num_new, budget)
+            num_left, num_new = num_new, self._cap_new_tokens(num_new, budget)
+            if num_new == 0:  # this step's prompt tokens are spent
+                break
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
                 break
+            self._charge_prefill(num_left, num_new)
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_tokens
@@ -376,12 +388,40 @@ class Scheduler:
             return False
         return len(self.waiting) < ratio * self.num_running_seqs
 
+    def _prefill_tokens_this_step(self, running_step: dict[str, int] | None = None) -> int:
+        """Prompt tokens the step about to be decided may compute: max_prefill_tokens_while_decoding
+        while more sequences decode in it than there are prompts to compute (then a long step
+        would delay many streams to serve few prompts), else the whole budget. A sequence
+        decodes once it has sampled, or samples in running_step (the step in flight when
+        deciding ahead)."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None:
+            return self.config.max_num_batched_tokens
+        running_step = running_step or {}
+        num_decoding = 0
+        for request in self.running:
+            in_flight = running_step.get(request.request_id, 0)
+            if request.num_output_tokens or (
+                    in_flight and request.num_computed_tokens + in_flight >= request.num_tokens_to_compute):
+                num_decoding += 1
+        num_prompts = len(self.running) - num_decoding + len(self.waiting) if num_decoding else 0
+        return cap if num_decoding > num_prompts else self.config.max_num_batched_tokens
+
     def _cap_new_tokens(self, num_new: int, budget: int) -> int:
+        """Tokens a request lacking num_new may compute now. More than one lacking means prompt
+        tokens (or a recompute): those also draw on the step's prompt tokens left."""
+        is_prefill = num_new > 1
         num_new = min(num_new, budget)
         threshold = self.config.long_prefill_token_threshold
         if self.config.enable_chunked_prefill and threshold is not None:
             num_new = min(num_new, threshold)
+        if is_prefill and self.config.enable_chunked_prefill:
+            num_new = min(num_new, self._prefill_left)
         return num_new
+
+    def _charge_prefill(self, num_left: int, num_new: int) -> None:
+        if num_left > 1:
+            self._prefill_left -= num_new
 
     def _preempt_newest(self, batch: StepBatch, stats: StepStats) -> Request:
         """Preempts the newest running sequence by recompute; returns it."""

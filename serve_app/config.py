@@ -88,6 +88,12 @@ class AppArgs(BaseModel):
         "chunked to this, so running streams wait for one chunk at most, while many short prompts arriving "
         "together still share one step up to max_num_batched_tokens; null: the step budget.",
     )
+    max_prefill_tokens_while_decoding: int | None = Field(
+        None, ge=1,
+        description="Prompt tokens one step may compute, summed over requests, while sequences decode: every "
+        "prompt token in a step delays each decoding stream's next token, so this bounds that delay (Sarathi-Serve's "
+        "stall-free batching); null: the step budget.",
+    )
     async_scheduling: bool = Field(
         True,
         description="Decide each step while the worker computes the previous one (vLLM's async scheduling), so "
@@ -268,6 +274,7 @@ class AppArgs(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
             async_scheduling=self.async_scheduling,
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_steps=self.max_waiting_steps,

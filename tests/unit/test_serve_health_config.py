@@ -136,6 +136,16 @@ def test_long_prefill_threshold_reaches_the_scheduler() -> None:
         AppArgs.model_validate({"long_prefill_token_threshold": 0})
 
 
+def test_prefill_cap_while_decoding_reaches_the_scheduler() -> None:
+    sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
+    assert AppArgs().scheduler_config(**sizes).max_prefill_tokens_while_decoding is None
+    capped = AppArgs.model_validate({"max_prefill_tokens_while_decoding": 128, "waiting_served_ratio": 0})
+    config = capped.scheduler_config(**sizes)
+    assert (config.max_prefill_tokens_while_decoding, config.waiting_served_ratio) == (128, 0)
+    with pytest.raises(pydantic.ValidationError):
+        AppArgs.model_validate({"max_prefill_tokens_while_decoding": 0})
+
+
 def test_async_scheduling_is_on_by_default_and_can_be_turned_off() -> None:
     sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
     assert AppArgs().scheduler_config(**sizes).async_scheduling
