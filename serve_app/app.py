@@ -78,7 +78,8 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "max_model_len": args.max_model_len,
         "attention_backend": args.attention_backend,
-        "cuda_graph_batch_sizes": tuple(args.cuda_graph_batch_sizes),
+        "cuda_graph_batch_sizes": (args.cuda_graph_batch_sizes if args.cuda_graph_batch_sizes == "auto"
+                                   else tuple(args.cuda_graph_batch_sizes)),
         "seed": args.seed,
     }
 

@@ -64,9 +64,10 @@ class AppArgs(BaseModel):
         None, description="Attention kernels; null: triton on GPU workers; on CPU our C kernel (cpu), or the "
         "torch reference where no C compiler is found. Reported in /v1/models.",
     )
-    cuda_graph_batch_sizes: list[int] = Field(
-        [], description="Decode batch sizes captured as CUDA graphs (e.g. [1, 2, 4, 8, 16, 32]); empty: off. "
-        "Needs GPU workers with the triton backend (workers refuse otherwise). Never run on a GPU yet.",
+    cuda_graph_batch_sizes: list[int] | Literal["auto"] = Field(
+        "auto", description="Decode batch sizes captured as CUDA graphs (e.g. [1, 2, 4, 8, 16, 32]); empty: off; "
+        "auto: 1, 2, 4, ... 256 on GPU workers with the triton backend, off on CPU. Explicit sizes need GPU "
+        "workers with the triton backend (workers refuse otherwise). Measured on an H200: docs/gpu.md.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV dtype. auto: bfloat16 on GPUs and on CPUs with native bf16 "

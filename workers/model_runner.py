@@ -14,6 +14,7 @@ Block 0 of the pool is the scheduler's null block; the runner never writes it un
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,9 @@ class RunnerConfig:
     layer_ops: str | None = None  # "torch" | "native" | None (our fused C kernels on CPU, torch otherwise)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seed of the generator shared by unseeded requests
-    cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode sizes to capture as CUDA graphs; () = off (cuda + triton only)
+    # Decode batch sizes to capture as CUDA graphs (cuda + triton only); () = off; "auto":
+    # AUTO_CUDA_GRAPH_SIZES on cuda with the triton backend, off elsewhere (see resolve_graph_sizes).
+    cuda_graph_batch_sizes: tuple[int, ...] | str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,25 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: in
     return int(num_blocks)
 
 
+logger = logging.getLogger(__name__)
+
+# Decode steps of up to 256 sequences replay a graph on GPU workers by default: on an H200 an
+# eager SmolLM2 decode step costs ~9 ms of kernel launches whatever the batch, a replayed one
+# 1.9-3.6 ms (docs/gpu.md); capturing these 9 sizes took about 2 s.
+AUTO_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def resolve_graph_sizes(sizes: tuple[int, ...] | str, device: torch.device, attention_backend: str) -> tuple[int, ...]:
+    """The decode batch sizes to capture: "auto" means AUTO_CUDA_GRAPH_SIZES where graphs can
+    be captured (cuda, triton attention) and none elsewhere; explicit sizes are kept as given
+    (DecodeGraphs refuses them where they cannot be captured)."""
+    if sizes == "auto":
+        return AUTO_CUDA_GRAPH_SIZES if device.type == "cuda" and attention_backend == "triton" else ()
+    if isinstance(sizes, str):
+        raise ValueError(f'cuda_graph_batch_sizes must be "auto" or a tuple of ints, got {sizes!r}')
+    return tuple(sizes)
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig):
         if config.num_threads is not None:
@@ -164,11 +186,18 @@ class ModelRunner:
         )
         self.kv_caches = self._allocate_kv_caches(dtype)
         self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
-        if config.cuda_graph_batch_sizes:
+        graph_sizes = resolve_graph_sizes(config.cuda_graph_batch_sizes, self.device, self.attention_backend)
+        if graph_sizes:
             max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.kv_caches, tuple(config.cuda_graph_batch_sizes), max_blocks_per_seq, capture=True
-            )
+            try:
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, graph_sizes, max_blocks_per_seq,
+                                                  capture=True)
+            except RuntimeError as error:  # a CUDA failure while capturing
+                if config.cuda_graph_batch_sizes != "auto":
+                    raise
+                logger.warning("capturing CUDA graphs for decode batches %s failed (%s); decode steps run eagerly. "
+                               "Set cuda_graph_batch_sizes: [] to skip the capture.", graph_sizes, error)
+                torch.cuda.synchronize(self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarMatchers(self.model_path, self.model_config.vocab_size,
                                         self.model_config.eos_token_ids, torch.get_num_threads())

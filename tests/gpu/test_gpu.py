@@ -114,10 +114,12 @@ def test_matches_torch_ref(dtype):
     assert err <= 2 * kc.ATOL[dtype], f"triton vs torch_ref: max abs error {err:.3g}"
 
 
-def _runner_greedy(model: str, backend: str, dtype: str, prompts, max_tokens: int) -> list[list[int]]:
+def _runner_greedy(model: str, backend: str, dtype: str, prompts, max_tokens: int,
+                   graph_sizes: tuple[int, ...] | str = ()) -> list[list[int]]:
+    """Greedy tokens of a runner on CUDA; eager (no CUDA graphs) unless graph_sizes says otherwise."""
     model_runner = pytest.importorskip("workers.model_runner", reason="workers.model_runner is not importable")
     config = model_runner.RunnerConfig(model=model, dtype=dtype, device=DEVICE, attention_backend=backend,
-                                       block_size=16, num_blocks=256)
+                                       block_size=16, num_blocks=256, cuda_graph_batch_sizes=graph_sizes)
     runner = model_runner.ModelRunner(config)
     expected = "workers.kernels.triton_attention" if backend == "triton" else "workers.kernels.torch_ref"
     assert runner.model.attention.__name__ == expected
@@ -178,6 +180,24 @@ def test_runner_greedy_cuda_graphs_equal_eager(tmp_path):
 
     runner = ModelRunner(RunnerConfig(model=str(model_dir), dtype=dtype, device=DEVICE, attention_backend="triton",
                                       block_size=16, num_blocks=256, cuda_graph_batch_sizes=(1, 2, 4, 8)))
+    graphs = kc.greedy_generate(runner, prompts, max_tokens=24, chunk_size=16)
+    assert sum(runner.decode_graphs.replays.values()) > 0, "no step replayed a graph"
+    assert graphs == eager
+
+
+def test_runner_captures_graphs_by_default_on_cuda_with_triton(tmp_path):
+    """The default, cuda_graph_batch_sizes="auto": the sizes of AUTO_CUDA_GRAPH_SIZES are
+    captured, decode steps replay them, and greedy tokens equal the eager runner's (fp32)."""
+    from workers.model_runner import AUTO_CUDA_GRAPH_SIZES, ModelRunner, RunnerConfig
+
+    model_dir = tmp_path / "tiny-llama"
+    kc.write_tiny_llama(model_dir)
+    prompts = kc.e2e_prompts()
+    eager = _runner_greedy(str(model_dir), "triton", "float32", prompts, max_tokens=24)
+    runner = ModelRunner(RunnerConfig(model=str(model_dir), dtype="float32", device=DEVICE, block_size=16,
+                                      num_blocks=256))
+    assert runner.attention_backend == "triton"
+    assert runner.decode_graphs is not None and runner.decode_graphs.batch_sizes == AUTO_CUDA_GRAPH_SIZES
     graphs = kc.greedy_generate(runner, prompts, max_tokens=24, chunk_size=16)
     assert sum(runner.decode_graphs.replays.values()) > 0, "no step replayed a graph"
     assert graphs == eager

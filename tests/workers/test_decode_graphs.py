@@ -92,6 +92,20 @@ def test_capture_refused_without_cuda_and_triton(tiny_model_dir):
                                  cuda_graph_batch_sizes=(1, 2)))
 
 
+def test_auto_sizes_capture_only_on_cuda_with_triton(tiny_model_dir):
+    from workers.model_runner import AUTO_CUDA_GRAPH_SIZES, resolve_graph_sizes
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_graph_sizes("auto", cuda, "triton") == AUTO_CUDA_GRAPH_SIZES
+    assert resolve_graph_sizes("auto", cuda, "torch") == ()  # torch_ref syncs with the host: no capture
+    assert resolve_graph_sizes("auto", cpu, "cpu") == ()
+    assert resolve_graph_sizes((4, 1), cpu, "cpu") == (4, 1)  # explicit: DecodeGraphs judges them
+    with pytest.raises(ValueError, match="auto"):
+        resolve_graph_sizes("all", cuda, "triton")
+    runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), block_size=4, num_blocks=64))  # the default: auto
+    assert runner.config.cuda_graph_batch_sizes == "auto" and runner.decode_graphs is None
+
+
 def test_bad_sizes_refused(tiny_model_dir):
     runner = make_runner(tiny_model_dir)
     with pytest.raises(ValueError, match="positive"):
