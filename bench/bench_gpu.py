@@ -96,12 +96,18 @@ def _decode_rows(args: argparse.Namespace, model_dir: Path, batch_sizes: list[in
     blocks_per_seq = -(-(args.prompt_len + args.new_tokens) // 16)
     base = dict(model=str(model_dir), dtype=args.dtype, device=args.device, block_size=16,
                 num_blocks=max(batch_sizes) * blocks_per_seq + 64, attention_backend=args.attention_backend)
+    on_cuda = args.device.startswith("cuda")
+    reserved_before = torch.cuda.memory_reserved() if on_cuda else 0
     sides: dict[str, object] = {"ours eager": ModelRunner(RunnerConfig(**base, cuda_graph_batch_sizes=()))}
-    if args.device.startswith("cuda") and args.attention_backend == "triton":
+    if on_cuda and args.attention_backend == "triton":
+        eager_bytes = torch.cuda.memory_reserved() - reserved_before  # weights + KV pool of one runner
         sizes = tuple(size for size in GRAPH_SIZES if size <= max(batch_sizes))
         started = time.perf_counter()
         sides["ours graphs"] = ModelRunner(RunnerConfig(**base, cuda_graph_batch_sizes=sizes))
-        print(f"captured CUDA graphs for decode batches {sizes} in {time.perf_counter() - started:.1f} s", flush=True)
+        graphs_bytes = torch.cuda.memory_reserved() - reserved_before - 2 * eager_bytes
+        print(f"captured CUDA graphs for decode batches {sizes} in {time.perf_counter() - started:.1f} s; "
+              f"memory reserved by the capture beyond the runner's weights and KV pool: {graphs_bytes / 2**20:.0f} MiB "
+              f"(the runner's own: {eager_bytes / 2**20:.0f} MiB)", flush=True)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
