@@ -252,6 +252,7 @@ class EngineGroup:
             "policy": self.router.config.policy.value,
             "route_counts": dict(self.route_counts),  # outcome -> requests
             "routed_per_worker": [self.routed_per_worker[i] for i in range(len(self.engines))],  # requests
+            "running_per_worker": [engine.scheduler.num_running_seqs for engine in self.engines],  # sequences now
             "steps_per_worker": [runner.num_steps for runner in self.runners],  # engine steps
             "busy_s_per_worker": [runner.busy_s for runner in self.runners],  # seconds in execute()
             "gap_s_per_worker": [runner.gap_s for runner in self.runners],  # seconds between back-to-back steps

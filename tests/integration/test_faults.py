@@ -186,14 +186,15 @@ def test_killing_one_of_two_workers_mid_generation_loses_no_stream(fault_app: Fa
     routing = ray.get(fault_app.scheduler.routing_stats.remote())
     stepped = [(c, s) for c, s in zip(routing["channel_steps_per_worker"], routing["steps_per_worker"]) if s]
     assert stepped and all(c > 0 for c, _ in stepped), routing  # workers are stepped over their Unix sockets
-    killed = []  # (requests running, the worker killed)
+    killed = []  # (sequences running on the worker killed, its index)
 
     def kill_the_busiest_worker() -> None:
-        # the one routed most of these streams: the reference run left their prefixes warm on one
-        # worker, and the prefix-aware router may send it every stream, leaving the other idle
-        routed = ray.get(fault_app.scheduler.routing_stats.remote())["routed_per_worker"]
-        index = max(range(len(routed)), key=lambda i: routed[i] - routing["routed_per_worker"][i])
-        killed.append((fault_app.status().num_running, index))
+        # the one running most of these streams now: the reference run left their prefixes warm on
+        # one worker, and the prefix-aware router may send it every stream, leaving the other idle
+        # (on a loaded machine the one routed most had once finished its share before the kill)
+        running = ray.get(fault_app.scheduler.routing_stats.remote())["running_per_worker"]
+        index = max(range(len(running)), key=lambda i: running[i])
+        killed.append((running[index], index))
         ray.kill(fault_app.worker(index), no_restart=False)  # Ray restarts it (max_restarts)
 
     results = asyncio.run(run_streams(fault_app.url, during=kill_the_busiest_worker))

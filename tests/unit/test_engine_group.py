@@ -147,6 +147,7 @@ def test_prefix_aware_routing_keeps_each_family_on_one_worker_and_counts_outcome
     stats = group.routing_stats()
     assert stats["policy"] == "prefix_aware" and stats["routed_per_worker"] == [4, 4]
     assert sum(stats["prefix_hit_tokens_per_worker"]) == hits and all(stats["steps_per_worker"])
+    assert stats["running_per_worker"] == [0, 0]  # every request has finished
 
 
 def test_the_policy_comes_from_the_router_config() -> None:
