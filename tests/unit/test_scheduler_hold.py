@@ -104,25 +104,28 @@ def test_a_migrated_request_is_not_held():
     assert_pool_full(s)
 
 
+def arrivals_transcript(ahead: bool, seed: int, **kw):
+    """20 mixed requests arriving one every third step, driven synchronously or ahead (async
+    scheduling): the transcript of what they sampled, and the runner (its step history)."""
+    s, runner = make(**kw)
+    pending = mixed_requests(20, seed=seed)
+    driver = AheadDriver(s, runner)
+    num_steps = 0
+    while pending or driver.busy:
+        if pending and num_steps % 3 == 0:
+            s.add_request(pending.pop(0))  # an arrival every third step
+        num_steps += 1
+        if ahead:
+            driver.step()
+        else:
+            driver.transcript.record(s.update_from_output(out := s.schedule(), runner.execute(out)))
+    assert_pool_full(s)
+    return driver.transcript, runner
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
 def test_holding_changes_when_tokens_come_never_which(ahead):
-    def transcript(**kw):
-        s, runner = make(**kw)
-        pending = mixed_requests(20, seed=11)
-        driver = AheadDriver(s, runner)
-        num_steps = 0
-        while pending or driver.busy:
-            if pending and num_steps % 3 == 0:
-                s.add_request(pending.pop(0))  # an arrival every third step
-            num_steps += 1
-            if ahead:
-                driver.step()
-            else:
-                driver.transcript.record(s.update_from_output(out := s.schedule(), runner.execute(out)))
-        assert_pool_full(s)
-        return driver.transcript, runner
-
-    held, held_runner = transcript(waiting_served_ratio=1.0, max_waiting_steps=5)
-    free, free_runner = transcript()
+    held, held_runner = arrivals_transcript(ahead, 11, waiting_served_ratio=1.0, max_waiting_steps=5)
+    free, free_runner = arrivals_transcript(ahead, 11)
     assert held.tokens == free.tokens and held.finish_reasons == free.finish_reasons
     assert len(prompt_steps(held_runner, "r")) < len(prompt_steps(free_runner, "r"))

@@ -8,8 +8,7 @@ several steps of at most the cap, and the streams decode in every one of them.
 import pytest
 
 from scheduler.testing import AheadDriver, assert_pool_full, run_steps
-from tests.unit.test_scheduler_ahead import mixed_requests
-from tests.unit.test_scheduler_hold import make, prompt_steps, req, start_four_decoding, step
+from tests.unit.test_scheduler_hold import arrivals_transcript, make, prompt_steps, req, start_four_decoding, step
 
 
 def test_without_decodes_a_step_takes_the_whole_budget():
@@ -67,24 +66,8 @@ def test_the_cap_counts_chunks_of_running_prompts_too():
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
 def test_the_cap_changes_when_tokens_come_never_which(ahead):
-    def transcript(**kw):
-        s, runner = make(**kw)
-        pending = mixed_requests(20, seed=5)
-        driver = AheadDriver(s, runner)
-        num_steps = 0
-        while pending or driver.busy:
-            if pending and num_steps % 3 == 0:
-                s.add_request(pending.pop(0))
-            num_steps += 1
-            if ahead:
-                driver.step()
-            else:
-                driver.transcript.record(s.update_from_output(out := s.schedule(), runner.execute(out)))
-        assert_pool_full(s)
-        return driver.transcript, runner
-
-    capped, capped_runner = transcript(max_prefill_tokens_while_decoding=8)
-    free, free_runner = transcript()
+    capped, capped_runner = arrivals_transcript(ahead, 5, max_prefill_tokens_while_decoding=8)
+    free, free_runner = arrivals_transcript(ahead, 5)
     assert capped.tokens == free.tokens and capped.finish_reasons == free.finish_reasons
     assert len(prompt_steps(capped_runner, "r")) > len(prompt_steps(free_runner, "r"))  # spread over more steps
 
