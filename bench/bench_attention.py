@@ -6,8 +6,11 @@
 SmolLM2-135M's shapes (30 layers, 9 query heads over 3 kv heads, head_dim 64, blocks of 16):
 each layer gets its own pool (about 200 MB in all in fp32 at the defaults), so every call
 reads its keys and values from DRAM, as a decode step does (one repeated small pool would
-measure the cache: 16 x 272 keys fit in L3). Prints the median over --repeats passes of
-the 30 layers, and the same calls on one warm pool for comparison.
+measure the cache: 16 x 272 keys fit in L3). The step's blocks are scattered over a pool of
+--pool-gb over all layers (the shipped 1 GB by default), as a served step's are, so TLB
+misses count as they do when serving (0: pools of just the blocks read, as before
+2026-11-26, which hides them). Prints the median over --repeats passes of the 30 layers,
+and the same calls on one warm pool for comparison.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=272)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pool-gb", type=float, default=1.0,
+                        help="KV pool over all layers (the shipped kv_cache_memory_gb); the step's blocks are "
+                             "scattered over it, as a served step's are; 0: just the blocks the step reads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     blocks_per_seq = -(-args.context // BLOCK)
-    num_blocks = args.seqs * blocks_per_seq + 1
+    block_bytes = 2 * KV_HEADS * HEAD_DIM * BLOCK * dtype.itemsize  # K and V
+    num_blocks = max(args.seqs * blocks_per_seq + 1, int(args.pool_gb * 2**30 / (LAYERS * block_bytes)))
     generator = torch.Generator().manual_seed(0)
     block_tables = (torch.randperm(num_blocks - 1, generator=generator)[: args.seqs * blocks_per_seq] + 1)
     block_tables = block_tables.view(args.seqs, blocks_per_seq).to(torch.int32).contiguous()
