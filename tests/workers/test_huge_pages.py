@@ -35,26 +35,30 @@ def test_the_os_takes_the_advice_for_whole_2mb_pages():
     assert tensor.shape == (HUGE_PAGE,) and tensor.dtype == torch.float32
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of the mapping in /proc/self/smaps that holds address."""
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags in /proc/self/smaps of the mapping that holds address."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(part, 16) for part in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
-def test_the_cpu_kv_pool_is_zeroed_on_2mb_pages():
+def test_the_cpu_kv_pool_is_zeroed_and_advised_to_2mb_pages():
     """A decode step reads its KV blocks scattered over the whole pool: on 4 KB pages each block
     is a TLB miss (bench.bench_attention --threads 2 with a 1 GB pool: bf16 6.3-8.8 -> 6.0-6.4 ms,
-    fp32 10.4-10.7 -> 9.7-9.9)."""
+    fp32 10.4-10.7 -> 9.7-9.9). Whether Linux finds free 2 MB pages is up to it; the advice
+    ("hg" in the mapping's VmFlags) is ours."""
     from workers.kernels import cpu_attention
 
-    k_cache, v_cache = cpu_attention.allocate_kv_cache(700, 16, 3, 64, torch.bfloat16)  # about 8 MB
+    # 36 MB, a layer's pool at the shipped 1 GB for SmolLM2's 30 layers: above glibc's largest
+    # mmap threshold (32 MB), so always fresh memory that the advice applies to; a smaller pool
+    # may reuse heap pages a long-running process (this test session) has touched already
+    k_cache, v_cache = cpu_attention.allocate_kv_cache(3000, 16, 3, 64, torch.bfloat16)
     assert not k_cache.any() and not v_cache.any()
-    assert _anon_huge_kb(k_cache.data_ptr() + 4 * HUGE_PAGE // 2) >= HUGE_PAGE // 1024
+    assert "hg" in _vm_flags(k_cache.data_ptr() + 8 * HUGE_PAGE)

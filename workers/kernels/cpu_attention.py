@@ -59,7 +59,9 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     shape = (num_blocks, 2, num_kv_heads * head_dim * block_size)
     # On 2 MB pages where Linux offers them (workers/huge_pages.py): a step's blocks lie scattered
     # over the pool, and on 4 KB pages each is a TLB miss. bench.bench_attention --threads 2, 1 GB
-    # of pools, alternating: bf16 6.3-8.8 -> 6.0-6.4 ms, fp32 10.4-10.7 -> 9.7-9.9.
+    # of pools, alternating: bf16 6.3-8.8 -> 6.0-6.4 ms, fp32 10.4-10.7 -> 9.7-9.9. A pool above
+    # glibc's mmap threshold (32 MB at most; a layer's share of the shipped 1 GB is 36 MB for
+    # SmolLM2) is always fresh memory; a smaller one may reuse heap pages already touched.
     if torch.device(device).type == "cpu":
         pool = empty_huge(shape, dtype).zero_()
     else:
