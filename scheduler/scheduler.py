@@ -404,7 +404,7 @@ class Scheduler:
             if request.num_output_tokens or (
                     in_flight and request.num_computed_tokens + in_flight >= request.num_tokens_to_compute):
                 num_decoding += 1
-        num_prompts = len(self.running) - num_decoding + len(self.waiting) if num_decoding else 0
+        num_prompts = len(self.running) - num_decoding + len(self.waiting)
         return cap if num_decoding > num_prompts else self.config.max_num_batched_tokens
 
     def _cap_new_tokens(self, num_new: int, budget: int) -> int:

@@ -37,6 +37,8 @@ from workers.loader import load_weights, resolve_model_path
 from workers.model import AttentionMetadata, KVCache
 from workers.sampler import Sampler, SamplingBatch
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -141,8 +143,6 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: in
         raise ValueError(f"{memory_bytes} bytes hold {num_blocks} KV blocks; need at least 2 (block 0 is null)")
     return int(num_blocks)
 
-
-logger = logging.getLogger(__name__)
 
 # Decode steps of up to 256 sequences replay a graph on GPU workers by default: on an H200 an
 # eager SmolLM2 decode step costs ~9 ms of kernel launches whatever the batch, a replayed one
