@@ -102,6 +102,9 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("ours-nohold", "ours with waiting_served_ratio=0: every arrival admitted at the next step, beside running "
            "decodes (vLLM's rule; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("waiting_served_ratio=0",)),
+    Server("ours-nofinishhold", "ours with hold_while_finishing_steps=0: arrivals are not held for running streams "
+           "about to end (the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
+           ("hold_while_finishing_steps=0",)),
     Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
            ALL_CELLS, _ONE_WORKER),
     Server("ours-1w2t", "ours with 1 worker x 2 torch threads (the shipped YAML otherwise)", "ours.sh", 8000,

@@ -31,6 +31,10 @@ class SchedulerConfig:
     # running streams one stall, not one each. 0: admit at once (vLLM's rule).
     waiting_served_ratio: float = 0.0
     max_waiting_steps: int = 20
+    # ...and while at least half of the running sequences reach max_tokens within this many steps
+    # (0: never), new requests wait for them to end, whatever their number: a prompt computed now
+    # would stall streams that are about to finish anyway. Still at most max_waiting_steps.
+    hold_while_finishing_steps: int = 0
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
@@ -43,6 +47,7 @@ class SchedulerConfig:
         assert cap is None or cap >= 1, cap
         assert self.waiting_served_ratio >= 0, self.waiting_served_ratio
         assert self.max_waiting_steps >= 0, self.max_waiting_steps
+        assert self.hold_while_finishing_steps >= 0, self.hold_while_finishing_steps
         # A lone sequence of max_model_len tokens must fit the pool, or preemption could loop.
         if self.num_blocks - 1 < self.max_blocks_per_seq:
             raise ValueError(

@@ -11,7 +11,8 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    budget, seats (max_num_seqs) and blocks last; a prefix hit starts it at
    num_computed_tokens > 0. With waiting_served_ratio > 0 and sequences running, new
    requests are held until enough of them wait or the oldest has waited max_waiting_steps
-   (`_holds_new_prompts`), so that prompts arriving close together share one prefill step.
+   (`_holds_new_prompts`), so that prompts arriving close together share one prefill step;
+   with hold_while_finishing_steps, also while most running sequences are about to end.
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
 the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
@@ -79,6 +80,9 @@ class Scheduler:
         # Steps handed out and not updated yet, oldest first: one, or two with schedule_ahead.
         self._in_flight: deque[tuple[SchedulerOutput, dict[str, Request], StepStats]] = deque()
         self._num_steps_handed_out = 0
+        # Requests queued while _num_steps_handed_out was at most this were left waiting by a step
+        # whose prompt budget ran out: they missed a prefill only for lack of room, never held.
+        self._left_over_through = -1
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens the step being decided may still compute
 
     # --- queries -----------------------------------------------------------------------
@@ -349,9 +353,11 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens_to_compute - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
+                self._left_over_through = self._num_steps_handed_out
                 break
             num_left, num_new = num_new, self._cap_new_tokens(num_new, budget)
             if num_new == 0:  # this step's prompt tokens are spent
+                self._left_over_through = self._num_steps_handed_out
                 break
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
@@ -368,6 +374,8 @@ class Scheduler:
             stats.num_prefix_hit_tokens += computed.num_tokens
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
+        if self.waiting and budget == 0:
+            self._left_over_through = self._num_steps_handed_out
         return budget
 
     def _holds_new_prompts(self) -> bool:
@@ -376,17 +384,38 @@ class Scheduler:
         A step that computes prompts costs every running stream a longer token gap; holding
         arrivals until several can be computed together (or the oldest has waited long
         enough) turns many such gaps into one. Preempted and migrated requests at the head
-        were running already: they are never held.
+        were running already: they are never held. Nor are requests that were waiting when a
+        step's prompt budget ran out: they belong to the batch of prompts just computed, and
+        holding them would leave them behind it, to stall its streams later.
         """
         ratio = self.config.waiting_served_ratio
         if ratio == 0 or self.num_running_seqs == 0 or not self.waiting:
             return False
         head = self.waiting[0]
-        if head.status != RequestStatus.WAITING:
+        if head.status != RequestStatus.WAITING or head.queued_at_step <= self._left_over_through:
             return False
         if self._num_steps_handed_out - head.queued_at_step >= self.config.max_waiting_steps:
             return False
-        return len(self.waiting) < ratio * self.num_running_seqs
+        return len(self.waiting) < ratio * self.num_running_seqs or self._running_mostly_finishing()
+
+    def _running_mostly_finishing(self) -> bool:
+        """Whether at least half of the running sequences reach their length limit within
+        hold_while_finishing_steps steps. Requests of one length that arrived together finish
+        together, and their clients' next requests arrive together; when half a batch ends a step
+        before the other half (its prompts were computed a step earlier), computing the new
+        prompts at once would stall the other half's last tokens by a whole prefill step."""
+        steps = self.config.hold_while_finishing_steps
+        if steps == 0:
+            return False
+        max_model_len = self.config.max_model_len
+        finishing = 0
+        for request in self.running:
+            if request.num_output_tokens == 0:  # its prompt is still being computed
+                continue
+            left = min(request.sampling_params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
+            if left <= steps:
+                finishing += request.num_seqs
+        return 2 * finishing >= self.num_running_seqs
 
     def _prefill_tokens_this_step(self, running_step: dict[str, int] | None = None) -> int:
         """Prompt tokens the step about to be decided may compute: max_prefill_tokens_while_decoding

@@ -111,6 +111,12 @@ class AppArgs(BaseModel):
     max_waiting_steps: int = Field(
         20, ge=0, description="Steps a new request waits at most under waiting_served_ratio (TGI: max_waiting_tokens).",
     )
+    hold_while_finishing_steps: int = Field(
+        4, ge=0,
+        description="With waiting_served_ratio > 0: while at least half of a worker's running sequences reach "
+        "max_tokens within this many steps, new requests wait for them to end (at most max_waiting_steps), so a "
+        "prompt does not stall streams that are about to finish. 0: off.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
     enable_chunked_prefill: bool = Field(
@@ -279,6 +285,7 @@ class AppArgs(BaseModel):
             async_scheduling=self.async_scheduling,
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_steps=self.max_waiting_steps,
+            hold_while_finishing_steps=self.hold_while_finishing_steps,
         )
 
     def router_config(self) -> RouterConfig:

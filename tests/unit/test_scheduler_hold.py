@@ -129,3 +129,87 @@ def test_holding_changes_when_tokens_come_never_which(ahead):
     free, free_runner = arrivals_transcript(ahead, 11)
     assert held.tokens == free.tokens and held.finish_reasons == free.finish_reasons
     assert len(prompt_steps(held_runner, "r")) < len(prompt_steps(free_runner, "r"))
+
+
+def test_arrivals_left_over_by_a_full_prompt_budget_are_not_held():
+    """Twelve prompts arrive together beside four streams; the step's budget takes seven and a
+    half. The rest were part of that batch, so they follow at the next step instead of waiting
+    behind it (then to stall all of its streams at once)."""
+    s, runner = make(waiting_served_ratio=1.0, max_waiting_steps=100)
+    start_four_decoding(s, runner)
+    for i in range(12):
+        s.add_request(req(f"new{i:02d}", 8, max_tokens=40))
+    first = step(s, runner)
+    assert sum(n for rid, n in first.num_scheduled_tokens.items() if rid.startswith("new")) == 64 - 4
+    assert len(s.waiting) == 4  # 4 < 1.0 x 12 running: the ratio alone would hold them
+    second = step(s, runner)
+    assert all(f"new{i:02d}" in second.num_scheduled_tokens for i in range(8, 12))  # the last two in part
+    s.add_request(req("late", 8, max_tokens=4))  # arrived after that batch: held as before
+    assert "late" not in step(s, runner).num_scheduled_tokens
+    run_steps(s, runner)
+    assert_pool_full(s)
+
+
+def start_four_finishing(s, runner, max_tokens=(3, 3, 3, 3)):
+    """Four sequences decoding; request i ends after max_tokens[i] tokens (one sampled already)."""
+    for i, limit in enumerate(max_tokens):
+        s.add_request(req(f"run{i}", 8, max_tokens=limit))
+    step(s, runner)
+    assert s.num_running_seqs == 4 and not s.waiting
+
+
+def test_new_requests_wait_for_streams_about_to_end():
+    """Half a wave ended, its clients' next requests arrived, the other half has 2 tokens to go:
+    the new prompts wait for them instead of stalling their last tokens."""
+    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100, hold_while_finishing_steps=4)
+    start_four_finishing(s, runner)
+    for i in range(4):
+        s.add_request(req(f"new{i}", 8, max_tokens=4))  # 4 >= 0.3 x 4 running: the ratio alone admits them
+    held = [step(s, runner) for _ in range(2)]
+    assert [sorted(out.num_scheduled_tokens) for out in held] == [[f"run{i}" for i in range(4)]] * 2
+    assert s.num_running_seqs == 0  # the four ended...
+    assert step(s, runner).num_scheduled_tokens == {f"new{i}": 8 for i in range(4)}  # ...then the prompts
+    run_steps(s, runner)
+    assert_pool_full(s)
+
+
+def test_streams_about_to_end_hold_nothing_when_the_setting_is_off():
+    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100)
+    start_four_finishing(s, runner)
+    for i in range(4):
+        s.add_request(req(f"new{i}", 8, max_tokens=4))
+    out = step(s, runner)
+    assert all(out.num_scheduled_tokens.get(f"new{i}") == 8 for i in range(4))
+
+
+def test_a_few_streams_about_to_end_hold_nothing():
+    """One of four running sequences ends soon: most streams go on, so waiting gains nothing."""
+    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100, hold_while_finishing_steps=4)
+    start_four_finishing(s, runner, max_tokens=(3, 40, 40, 40))
+    for i in range(4):
+        s.add_request(req(f"new{i}", 8, max_tokens=4))
+    out = step(s, runner)
+    assert all(out.num_scheduled_tokens.get(f"new{i}") == 8 for i in range(4))
+
+
+def test_waiting_for_streams_about_to_end_stops_at_max_waiting_steps():
+    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=1, hold_while_finishing_steps=4)
+    start_four_finishing(s, runner, max_tokens=(5, 5, 5, 5))
+    for i in range(4):
+        s.add_request(req(f"new{i}", 8, max_tokens=4))
+    assert "new0" not in step(s, runner).num_scheduled_tokens
+    out = step(s, runner)  # waited 1 step: admitted beside the two streams' last tokens
+    assert out.num_scheduled_tokens["new0"] == 8 and "run0" in out.num_scheduled_tokens
+    run_steps(s, runner)
+    assert_pool_full(s)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_waiting_for_streams_about_to_end_changes_when_tokens_come_never_which(ahead):
+    held, held_runner = arrivals_transcript(ahead, 12, waiting_served_ratio=0.3, max_waiting_steps=8,
+                                            hold_while_finishing_steps=6)
+    ratio_only, ratio_runner = arrivals_transcript(ahead, 12, waiting_served_ratio=0.3, max_waiting_steps=8)
+    free, _ = arrivals_transcript(ahead, 12)
+    assert held.tokens == ratio_only.tokens == free.tokens
+    assert held.finish_reasons == ratio_only.finish_reasons == free.finish_reasons
+    assert prompt_steps(held_runner, "r") != prompt_steps(ratio_runner, "r")  # the setting did hold some

@@ -155,8 +155,9 @@ def test_async_scheduling_is_on_by_default_and_can_be_turned_off() -> None:
 def test_prefill_batching_is_on_by_default_and_reaches_the_scheduler() -> None:
     sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
     shipped = AppArgs().scheduler_config(**sizes)
-    assert (shipped.waiting_served_ratio, shipped.max_waiting_steps) == (0.3, 20)
-    off = AppArgs.model_validate({"waiting_served_ratio": 0, "max_waiting_steps": 5}).scheduler_config(**sizes)
-    assert (off.waiting_served_ratio, off.max_waiting_steps) == (0.0, 5)
+    assert (shipped.waiting_served_ratio, shipped.max_waiting_steps, shipped.hold_while_finishing_steps) == (0.3, 20, 4)
+    off = AppArgs.model_validate({"waiting_served_ratio": 0, "max_waiting_steps": 5,
+                                  "hold_while_finishing_steps": 0}).scheduler_config(**sizes)
+    assert (off.waiting_served_ratio, off.max_waiting_steps, off.hold_while_finishing_steps) == (0.0, 5, 0)
     with pytest.raises(pydantic.ValidationError):
         AppArgs.model_validate({"waiting_served_ratio": -1})
