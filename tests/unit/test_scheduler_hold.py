@@ -173,19 +173,13 @@ def test_new_requests_wait_for_streams_about_to_end():
     assert_pool_full(s)
 
 
-def test_streams_about_to_end_hold_nothing_when_the_setting_is_off():
-    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100)
-    start_four_finishing(s, runner)
-    for i in range(4):
-        s.add_request(req(f"new{i}", 8, max_tokens=4))
-    out = step(s, runner)
-    assert all(out.num_scheduled_tokens.get(f"new{i}") == 8 for i in range(4))
-
-
-def test_a_few_streams_about_to_end_hold_nothing():
-    """One of four running sequences ends soon: most streams go on, so waiting gains nothing."""
-    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100, hold_while_finishing_steps=4)
-    start_four_finishing(s, runner, max_tokens=(3, 40, 40, 40))
+@pytest.mark.parametrize("finishing_steps, max_tokens", [(0, (3, 3, 3, 3)), (4, (3, 40, 40, 40))],
+                         ids=["setting-off", "one-of-four-ending"])
+def test_new_requests_are_admitted_at_once(finishing_steps, max_tokens):
+    """With the setting off, or with only one of four streams about to end (most go on, so
+    waiting gains nothing), arrivals the ratio admits go in at the next step."""
+    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100, hold_while_finishing_steps=finishing_steps)
+    start_four_finishing(s, runner, max_tokens)
     for i in range(4):
         s.add_request(req(f"new{i}", 8, max_tokens=4))
     out = step(s, runner)
