@@ -239,8 +239,12 @@ class Scheduler:
         return self._hand_out(batch, stats)
 
     def _finishes_by_length_after_one_more(self, request: Request) -> bool:
-        return (request.num_output_tokens + 1 >= request.sampling_params.max_tokens
-                or request.num_tokens + 1 >= self.config.max_model_len)
+        return self._tokens_before_length_stop(request) <= 1
+
+    def _tokens_before_length_stop(self, request: Request) -> int:
+        """Tokens the request may still sample before max_tokens or max_model_len stops it."""
+        return min(request.sampling_params.max_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens)
 
     def _hand_out(self, batch: StepBatch, stats: StepStats) -> SchedulerOutput:
         assert batch.total_num_scheduled_tokens > 0 or not batch.copies, "copies without a step"
@@ -346,6 +350,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, batch: StepBatch, stats: StepStats) -> int:
         if self._holds_new_prompts():
             return budget
+        out_of_budget = False
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
@@ -353,11 +358,11 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens_to_compute - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
-                self._left_over_through = self._num_steps_handed_out
+                out_of_budget = True
                 break
             num_left, num_new = num_new, self._cap_new_tokens(num_new, budget)
             if num_new == 0:  # this step's prompt tokens are spent
-                self._left_over_through = self._num_steps_handed_out
+                out_of_budget = True
                 break
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
@@ -374,7 +379,7 @@ class Scheduler:
             stats.num_prefix_hit_tokens += computed.num_tokens
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
-        if self.waiting and budget == 0:
+        if self.waiting and (out_of_budget or budget == 0):
             self._left_over_through = self._num_steps_handed_out
         return budget
 
@@ -407,14 +412,9 @@ class Scheduler:
         steps = self.config.hold_while_finishing_steps
         if steps == 0:
             return False
-        max_model_len = self.config.max_model_len
-        finishing = 0
-        for request in self.running:
-            if request.num_output_tokens == 0:  # its prompt is still being computed
-                continue
-            left = min(request.sampling_params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
-            if left <= steps:
-                finishing += request.num_seqs
+        finishing = sum(request.num_seqs for request in self.running
+                        if request.num_output_tokens > 0  # else its prompt is still being computed
+                        and self._tokens_before_length_stop(request) <= steps)
         return 2 * finishing >= self.num_running_seqs
 
     def _prefill_tokens_this_step(self, running_step: dict[str, int] | None = None) -> int:
