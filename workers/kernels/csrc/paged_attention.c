@@ -15,9 +15,9 @@
  * K is stored transposed, so 16 keys' scores are one vector with no horizontal sums: for
  * bf16, pairs of head dims sit together and one vdpbf16ps multiplies a pair of q values
  * (broadcast) with that pair of dims for 16 keys; V keeps keys in pairs, so one vdpbf16ps adds
- * two keys' p * v into 16 output dims. A block's K and V parts are adjacent, and a block is
- * read whole, in order, once per task: one sequential stream (several concurrent streams ran
- * at half the bandwidth on the Zen 4 VM this was tuned on).
+ * two keys' p * v into 16 output dims. A block's K and V parts are adjacent. The SIMD bodies
+ * prefetch the next block's part of a kv head just before they need it (prefetch_next_part);
+ * the portable body reads each block whole, in order, once per task (stream_block).
  *
  * Work split: one task per (sequence, tile of consecutive queries) with all heads, so a task
  * reads each block of its sequence once; rows are (query, head) pairs, row = query_in_tile *
@@ -107,8 +107,8 @@ static inline int64_t element_size(const AttentionArgs *a) { return a->dtype == 
 /* Reads block `index` of the task's sequence whole, with plain vector loads, and with
  * prefetch_next prefetches the next one into L2 (measured 1.4x faster than demand loads alone
  * on a pool in DRAM on the Zen 4 VM; with AVX2 on an EPYC, bench.bench_attention: 30 layers
- * of 16 decodes at 272 keys, 39.2 -> 26.0 ms). The AVX2 fp32 body prefetches the next block
- * itself, a line per head dim as it computes (chunk_scores8), instead of all at once here. */
+ * of 16 decodes at 272 keys, 39.2 -> 26.0 ms). The SIMD bodies read only a task's first block
+ * this way, without prefetch_next: they prefetch the rest themselves (prefetch_next_part). */
 static void stream_block(const Task *t, int64_t index, int prefetch_next) {
     const AttentionArgs *a = t->a;
     const int64_t head_bytes = a->block_size * a->head_dim * element_size(a); /* one kv head's K (or V) part */
@@ -143,6 +143,27 @@ static void stream_block(const Task *t, int64_t index, int prefetch_next) {
     (void)k;
     (void)v;
 #endif
+}
+
+/* When the chunk at key `start` opens its block and the task has a next block, prefetches into
+ * L2 kv head g's part of that next block in `cache` (the K or the V pool): the SIMD bodies call
+ * it for K just before a head's scores and for V just before its values, so each burst is one
+ * head's part (2-4 KB) and the next block arrives while this one computes. Against the whole
+ * next block prefetched at once and every block read ahead of its arithmetic (stream_block):
+ * bench.bench_attention (16 decodes at 272 keys, 30 layers, blocks scattered over a 1 GB pool),
+ * AVX-512 bf16, 1 / 2 threads: 10.4 / 5.6-6.0 -> 6.0 / 3.6 ms; fp32 16.4 / 8.8 -> 12.2 / 6.9 ms;
+ * the AVX2 body (built with -march=znver3 on the same Zen 4), fp32, which spread its prefetches
+ * over the head dims into L1: 21.1 / 10.6-11.1 -> 12.5-13.0 / 7.5-8.3 ms. Prefetching the
+ * whole next block at once overlapped less (5.6-6.0 ms, 2 threads, bf16); one head's K and V
+ * together before its scores gave 4.5-4.7 ms; into L1 (T0) instead of L2, 5.4-5.5 ms; two
+ * blocks ahead, no better. */
+static inline void prefetch_next_part(const Task *t, const void *cache, int64_t start, int64_t g) {
+    const AttentionArgs *a = t->a;
+    const int64_t next = start / a->block_size + 1;
+    if (start % a->block_size != 0 || next * a->block_size >= t->num_keys) return;
+    const int64_t part_bytes = a->block_size * a->head_dim * element_size(a); /* one kv head's K (or V) part */
+    const char *p = (const char *)cache + (t->table[next] * a->block_stride * element_size(a)) + g * part_bytes;
+    for (int64_t offset = 0; offset < part_bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
 /* The softmax update of row r from its chunk scores s[0, visible): p (fp32 and bf16), correction, m, l. */
@@ -322,9 +343,11 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
+        prefetch_next_part(t, a->k_cache, start, g);
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
+        prefetch_next_part(t, a->v_cache, start, g);
         FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV)
     }
 }
@@ -338,28 +361,16 @@ static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { ch
 #define HAVE_FAST_PATH 1
 #define ROW_BATCH 4 /* rows that share each K load */
 
-/* Phase 1, as chunk_scores above, in 8 lanes: a chunk's 16 keys are two vectors per row.
- * With next_k, it also prefetches kv head g's K and V parts of the next block, spread over
- * its head dims, so the next block arrives while this one computes. All of a block's lines
- * prefetched at once at its start (stream_block) overlapped less: bench.bench_attention
- * --threads 2 (16 decodes at 272 keys, 30 layers from memory), six alternating runs each,
- * 21.0-26.3 ms (median 21.5) -> 16.0-20.3 (median 18.6). */
+/* Phase 1, as chunk_scores above, in 8 lanes: a chunk's 16 keys are two vectors per row. */
 static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, Scratch *w, const int64_t *rows,
                                                                 const int RB, const float *kb, int64_t g,
-                                                                int64_t start, int64_t n, const int D,
-                                                                const char *next_k, const char *next_v) {
+                                                                int64_t start, int64_t n, const int D) {
     const int64_t BS = t->a->block_size, slot0 = start % BS;
     const __m256i low = first_lanes8(n), high = first_lanes8(n - 8);
     __m256 lo[ROW_BATCH], hi[ROW_BATCH];
     for (int i = 0; i < RB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     const float *kt = kb + g * D * BS + slot0; /* dim 0, key slot0 */
-    const int64_t lines = D * BS / 16; /* 64-byte lines in one kv head's K (or V) part */
     for (int d = 0; d < D; d++) {
-        if (next_k)
-            for (int64_t line = d * lines / D; line < (d + 1) * lines / D; line++) {
-                _mm_prefetch(next_k + line * 64, _MM_HINT_T0);
-                _mm_prefetch(next_v + line * 64, _MM_HINT_T0);
-            }
         const __m256 k0 = _mm256_maskload_ps(kt + d * BS, low), k1 = _mm256_maskload_ps(kt + d * BS + 8, high);
         for (int i = 0; i < RB; i++) {
             const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
@@ -421,19 +432,15 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
     const int64_t H = a->num_heads, G = t->group, block = t->table[start / a->block_size];
     const float *kb = (const float *)a->k_cache + block * a->block_stride;
     const float *vb = (const float *)a->v_cache + block * a->block_stride;
-    const int64_t next = start / a->block_size + 1; /* the next block, prefetched while this one computes */
-    const int has_next = next * a->block_size < t->num_keys;
-    const float *next_kb = has_next ? (const float *)a->k_cache + t->table[next] * a->block_stride : NULL;
-    const float *next_vb = has_next ? (const float *)a->v_cache + t->table[next] * a->block_stride : NULL;
     for (int64_t g = t->g0; g < t->g1; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
-        const char *next_k = has_next ? (const char *)(next_kb + g * D * a->block_size) : NULL;
-        const char *next_v = has_next ? (const char *)(next_vb + g * D * a->block_size) : NULL;
-        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D, next_k, next_v)
+        prefetch_next_part(t, a->k_cache, start, g);
+        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
+        prefetch_next_part(t, a->v_cache, start, g);
         for (int64_t i = 0; i < num_live; i += 2) {
             if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D);
             else chunk_values8(t, w, live + i, 1, vb, g, start, n, D);
@@ -448,8 +455,8 @@ static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { ch
 
 typedef void (*ChunkBody)(const Task *, Scratch *, int64_t, int64_t);
 
-#ifdef RAYLLM_AVX2
-#define BODY_PREFETCHES(body) ((body) == chunk_d64 || (body) == chunk_d128) /* chunk_scores8 prefetches */
+#ifdef HAVE_FAST_PATH
+#define BODY_PREFETCHES(body) ((body) == chunk_d64 || (body) == chunk_d128) /* prefetch_next_part */
 #else
 #define BODY_PREFETCHES(body) 0
 #endif
@@ -491,7 +498,7 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
         w->l[r] = 0.0f;
     }
     for (int64_t start = 0; start < t.num_keys;) {
-        if (start % BS == 0) stream_block(&t, start / BS, !BODY_PREFETCHES(body));
+        if (start % BS == 0 && (start == 0 || !BODY_PREFETCHES(body))) stream_block(&t, start / BS, !BODY_PREFETCHES(body));
         const int64_t left_in_block = BS - start % BS;
         int64_t n = t.num_keys - start < CHUNK ? t.num_keys - start : CHUNK;
         n = n < left_in_block ? n : left_in_block;
