@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=272)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prefill", action="store_true",
+                        help="a prefill step instead: each sequence's --context tokens are all queries (causal), "
+                             "e.g. --seqs 8 --context 256, the c16 workload's 2048-token prompt steps")
     parser.add_argument("--pool-gb", type=float, default=1.0,
                         help="KV pool over all layers (the shipped kv_cache_memory_gb); the step's blocks are "
                              "scattered over it, as a served step's are; 0: just the blocks the step reads")
@@ -49,13 +52,14 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     block_tables = (torch.randperm(num_blocks - 1, generator=generator)[: args.seqs * blocks_per_seq] + 1)
     block_tables = block_tables.view(args.seqs, blocks_per_seq).to(torch.int32).contiguous()
-    query_start_loc = torch.arange(args.seqs + 1, dtype=torch.int32)
+    queries_per_seq = args.context if args.prefill else 1
+    query_start_loc = torch.arange(args.seqs + 1, dtype=torch.int32) * queries_per_seq
     seq_lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
     layers = []
     for _ in range(LAYERS):
         k_cache, v_cache = cpu_attention.allocate_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
         k_cache.copy_(torch.randn(k_cache.shape, generator=generator).to(dtype))  # K and V share one pool
-        q = torch.randn(args.seqs, HEADS, HEAD_DIM, generator=generator).to(dtype)
+        q = torch.randn(args.seqs * queries_per_seq, HEADS, HEAD_DIM, generator=generator).to(dtype)
         layers.append((q, k_cache, v_cache))
     pool_mb = sum(k.untyped_storage().nbytes() for _, k, _ in layers) / 1e6
     scale = HEAD_DIM ** -0.5
@@ -69,7 +73,8 @@ def main() -> None:
     run(layers)
     cold = statistics.median(run(layers) for _ in range(args.repeats))
     warm = statistics.median(run([layers[0]] * LAYERS) for _ in range(args.repeats))
-    print(f"{args.dtype}, {args.threads} thread(s), {args.seqs} seqs x {args.context} keys, {LAYERS} layers "
+    what = f"prefill of {args.seqs} x {args.context} tokens" if args.prefill else f"{args.seqs} seqs x {args.context} keys"
+    print(f"{args.dtype}, {args.threads} thread(s), {what}, {LAYERS} layers "
           f"({pool_mb:.0f} MB of pools): {cold * 1e3:.1f} ms from memory, {warm * 1e3:.1f} ms on one warm pool")
 
 

@@ -80,6 +80,7 @@ typedef struct {
     float acc[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* running sum of p_j v_j */
     float p[MAX_ROWS][CHUNK] __attribute__((aligned(64))); /* this chunk's e^(s_j - m) per row */
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
+    float l_lanes[MAX_ROWS][16] __attribute__((aligned(64))); /* the AVX-512 body's running sums, per lane */
     float m[MAX_ROWS], l[MAX_ROWS], correction[MAX_ROWS];
 } Scratch;
 
@@ -237,20 +238,30 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
 #define HAVE_FAST_PATH 1
 #define ROW_BATCH 4 /* rows that share each K or V load */
 
-/* softmax_row for 16 scores in a vector: the same update, vectorised. */
+/* softmax_row for 16 scores in a vector, with the running max raised lazily: m moves only when
+ * a visible score exceeds it by more than MAX_SLACK, so most chunks need no horizontal max, no
+ * correction (c = 1) and no rescaling of acc and l. Every p_j = e^(s_j - m) is then at most
+ * e^MAX_SLACK (about 3000): exact enough in fp32 and, rounded to bf16 for a bf16 pool, with the
+ * same relative error as any p. The row's sum is kept per lane (l_lanes) and added up once, at
+ * the end. The result, acc / l, is the same softmax; only the rounding differs from the
+ * exact-max update of the other bodies (the tests compare every body with torch_ref).
+ * prefill of 8 x 256 tokens, 30 layers, bf16, 1 thread (bench.bench_attention --prefill):
+ * with the exact-max update the softmax was 117 of 264 ms. */
+#define MAX_SLACK 8.0f
 static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, int64_t visible) {
     const __mmask16 live = visible > 0 ? (__mmask16)((1u << visible) - 1u) : 0;
-    scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_BIG), scores);
-    const float chunk_max = _mm512_reduce_max_ps(scores);
-    const float old_max = w->m[r], new_max = chunk_max > old_max ? chunk_max : old_max;
-    /* one exp for the chunk's 16 probabilities, another (lane 0) for the correction */
-    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    const float correction = _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(old_max - new_max)));
+    const float old_max = w->m[r];
+    float max = old_max, correction = 1.0f;
+    if (_mm512_mask_cmp_ps_mask(live, scores, _mm512_set1_ps(old_max + MAX_SLACK), _CMP_GT_OQ)) {
+        max = _mm512_mask_reduce_max_ps(live, scores); /* > old_max + MAX_SLACK */
+        correction = expf(old_max - max); /* 0 at the row's first visible chunk (old_max is NEG_BIG) */
+        w->m[r] = max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(max))));
     _mm512_store_ps(w->p[r], p);
     _mm256_storeu_si256((__m256i *)w->pb[r], (__m256i)_mm512_cvtneps_pbh(p));
     w->correction[r] = correction;
-    w->m[r] = new_max;
-    w->l[r] = w->l[r] * correction + _mm512_reduce_add_ps(p);
+    _mm512_store_ps(w->l_lanes[r], _mm512_fmadd_ps(_mm512_load_ps(w->l_lanes[r]), _mm512_set1_ps(correction), p));
 }
 
 /* Phase 1 for rows[0, RB) of kv head g over the chunk [start, start + n): scores for up to
@@ -496,6 +507,7 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
         memset(w->acc[r], 0, (size_t)D * sizeof(float));
         w->m[r] = NEG_BIG;
         w->l[r] = 0.0f;
+        memset(w->l_lanes[r], 0, sizeof w->l_lanes[r]);
     }
     for (int64_t start = 0; start < t.num_keys;) {
         if (start % BS == 0 && (start == 0 || !BODY_PREFETCHES(body))) stream_block(&t, start / BS, !BODY_PREFETCHES(body));
@@ -508,7 +520,9 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
     for (int64_t r = 0; r < t.num_rows; r++) {
         if (!row_in_task(&t, r)) continue;
         const int64_t offset = (token0 + r / H) * a->out_stride_token + (r % H) * a->out_stride_head;
-        const float inv = 1.0f / w->l[r];
+        float sum = w->l[r]; /* the AVX-512 body sums in l_lanes, the others in l */
+        for (int lane = 0; lane < 16; lane++) sum += w->l_lanes[r][lane];
+        const float inv = 1.0f / sum;
         if (a->dtype == DTYPE_F32) {
             float *dst = (float *)a->out + offset;
             for (int64_t d = 0; d < D; d++) dst[d] = w->acc[r][d] * inv;
