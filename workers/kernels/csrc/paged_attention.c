@@ -56,6 +56,7 @@
 #define ROWS_PER_TASK 64 /* a prefill tile takes max(1, ROWS_PER_TASK / num_heads) queries */
 #define CHUNK 16         /* keys scored together */
 #define NEG_BIG (-1.0e30f) /* a finite "minus infinity": e^(NEG_BIG - m) is 0, with no inf - inf */
+#define MAX_SLACK 8.0f /* the SIMD bodies raise a row's running max only past max + this (softmax_row_fast) */
 
 
 
@@ -80,7 +81,7 @@ typedef struct {
     float acc[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* running sum of p_j v_j */
     float p[MAX_ROWS][CHUNK] __attribute__((aligned(64))); /* this chunk's e^(s_j - m) per row */
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
-    float l_lanes[MAX_ROWS][16] __attribute__((aligned(64))); /* the AVX-512 body's running sums, per lane */
+    float l_lanes[MAX_ROWS][16] __attribute__((aligned(64))); /* the SIMD bodies' running sums, per lane */
     float m[MAX_ROWS], l[MAX_ROWS], correction[MAX_ROWS];
 } Scratch;
 
@@ -244,10 +245,9 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
  * e^MAX_SLACK (about 3000): exact enough in fp32 and, rounded to bf16 for a bf16 pool, with the
  * same relative error as any p. The row's sum is kept per lane (l_lanes) and added up once, at
  * the end. The result, acc / l, is the same softmax; only the rounding differs from the
- * exact-max update of the other bodies (the tests compare every body with torch_ref).
+ * exact-max update of the portable body (the tests compare every body with torch_ref).
  * prefill of 8 x 256 tokens, 30 layers, bf16, 1 thread (bench.bench_attention --prefill):
  * with the exact-max update the softmax was 117 of 264 ms. */
-#define MAX_SLACK 8.0f
 static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, int64_t visible) {
     const __mmask16 live = visible > 0 ? (__mmask16)((1u << visible) - 1u) : 0;
     const float old_max = w->m[r];
@@ -395,17 +395,23 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
         const __m256 live_hi = _mm256_castsi256_ps(first_lanes8(visible - 8));
         const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lo[i], live_lo);
         const __m256 s1 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), hi[i], live_hi);
-        const float chunk_max = hmax8(_mm256_max_ps(s0, s1));
-        const float new_max = chunk_max > w->m[r] ? chunk_max : w->m[r];
-        const __m256 m = _mm256_set1_ps(new_max);
+        /* the lazy max of softmax_row_fast; the sum in the first 8 of the row's l_lanes */
+        const float old_max = w->m[r];
+        float max = old_max, correction = 1.0f;
+        const __m256 limit = _mm256_set1_ps(old_max + MAX_SLACK);
+        if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(s0, limit, _CMP_GT_OQ), _mm256_cmp_ps(s1, limit, _CMP_GT_OQ)))) {
+            max = hmax8(_mm256_max_ps(s0, s1));
+            correction = expf(old_max - max);
+            w->m[r] = max;
+        }
+        const __m256 m = _mm256_set1_ps(max);
         const __m256 p0 = _mm256_and_ps(live_lo, exp8_ps(_mm256_sub_ps(s0, m)));
         const __m256 p1 = _mm256_and_ps(live_hi, exp8_ps(_mm256_sub_ps(s1, m)));
         _mm256_store_ps(w->p[r], p0);
         _mm256_store_ps(w->p[r] + 8, p1);
-        const float correction = expf(w->m[r] - new_max);
         w->correction[r] = correction;
-        w->m[r] = new_max;
-        w->l[r] = w->l[r] * correction + hsum8(_mm256_add_ps(p0, p1));
+        const __m256 sum = _mm256_load_ps(w->l_lanes[r]);
+        _mm256_store_ps(w->l_lanes[r], _mm256_fmadd_ps(sum, _mm256_set1_ps(correction), _mm256_add_ps(p0, p1)));
     }
 }
 
@@ -520,7 +526,7 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
     for (int64_t r = 0; r < t.num_rows; r++) {
         if (!row_in_task(&t, r)) continue;
         const int64_t offset = (token0 + r / H) * a->out_stride_token + (r % H) * a->out_stride_head;
-        float sum = w->l[r]; /* the AVX-512 body sums in l_lanes, the others in l */
+        float sum = w->l[r]; /* the SIMD bodies sum in l_lanes, the portable one in l */
         for (int lane = 0; lane < 16; lane++) sum += w->l_lanes[r][lane];
         const float inv = 1.0f / sum;
         if (a->dtype == DTYPE_F32) {
