@@ -36,8 +36,9 @@
  *                        l = l * c + sum_j p_j,   m = m'
  *     2. for every row:  acc = acc * c + sum_j p_j v_j   (p_j rounded to bf16 for a bf16 pool)
  *
- * and a row's output is acc / l, rounded to the pool's dtype (nearest even). Three
- * implementations of a chunk: AVX-512 (AVX512_BF16 for bf16) for head_dim 64 and 128; AVX2 +
+ * and a row's output is acc / l, rounded to the pool's dtype (nearest even). The SIMD bodies
+ * keep m' = m unless some s_j > m + MAX_SLACK (then c = 1 and no rescaling), which changes only
+ * the rounding (softmax_row_fast says why it is safe). Three implementations of a chunk: AVX-512 (AVX512_BF16 for bf16) for head_dim 64 and 128; AVX2 +
  * FMA (8 lanes, fp32 pools) for the same head dims where the CPU has no AVX-512; portable C
  * for everything else.
  */
