@@ -14,9 +14,12 @@ of docs/benchmarks.md.
 Servers run one at a time on this machine, each started by its launcher in bench/peers/
 (which waits for /health) and stopped before the next starts, so no two compete for the
 cores. Every cell of every server is run `--runs` times with the same client
-(bench/serving_client.py); run r uses seed r, so every server gets the same prompts and a
-later run never hits the prefix cache an earlier run warmed (the untimed first request is
-cached everywhere, as in vLLM's client). A cell whose JSON exists is skipped unless
+(bench/serving_client.py); run r of the k-th cell uses seed 100 k + r (cell_seed), so every
+server gets the same prompts, and neither a later run nor a later cell hits the prefix cache
+an earlier one warmed (the untimed first request is cached everywhere, as in vLLM's client).
+Until 2026-11-26 run r of every cell used seed r, so the random cells shared prompts: c16
+found c1's and c4's first prompts cached (up to 35% of its prompt tokens, a different share on
+each server, depending on its cache) whenever they ran before it in the same server session. A cell whose JSON exists is skipped unless
 `--force`, so an interrupted matrix goes on where it stopped. Then bench/matrix_report.py
 writes the results section of docs/benchmarks.md (tables, ratios ours/peer, plots).
 
@@ -143,11 +146,17 @@ def result_path(out_dir: Path, server: str, cell: str, run: int) -> Path:
     return out_dir / server / f"{cell}-run{run}.json"
 
 
+def cell_seed(cell: Cell, run: int) -> int:
+    """The client's seed for run `run` of `cell`: distinct across cells, so no cell's prompts
+    are another's (the random cells draw from one generator: seed r gives c16 c1's 8 prompts first)."""
+    return 100 * list(CELLS).index(cell.name) + run
+
+
 def client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path) -> list[str]:
     num_prompts = min(cell.num_prompts, server.max_prompts or cell.num_prompts)
     return [
         "--base-url", f"http://127.0.0.1:{server.port}", "--tokenizer", str(model_dir),
-        "--label", server.name, "--num-prompts", str(num_prompts), "--seed", str(run),
+        "--label", server.name, "--num-prompts", str(num_prompts), "--seed", str(cell_seed(cell, run)),
         "--result-json", str(out), "--request-timeout", "900", "--max-duration", "1800",
         *cell.client_args,
     ]

@@ -67,7 +67,10 @@ def test_report_ratios_targets_and_markers(tmp_path) -> None:
 def test_plan_seeds_runs_caps_prompts_and_knob_cells_exist(tmp_path) -> None:
     hf, ours = matrix.SERVERS["hf"], matrix.SERVERS["ours"]
     argv = matrix.client_argv(hf, matrix.CELLS["c16"], 2, tmp_path / "x.json", tmp_path)
-    assert argv[argv.index("--num-prompts") + 1] == "16" and argv[argv.index("--seed") + 1] == "2"
+    assert argv[argv.index("--num-prompts") + 1] == "16" and argv[argv.index("--seed") + 1] == "202"
+    # no two (cell, run) pairs share a seed, so no cell finds another's prompts in the prefix cache
+    seeds = {matrix.cell_seed(cell, run) for cell in matrix.CELLS.values() for run in (1, 2, 3)}
+    assert len(seeds) == 3 * len(matrix.CELLS)
     argv = matrix.client_argv(ours, matrix.CELLS["c16"], 1, tmp_path / "x.json", tmp_path)
     assert argv[argv.index("--num-prompts") + 1] == "64" and argv[argv.index("--max-concurrency") + 1] == "16"
     for server in matrix.SERVERS.values():
