@@ -82,8 +82,8 @@ typedef struct {
     float acc[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* running sum of p_j v_j */
     float p[MAX_ROWS][CHUNK] __attribute__((aligned(64))); /* this chunk's e^(s_j - m) per row */
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
-    float l_lanes[MAX_ROWS][16] __attribute__((aligned(64))); /* the SIMD bodies' running sums, per lane */
-    float m[MAX_ROWS], l[MAX_ROWS], correction[MAX_ROWS];
+    float l[MAX_ROWS][16] __attribute__((aligned(64))); /* running sum of p_j, per lane (portable: lane 0) */
+    float m[MAX_ROWS], correction[MAX_ROWS];
 } Scratch;
 
 static inline int64_t pack_of(int dtype) { return dtype == DTYPE_BF16 ? 2 : 1; }
@@ -107,6 +107,14 @@ static inline int64_t visible_keys(const Task *t, int64_t r, int64_t start, int6
 
 static inline int64_t element_size(const AttentionArgs *a) { return a->dtype == DTYPE_F32 ? 4 : 2; }
 
+/* Bytes of one kv head's K (or V) part of a block. */
+static inline int64_t part_bytes(const AttentionArgs *a) { return a->block_size * a->head_dim * element_size(a); }
+
+/* Kv head g's part of block `index` of the task's sequence in `cache` (the K or the V pool). */
+static inline const char *block_part(const Task *t, const void *cache, int64_t index, int64_t g) {
+    return (const char *)cache + t->table[index] * t->a->block_stride * element_size(t->a) + g * part_bytes(t->a);
+}
+
 /* Reads block `index` of the task's sequence whole, with plain vector loads, and with
  * prefetch_next prefetches the next one into L2 (measured 1.4x faster than demand loads alone
  * on a pool in DRAM on the Zen 4 VM; with AVX2 on an EPYC, bench.bench_attention: 30 layers
@@ -114,13 +122,11 @@ static inline int64_t element_size(const AttentionArgs *a) { return a->dtype == 
  * this way, without prefetch_next: they prefetch the rest themselves (prefetch_next_part). */
 static void stream_block(const Task *t, int64_t index, int prefetch_next) {
     const AttentionArgs *a = t->a;
-    const int64_t head_bytes = a->block_size * a->head_dim * element_size(a); /* one kv head's K (or V) part */
-    const int64_t bytes = (t->g1 - t->g0) * head_bytes, first = t->g0 * head_bytes;
-    const char *k = (const char *)a->k_cache + t->table[index] * a->block_stride * element_size(a) + first;
-    const char *v = (const char *)a->v_cache + t->table[index] * a->block_stride * element_size(a) + first;
+    const int64_t bytes = (t->g1 - t->g0) * part_bytes(a);
+    const char *k = block_part(t, a->k_cache, index, t->g0), *v = block_part(t, a->v_cache, index, t->g0);
     if (prefetch_next && (index + 1) * a->block_size < t->num_keys) {
-        const char *next_k = (const char *)a->k_cache + t->table[index + 1] * a->block_stride * element_size(a) + first;
-        const char *next_v = (const char *)a->v_cache + t->table[index + 1] * a->block_stride * element_size(a) + first;
+        const char *next_k = block_part(t, a->k_cache, index + 1, t->g0);
+        const char *next_v = block_part(t, a->v_cache, index + 1, t->g0);
         for (int64_t offset = 0; offset < bytes; offset += 64) {
             __builtin_prefetch(next_k + offset, 0, 1);
             __builtin_prefetch(next_v + offset, 0, 1);
@@ -164,9 +170,8 @@ static inline void prefetch_next_part(const Task *t, const void *cache, int64_t 
     const AttentionArgs *a = t->a;
     const int64_t next = start / a->block_size + 1;
     if (start % a->block_size != 0 || next * a->block_size >= t->num_keys) return;
-    const int64_t part_bytes = a->block_size * a->head_dim * element_size(a); /* one kv head's K (or V) part */
-    const char *p = (const char *)cache + (t->table[next] * a->block_stride * element_size(a)) + g * part_bytes;
-    for (int64_t offset = 0; offset < part_bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+    const char *p = block_part(t, cache, next, g);
+    for (int64_t offset = 0; offset < part_bytes(a); offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
 /* The softmax update of row r from its chunk scores s[0, visible): p (fp32 and bf16), correction, m, l. */
@@ -183,7 +188,7 @@ static void softmax_row(Scratch *w, int64_t r, const float *s, int64_t visible) 
         sum += p;
     }
     w->m[r] = new_max;
-    w->l[r] = w->l[r] * w->correction[r] + sum;
+    w->l[r][0] = w->l[r][0] * w->correction[r] + sum;
 }
 
 /* ---------------------------------------------------------------- portable C */
@@ -191,9 +196,8 @@ static void softmax_row(Scratch *w, int64_t r, const float *s, int64_t visible) 
 static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) {
     const AttentionArgs *a = t->a;
     const int64_t D = a->head_dim, H = a->num_heads, slot0 = start % a->block_size;
-    const int64_t block = t->table[start / a->block_size];
-    const void *kb = (const char *)a->k_cache + block * a->block_stride * element_size(a);
-    const void *vb = (const char *)a->v_cache + block * a->block_stride * element_size(a);
+    const void *kb = block_part(t, a->k_cache, start / a->block_size, 0);
+    const void *vb = block_part(t, a->v_cache, start / a->block_size, 0);
     for (int64_t r = 0; r < t->num_rows; r++) {
         if (!row_in_task(t, r)) continue;
         const int64_t visible = visible_keys(t, r, start, n), g = (r % H) / t->group;
@@ -244,7 +248,7 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
  * a visible score exceeds it by more than MAX_SLACK, so most chunks need no horizontal max, no
  * correction (c = 1) and no rescaling of acc and l. Every p_j = e^(s_j - m) is then at most
  * e^MAX_SLACK (about 3000): exact enough in fp32 and, rounded to bf16 for a bf16 pool, with the
- * same relative error as any p. The row's sum is kept per lane (l_lanes) and added up once, at
+ * same relative error as any p. The row's sum is kept per lane (l) and added up once, at
  * the end. The result, acc / l, is the same softmax; only the rounding differs from the
  * exact-max update of the portable body (the tests compare every body with torch_ref).
  * prefill of 8 x 256 tokens, 30 layers, bf16, 1 thread (bench.bench_attention --prefill):
@@ -262,7 +266,7 @@ static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, int64_
     _mm512_store_ps(w->p[r], p);
     _mm256_storeu_si256((__m256i *)w->pb[r], (__m256i)_mm512_cvtneps_pbh(p));
     w->correction[r] = correction;
-    _mm512_store_ps(w->l_lanes[r], _mm512_fmadd_ps(_mm512_load_ps(w->l_lanes[r]), _mm512_set1_ps(correction), p));
+    _mm512_store_ps(w->l[r], _mm512_fmadd_ps(_mm512_load_ps(w->l[r]), _mm512_set1_ps(correction), p));
 }
 
 /* Phase 1 for rows[0, RB) of kv head g over the chunk [start, start + n): scores for up to
@@ -347,9 +351,9 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
 static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scratch *w, int64_t start, int64_t n,
                                                              const int DV) {
     const AttentionArgs *a = t->a;
-    const int64_t H = a->num_heads, G = t->group, block = t->table[start / a->block_size];
-    const char *kb = (const char *)a->k_cache + block * a->block_stride * element_size(a);
-    const char *vb = (const char *)a->v_cache + block * a->block_stride * element_size(a);
+    const int64_t H = a->num_heads, G = t->group;
+    const char *kb = block_part(t, a->k_cache, start / a->block_size, 0);
+    const char *vb = block_part(t, a->v_cache, start / a->block_size, 0);
     const int64_t most_values = DV <= 4 ? ROW_BATCH : 2; /* head_dim 128: 2 rows x 8 accumulators */
     for (int64_t g = t->g0; g < t->g1; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
@@ -396,7 +400,7 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
         const __m256 live_hi = _mm256_castsi256_ps(first_lanes8(visible - 8));
         const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lo[i], live_lo);
         const __m256 s1 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), hi[i], live_hi);
-        /* the lazy max of softmax_row_fast; the sum in the first 8 of the row's l_lanes */
+        /* the lazy max of softmax_row_fast; the sum in the first 8 of the row's lanes of l */
         const float old_max = w->m[r];
         float max = old_max, correction = 1.0f;
         const __m256 limit = _mm256_set1_ps(old_max + MAX_SLACK);
@@ -411,8 +415,8 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
         _mm256_store_ps(w->p[r], p0);
         _mm256_store_ps(w->p[r] + 8, p1);
         w->correction[r] = correction;
-        const __m256 sum = _mm256_load_ps(w->l_lanes[r]);
-        _mm256_store_ps(w->l_lanes[r], _mm256_fmadd_ps(sum, _mm256_set1_ps(correction), _mm256_add_ps(p0, p1)));
+        const __m256 sum = _mm256_load_ps(w->l[r]);
+        _mm256_store_ps(w->l[r], _mm256_fmadd_ps(sum, _mm256_set1_ps(correction), _mm256_add_ps(p0, p1)));
     }
 }
 
@@ -447,9 +451,9 @@ static inline __attribute__((always_inline)) void chunk_values8(const Task *t, S
 static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scratch *w, int64_t start, int64_t n,
                                                               const int D) {
     const AttentionArgs *a = t->a;
-    const int64_t H = a->num_heads, G = t->group, block = t->table[start / a->block_size];
-    const float *kb = (const float *)a->k_cache + block * a->block_stride;
-    const float *vb = (const float *)a->v_cache + block * a->block_stride;
+    const int64_t H = a->num_heads, G = t->group;
+    const float *kb = (const float *)block_part(t, a->k_cache, start / a->block_size, 0);
+    const float *vb = (const float *)block_part(t, a->v_cache, start / a->block_size, 0);
     for (int64_t g = t->g0; g < t->g1; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
@@ -513,11 +517,11 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
             memcpy(w->qb[r], (const uint16_t *)a->q + at, (size_t)D * sizeof(uint16_t));
         memset(w->acc[r], 0, (size_t)D * sizeof(float));
         w->m[r] = NEG_BIG;
-        w->l[r] = 0.0f;
-        memset(w->l_lanes[r], 0, sizeof w->l_lanes[r]);
+        memset(w->l[r], 0, sizeof w->l[r]);
     }
+    const int body_prefetches = BODY_PREFETCHES(body); /* then only the first block is read ahead */
     for (int64_t start = 0; start < t.num_keys;) {
-        if (start % BS == 0 && (start == 0 || !BODY_PREFETCHES(body))) stream_block(&t, start / BS, !BODY_PREFETCHES(body));
+        if (start % BS == 0 && (start == 0 || !body_prefetches)) stream_block(&t, start / BS, !body_prefetches);
         const int64_t left_in_block = BS - start % BS;
         int64_t n = t.num_keys - start < CHUNK ? t.num_keys - start : CHUNK;
         n = n < left_in_block ? n : left_in_block;
@@ -527,8 +531,8 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
     for (int64_t r = 0; r < t.num_rows; r++) {
         if (!row_in_task(&t, r)) continue;
         const int64_t offset = (token0 + r / H) * a->out_stride_token + (r % H) * a->out_stride_head;
-        float sum = w->l[r]; /* the SIMD bodies sum in l_lanes, the portable one in l */
-        for (int lane = 0; lane < 16; lane++) sum += w->l_lanes[r][lane];
+        float sum = 0.0f;
+        for (int lane = 0; lane < 16; lane++) sum += w->l[r][lane];
         const float inv = 1.0f / sum;
         if (a->dtype == DTYPE_F32) {
             float *dst = (float *)a->out + offset;
