@@ -34,6 +34,8 @@ class SchedulerConfig:
     # ...and while at least half of the running sequences reach max_tokens within this many steps
     # (0: never), new requests wait for them to end, whatever their number: a prompt computed now
     # would stall streams that are about to finish anyway. Still at most max_waiting_steps.
+    # Conversely, while at least half of them have sampled fewer than this many tokens, new
+    # requests are not held: they join the batch just started and end within this many steps of it.
     hold_while_finishing_steps: int = 0
 
     def __post_init__(self) -> None:

@@ -12,7 +12,8 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    num_computed_tokens > 0. With waiting_served_ratio > 0 and sequences running, new
    requests are held until enough of them wait or the oldest has waited max_waiting_steps
    (`_holds_new_prompts`), so that prompts arriving close together share one prefill step;
-   with hold_while_finishing_steps, also while most running sequences are about to end.
+   with hold_while_finishing_steps, also while most running sequences are about to end, and
+   never while most of them have just started (an arrival joins their batch).
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
 the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
@@ -391,7 +392,8 @@ class Scheduler:
         enough) turns many such gaps into one. Preempted and migrated requests at the head
         were running already: they are never held. Nor are requests that were waiting when a
         step's prompt budget ran out: they belong to the batch of prompts just computed, and
-        holding them would leave them behind it, to stall its streams later.
+        holding them would leave them behind it, to stall its streams later; nor, for the same
+        reason, while most running sequences have just started (_running_mostly_starting).
         """
         ratio = self.config.waiting_served_ratio
         if ratio == 0 or self.num_running_seqs == 0 or not self.waiting:
@@ -401,7 +403,26 @@ class Scheduler:
             return False
         if self._num_steps_handed_out - head.queued_at_step >= self.config.max_waiting_steps:
             return False
-        return len(self.waiting) < ratio * self.num_running_seqs or self._running_mostly_finishing()
+        if self._running_mostly_finishing():
+            return True
+        if self._running_mostly_starting():
+            return False
+        return len(self.waiting) < ratio * self.num_running_seqs
+
+    def _running_mostly_starting(self) -> bool:
+        """Whether at least half of the running sequences have sampled fewer than
+        hold_while_finishing_steps tokens: a batch of prompts is still being computed or has
+        just been, and an arrival now joins it instead of waiting. Held, a few late members of
+        a burst (their clients' requests took longer to reach us) would start max_waiting_steps
+        behind the rest, end that far behind them, and their clients' next requests would then
+        arrive alone beside the next batch, to be held and stall it, wave after wave. Admitted
+        now, they end within hold_while_finishing_steps of the batch, and the finishing hold
+        keeps the next requests together (bench/sim_waves.py replays that loop)."""
+        steps = self.config.hold_while_finishing_steps
+        if steps == 0:
+            return False
+        starting = sum(request.num_seqs for request in self.running if request.num_output_tokens < steps)
+        return 2 * starting >= self.num_running_seqs
 
     def _running_mostly_finishing(self) -> bool:
         """Whether at least half of the running sequences reach their length limit within

@@ -115,7 +115,8 @@ class AppArgs(BaseModel):
         4, ge=0,
         description="With waiting_served_ratio > 0: while at least half of a worker's running sequences reach "
         "max_tokens within this many steps, new requests wait for them to end (at most max_waiting_steps), so a "
-        "prompt does not stall streams that are about to finish. 0: off.",
+        "prompt does not stall streams that are about to finish; and while at least half of them have sampled "
+        "fewer than this many tokens, new requests are not held (they join the batch just started). 0: off.",
     )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")

@@ -207,3 +207,24 @@ def test_waiting_for_streams_about_to_end_changes_when_tokens_come_never_which(a
     assert held.tokens == ratio_only.tokens == free.tokens
     assert held.finish_reasons == ratio_only.finish_reasons == free.finish_reasons
     assert prompt_steps(held_runner, "r") != prompt_steps(ratio_runner, "r")  # the setting did hold some
+
+
+def test_an_arrival_joins_a_batch_that_has_just_started():
+    """A burst's late member (its request took longer to reach us) arrives while the burst's
+    prompts are computed. Held, it would start max_waiting_steps behind the burst and end that
+    far behind it; it joins at the next step instead. Once most of the batch has sampled
+    hold_while_finishing_steps tokens, an arrival is held as before."""
+    s, runner = make(waiting_served_ratio=0.3, max_waiting_steps=100, hold_while_finishing_steps=4)
+    for i in range(8):
+        s.add_request(req(f"run{i}", 8, max_tokens=40))
+    step(s, runner)  # the burst's eight prompts; each has sampled one token
+    s.add_request(req("late", 8, max_tokens=40))  # 1 < 0.3 x 8 running: the ratio alone would hold it
+    assert step(s, runner).num_scheduled_tokens["late"] == 8
+    for _ in range(3):
+        step(s, runner)  # the burst has sampled 5 tokens, "late" 4
+    s.add_request(req("next", 8, max_tokens=4))
+    held = [step(s, runner) for _ in range(3)]
+    assert all("next" not in out.num_scheduled_tokens for out in held)
+    run_steps(s, runner)
+    assert_pool_full(s)
+
