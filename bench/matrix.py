@@ -109,6 +109,9 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("ours-nofinishhold", "ours with hold_while_finishing_steps=0: arrivals are not held for running streams "
            "about to end (the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("hold_while_finishing_steps=0",)),
+    Server("ours-nolongchunk", "ours with long_prefill_tokens_while_decoding=null: a long prompt beside decoding "
+           "streams takes 512-token chunks, the threshold (the shipped YAML otherwise)", "ours.sh", 8000,
+           ("long-prompt",), ("long_prefill_tokens_while_decoding=null",)),
     Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
            ALL_CELLS, _ONE_WORKER),
     Server("ours-1w2t", "ours with 1 worker x 2 torch threads (the shipped YAML otherwise)", "ours.sh", 8000,

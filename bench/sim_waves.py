@@ -43,6 +43,7 @@ SHIPPED = SchedulerConfig(  # deploy/serve.yaml's scheduling settings
     num_blocks=4096,
     max_model_len=8192,
     long_prefill_token_threshold=512,
+    long_prefill_tokens_while_decoding=128,
     async_scheduling=True,
     waiting_served_ratio=0.3,
     max_waiting_steps=20,

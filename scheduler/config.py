@@ -20,6 +20,11 @@ class SchedulerConfig:
     # bounds that delay per step (Sarathi-Serve's stall-free batching) instead of computing
     # waves of prompts in single long steps.
     max_prefill_tokens_while_decoding: int | None = None
+    # ...and of long prompts (more than long_prefill_token_threshold tokens), summed over them:
+    # the tokens such a step computes at most (None: no cap). Prompts up to the threshold are
+    # computed whole, so a burst of short prompts still starts together, while long ones beside
+    # decoding streams delay each of their tokens by one short chunk a step, not a threshold's.
+    long_prefill_tokens_while_decoding: int | None = None
     # The engine decides step N+1 while the worker runs step N (Scheduler.schedule_ahead), so
     # the worker never waits for the scheduler between steps. Needs a worker that runs steps
     # in the order they were handed out (a Ray actor does, per caller; so do the engine's threads).
@@ -47,6 +52,8 @@ class SchedulerConfig:
         assert t is None or t >= 1, t
         cap = self.max_prefill_tokens_while_decoding
         assert cap is None or cap >= 1, cap
+        long_cap = self.long_prefill_tokens_while_decoding
+        assert long_cap is None or long_cap >= 1, long_cap
         assert self.waiting_served_ratio >= 0, self.waiting_served_ratio
         assert self.max_waiting_steps >= 0, self.max_waiting_steps
         assert self.hold_while_finishing_steps >= 0, self.hold_while_finishing_steps

@@ -85,6 +85,7 @@ class Scheduler:
         # whose prompt budget ran out: they missed a prefill only for lack of room, never held.
         self._left_over_through = -1
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens the step being decided may still compute
+        self._long_left: int | None = None  # tokens long prompts may still compute in it (None: no such cap)
 
     # --- queries -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -189,7 +190,7 @@ class Scheduler:
         stats = StepStats(step=self.totals.num_steps + 1)
         batch = StepBatch()
         self._fork_ready_parents(batch, stats)
-        self._prefill_left = self._prefill_tokens_this_step()
+        self._set_prefill_limits()
         budget = self._schedule_running(self.config.max_num_batched_tokens, batch, stats)
         if stats.num_preemptions == 0:
             self._schedule_waiting(budget, batch, stats)
@@ -207,7 +208,7 @@ class Scheduler:
         running_step = self._in_flight[0][0].num_scheduled_tokens
         plan = []  # (request, computed by then, tokens now)
         budget = self.config.max_num_batched_tokens
-        self._prefill_left = self._prefill_tokens_this_step(running_step)
+        self._set_prefill_limits(running_step)
         for request in self.running:
             if request.is_fork_parent and request.num_computed_tokens == request.num_tokens_to_compute:
                 return _empty_step()  # a fork is due: it happens in a synchronous schedule()
@@ -220,11 +221,11 @@ class Scheduler:
                 if self._finishes_by_length_after_one_more(request):
                     continue  # done once the running step lands: nothing to compute ahead
                 target += 1  # the token the running step samples: the worker will hold it
-            num_new = self._cap_new_tokens(target - computed, budget)
+            num_new = self._cap_new_tokens(target - computed, budget, request)
             if num_new > 0:
                 plan.append((request, computed, num_new))
                 budget -= num_new
-                self._charge_prefill(target - computed, num_new)
+                self._charge_prefill(target - computed, num_new, request)
         num_new_blocks = sum(self.kv.num_blocks_to_grow(request.request_id, computed + num_new)
                              for request, computed, num_new in plan)
         if num_new_blocks > self.kv.num_free_blocks:
@@ -335,7 +336,7 @@ class Scheduler:
             request = self.running[i]
             num_left = request.num_tokens_to_compute - request.num_computed_tokens
             assert num_left > 0, f"{request.request_id} is running with nothing to compute"
-            num_new = self._cap_new_tokens(num_left, budget)
+            num_new = self._cap_new_tokens(num_left, budget, request)
             if num_new == 0:  # a prompt chunk, and this step's prompt tokens are spent
                 i += 1
                 continue
@@ -344,7 +345,7 @@ class Scheduler:
                     return budget
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
-            self._charge_prefill(num_left, num_new)
+            self._charge_prefill(num_left, num_new, request)
             i += 1
         return budget
 
@@ -361,14 +362,14 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 out_of_budget = True
                 break
-            num_left, num_new = num_new, self._cap_new_tokens(num_new, budget)
+            num_left, num_new = num_new, self._cap_new_tokens(num_new, budget, request)
             if num_new == 0:  # this step's prompt tokens are spent
                 out_of_budget = True
                 break
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
                 break
-            self._charge_prefill(num_left, num_new)
+            self._charge_prefill(num_left, num_new, request)
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_tokens
@@ -438,16 +439,27 @@ class Scheduler:
                         and self._tokens_before_length_stop(request) <= steps)
         return 2 * finishing >= self.num_running_seqs
 
-    def _prefill_tokens_this_step(self, running_step: dict[str, int] | None = None) -> int:
-        """Prompt tokens the step about to be decided may compute: max_prefill_tokens_while_decoding
-        while more sequences decode in it than there are prompts to compute (then a long step
-        would delay many streams to serve few prompts), else the whole budget. A sequence
-        decodes once it has sampled, or samples in running_step (the step in flight when
-        deciding ahead)."""
-        cap = self.config.max_prefill_tokens_while_decoding
-        if cap is None:
-            return self.config.max_num_batched_tokens
-        running_step = running_step or {}
+    def _set_prefill_limits(self, running_step: dict[str, int] | None = None) -> None:
+        """The prompt limits of the step about to be decided (running_step: the step in flight
+        when deciding ahead). While more sequences decode in it than there are prompts to
+        compute, a long step would delay many streams to serve few prompts, so:
+        max_prefill_tokens_while_decoding caps its prompt tokens (summed over requests), and
+        long_prefill_tokens_while_decoding caps the tokens of long prompts (longer than
+        long_prefill_token_threshold), summed over them. Otherwise the whole budget."""
+        config = self.config
+        self._prefill_left = config.max_num_batched_tokens
+        self._long_left = None
+        cap, long_cap = config.max_prefill_tokens_while_decoding, config.long_prefill_tokens_while_decoding
+        if (cap is None and long_cap is None) or not self._decoding_outnumbers_prompts(running_step or {}):
+            return
+        if cap is not None:
+            self._prefill_left = cap
+        if long_cap is not None and config.long_prefill_token_threshold is not None:
+            self._long_left = long_cap
+
+    def _decoding_outnumbers_prompts(self, running_step: dict[str, int]) -> bool:
+        """Whether more sequences decode in the next step than there are prompts to compute. A
+        sequence decodes once it has sampled, or samples in running_step."""
         num_decoding = 0
         for request in self.running:
             in_flight = running_step.get(request.request_id, 0)
@@ -455,11 +467,12 @@ class Scheduler:
                     in_flight and request.num_computed_tokens + in_flight >= request.num_tokens_to_compute):
                 num_decoding += 1
         num_prompts = len(self.running) - num_decoding + len(self.waiting)
-        return cap if num_decoding > num_prompts else self.config.max_num_batched_tokens
+        return num_decoding > num_prompts
 
-    def _cap_new_tokens(self, num_new: int, budget: int) -> int:
-        """Tokens a request lacking num_new may compute now. More than one lacking means prompt
-        tokens (or a recompute): those also draw on the step's prompt tokens left."""
+    def _cap_new_tokens(self, num_new: int, budget: int, request: Request) -> int:
+        """Tokens the request, lacking num_new, may compute now. More than one lacking means
+        prompt tokens (or a recompute): those also draw on the step's prompt tokens left, and
+        a long prompt's on the long prompts' tokens left."""
         is_prefill = num_new > 1
         num_new = min(num_new, budget)
         threshold = self.config.long_prefill_token_threshold
@@ -467,11 +480,16 @@ class Scheduler:
             num_new = min(num_new, threshold)
         if is_prefill and self.config.enable_chunked_prefill:
             num_new = min(num_new, self._prefill_left)
+            if self._long_left is not None and request.num_tokens_to_compute > threshold:
+                num_new = min(num_new, self._long_left)
         return num_new
 
-    def _charge_prefill(self, num_left: int, num_new: int) -> None:
+    def _charge_prefill(self, num_left: int, num_new: int, request: Request) -> None:
         if num_left > 1:
             self._prefill_left -= num_new
+            threshold = self.config.long_prefill_token_threshold
+            if self._long_left is not None and request.num_tokens_to_compute > threshold:
+                self._long_left -= num_new
 
     def _preempt_newest(self, batch: StepBatch, stats: StepStats) -> Request:
         """Preempts the newest running sequence by recompute; returns it."""

@@ -95,6 +95,13 @@ class AppArgs(BaseModel):
         "prompt token in a step delays each decoding stream's next token, so this bounds that delay (Sarathi-Serve's "
         "stall-free batching); null: the step budget.",
     )
+    long_prefill_tokens_while_decoding: int | None = Field(
+        128, ge=1,
+        description="While more sequences decode than there are prompts to compute, prompts longer than "
+        "long_prefill_token_threshold compute at most this many tokens a step between them, so a long prompt "
+        "delays each decoding stream's tokens by a short chunk at a time; shorter prompts are computed whole. "
+        "null: no such limit (the threshold per prompt).",
+    )
     async_scheduling: bool = Field(
         True,
         description="Decide each step while the worker computes the previous one (vLLM's async scheduling), so "
@@ -283,6 +290,7 @@ class AppArgs(BaseModel):
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+            long_prefill_tokens_while_decoding=self.long_prefill_tokens_while_decoding,
             async_scheduling=self.async_scheduling,
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_steps=self.max_waiting_steps,

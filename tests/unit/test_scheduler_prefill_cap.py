@@ -89,3 +89,58 @@ def test_deciding_ahead_counts_the_streams_whose_prompt_the_running_step_finishe
     while driver.busy:
         driver.step()
     assert_pool_full(s)
+
+
+def test_beside_decodes_a_long_prompt_takes_short_chunks_and_a_short_one_goes_whole():
+    """long_prefill_tokens_while_decoding: a prompt longer than long_prefill_token_threshold is
+    computed in chunks of at most this many tokens while streams decode beside it; a prompt up
+    to the threshold still goes in one step, and with nobody decoding the long one takes the
+    threshold."""
+    s, runner = make(long_prefill_token_threshold=12, long_prefill_tokens_while_decoding=4)
+    s.add_request(req("alone", 30, max_tokens=2))
+    assert step(s, runner).num_scheduled_tokens == {"alone": 12}  # nobody decodes: the threshold
+    run_steps(s, runner)
+    start_four_decoding(s, runner)
+    s.add_request(req("long", 30, max_tokens=2))
+    s.add_request(req("short", 12, max_tokens=2))
+    steps = [step(s, runner).num_scheduled_tokens for _ in range(8)]
+    assert all(all(scheduled[f"run{i}"] == 1 for i in range(4)) for scheduled in steps)
+    assert [scheduled.get("long", 0) for scheduled in steps] == [4, 4, 4, 4, 4, 4, 4, 2]
+    assert steps[0]["short"] == 12  # up to the threshold: whole, in the first step
+    run_steps(s, runner)
+    assert_pool_full(s)
+
+
+def test_long_prompts_beside_decodes_share_one_chunk_a_step():
+    s, runner = make(long_prefill_token_threshold=12, long_prefill_tokens_while_decoding=4)
+    start_four_decoding(s, runner)
+    s.add_request(req("long0", 14, max_tokens=2))
+    s.add_request(req("long1", 14, max_tokens=2))
+    steps = [step(s, runner).num_scheduled_tokens for _ in range(8)]
+    assert [scheduled.get("long0", 0) for scheduled in steps] == [4, 4, 4, 2, 1, 0, 0, 0]  # then it decodes
+    assert [scheduled.get("long1", 0) for scheduled in steps] == [0, 0, 0, 2, 4, 4, 4, 1]  # what long0 leaves
+    run_steps(s, runner)
+    assert_pool_full(s)
+
+
+def test_a_stream_past_the_threshold_decodes_every_step_beside_a_long_prompt():
+    """A decode is never a long prompt's chunk, whatever its sequence's length."""
+    s, runner = make(long_prefill_token_threshold=12, long_prefill_tokens_while_decoding=4)
+    start_four_decoding(s, runner)
+    s.add_request(req("long", 40, max_tokens=2))
+    step(s, runner)  # long's first chunk
+    s.add_request(req("ctx", 11, max_tokens=8))  # whole in one step, then past 12 tokens as it decodes
+    steps = [step(s, runner).num_scheduled_tokens for _ in range(7)]
+    assert [scheduled["ctx"] for scheduled in steps] == [11, 1, 1, 1, 1, 1, 1]
+    assert all(scheduled["long"] == 4 for scheduled in steps)  # it came first: it takes the chunk
+    run_steps(s, runner)
+    assert_pool_full(s)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_the_long_prompt_chunk_changes_when_tokens_come_never_which(ahead):
+    capped, capped_runner = arrivals_transcript(ahead, 5, long_prefill_token_threshold=10,
+                                                long_prefill_tokens_while_decoding=3)
+    free, free_runner = arrivals_transcript(ahead, 5, long_prefill_token_threshold=10)
+    assert capped.tokens == free.tokens and capped.finish_reasons == free.finish_reasons
+    assert capped_runner.scheduled_history != free_runner.scheduled_history

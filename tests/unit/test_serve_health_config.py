@@ -146,6 +146,15 @@ def test_prefill_cap_while_decoding_reaches_the_scheduler() -> None:
         AppArgs.model_validate({"max_prefill_tokens_while_decoding": 0})
 
 
+def test_long_prompt_chunk_while_decoding_reaches_the_scheduler() -> None:
+    sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
+    assert AppArgs().scheduler_config(**sizes).long_prefill_tokens_while_decoding == 128
+    off = AppArgs.model_validate({"long_prefill_tokens_while_decoding": None}).scheduler_config(**sizes)
+    assert off.long_prefill_tokens_while_decoding is None
+    with pytest.raises(pydantic.ValidationError):
+        AppArgs.model_validate({"long_prefill_tokens_while_decoding": 0})
+
+
 def test_async_scheduling_is_on_by_default_and_can_be_turned_off() -> None:
     sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
     assert AppArgs().scheduler_config(**sizes).async_scheduling
