@@ -26,6 +26,7 @@ import asyncio
 import contextvars
 import dataclasses
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,8 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import CumulativeStats, RequestStats, StatsSink, StepStats
+
+logger = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -256,7 +259,10 @@ class Engine:
     async def step(self) -> list[RequestOutput]:
         """One engine step; returns the deltas it produced (already sent to the streams)."""
         async with self._lock():
-            flight = self._launch()
+            try:
+                flight = self._launch()
+            except _SchedulerFailed:
+                return []  # its streams got the error
             if flight is None:
                 return []
             outputs = await self._land(flight)
@@ -275,7 +281,11 @@ class Engine:
         ahead: the last step is still running (Scheduler.schedule_ahead); None also when the
         next step must wait for its result."""
         started = self.clock()
-        scheduler_output = self.scheduler.schedule_ahead() if ahead else self.scheduler.schedule()
+        try:
+            scheduler_output = self.scheduler.schedule_ahead() if ahead else self.scheduler.schedule()
+        except Exception as error:
+            self._scheduler_failed(error)
+            raise _SchedulerFailed from error
         if scheduler_output.is_empty:
             return None
         self._mark_scheduled(scheduler_output, started)
@@ -292,7 +302,25 @@ class Engine:
                 self._fail_all(error)
             raise
         flight.landed = self.clock()
-        return self.scheduler.update_from_output(flight.scheduler_output, runner_output)
+        try:
+            return self.scheduler.update_from_output(flight.scheduler_output, runner_output)
+        except Exception as error:
+            self._scheduler_failed(error)
+            raise
+
+    def _scheduler_failed(self, error: Exception) -> None:
+        """The scheduler itself raised (a bug, not the runner): its state cannot be trusted, so
+        its requests end as for a runner error on a live worker (their streams get the error,
+        the KV accounting starts empty) and the engine goes on with new requests, instead of
+        every later step failing on the half-updated state."""
+        logger.error("engine %s: the scheduler failed; ending its %d requests with the error",
+                     self.worker_label, len(self._streams), exc_info=error)
+        known = [request.request_id for request in self.scheduler.requests.values() if request.sent_to_worker]
+        if self.on_runner_error is not None:
+            self.on_runner_error(self, error)
+        else:
+            self._fail_all(error)
+        self.scheduler.finished_for_worker.update(known)  # the worker forgets them with the next step
 
     def _deliver(self, flight: StepInFlight, outputs: list[RequestOutput]) -> None:
         """Sends a landed step's deltas to their streams and its stats to the sink."""
@@ -344,12 +372,18 @@ class Engine:
         async with self._lock():
             flight: StepInFlight | None = None
             while flight is not None or self.scheduler.has_unfinished_requests():
-                if flight is None:
-                    flight = self._launch()
+                try:
                     if flight is None:
-                        await asyncio.sleep(0)  # nothing can run now: let aborts and new requests in
-                        continue
-                following = self._launch(ahead=True) if ahead else None
+                        flight = self._launch()
+                        if flight is None:
+                            await asyncio.sleep(0)  # nothing can run now: let aborts and new requests in
+                            continue
+                    following = self._launch(ahead=True) if ahead else None
+                except _SchedulerFailed:  # its streams got the error and it starts empty
+                    if flight is not None:
+                        await _discard(flight)  # handed out by the failed state: its result means nothing
+                    flight = None
+                    continue
                 try:
                     outputs = await self._land(flight)
                 except asyncio.CancelledError:
@@ -366,7 +400,10 @@ class Engine:
                     following.started = max(following.started, landed.landed or following.started)  # ran after N
                     flight = following
                 else:
-                    flight = self._launch() if self.scheduler.has_unfinished_requests() else None
+                    try:
+                        flight = self._launch() if self.scheduler.has_unfinished_requests() else None
+                    except _SchedulerFailed:
+                        flight = None
                 self._deliver(landed, outputs)
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> list[float]:
@@ -437,6 +474,10 @@ class Engine:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+class _SchedulerFailed(Exception):
+    """Engine._launch: the scheduler raised; Engine._scheduler_failed has ended its requests."""
 
 
 def _abandon(flight: StepInFlight) -> None:

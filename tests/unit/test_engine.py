@@ -268,3 +268,42 @@ def test_runner_death_migrates_streams_to_another_engine():
                 ]
             assert sorted(d.index for d in deltas if d.finished) == sorted(d.index for d in want if d.finished)
         assert_pool_full(live.scheduler)
+
+
+@pytest.mark.parametrize("method", ["schedule", "schedule_ahead", "update_from_output"])
+def test_a_scheduler_error_fails_its_streams_and_the_engine_goes_on(method):
+    """A bug in the scheduler (it raises mid-step) must not leave the engine stuck on its
+    half-updated state, every later step failing: its requests end with the error and the
+    next request runs."""
+    if method == "schedule_ahead" and not CFG.async_scheduling:
+        pytest.skip("only the async loop decides ahead")
+
+    failing_call = 1 if method == "schedule" and CFG.async_scheduling else 3  # async: schedule() starts the run
+
+    class Buggy(Scheduler):
+        calls = 0
+
+        def fail_once(self):
+            Buggy.calls += 1
+            if Buggy.calls == failing_call:
+                raise KeyError("a scheduler bug")
+
+    original = getattr(Scheduler, method)
+
+    def buggy(self, *args):
+        self.fail_once()
+        return original(self, *args)
+
+    setattr(Buggy, method, buggy)
+
+    async def main():
+        engine = Engine(CFG, FakeRunner(CFG.block_size, CFG.num_blocks), scheduler=Buggy(CFG))
+        stream = engine.add_request(EngineRequest("a", [1, 2, 3], GREEDY))
+        with pytest.raises(KeyError, match="a scheduler bug"):
+            await collect(stream)
+        deltas = await collect(engine.add_request(EngineRequest("b", [1, 2, 3], GREEDY)))
+        assert_pool_full(engine.scheduler)
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert sum(len(d.new_token_ids) for d in deltas) == 12 and deltas[-1].finish_reason == FinishReason.LENGTH
