@@ -99,13 +99,12 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
     sent = 0
     sent_at: dict[str, float] = {}
     last_token_at: dict[str, float] = {}
+    first_token_at: dict[str, float] = {}
+    num_tokens: dict[str, int] = {}  # request -> tokens it has received
     prompt_left: dict[str, bool] = {}
-    ttfts: list[float] = []
     long_ids: set[str] = set()  # ITLs are the other requests' (the long-prompt cell reports its short streams')
     itls: list[float] = []
-    scheduler_position: dict[str, int] = {}
     long_gaps: dict[str, list[int]] = {}  # request -> output positions after a gap over 150 ms
-    first_token_at: dict[str, float] = {}
 
     def send(now: float, mean: float) -> None:
         nonlocal sent
@@ -139,12 +138,11 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
                 if rid not in long_ids:
                     itls.append(now - last_token_at[rid])
                 if now - last_token_at[rid] > 0.150:
-                    long_gaps.setdefault(rid, []).append(scheduler_position[rid])
+                    long_gaps.setdefault(rid, []).append(num_tokens[rid])
             else:
-                ttfts.append(now - sent_at[rid])
                 first_token_at[rid] = now
             last_token_at[rid] = now
-            scheduler_position[rid] = scheduler_position.get(rid, 0) + 1
+            num_tokens[rid] = num_tokens.get(rid, 0) + 1
             if out.finished:
                 send(now, workload.latency_mean_s)
 
@@ -168,14 +166,14 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
         flight = None if ahead.is_empty else (ahead, now + cost.of(ahead, prompt_left))
     duration = now
     itls.sort()
-    ttfts.sort()
+    ttfts = sorted(first_token_at[rid] - sent_at[rid] for rid in sent_at)
     return RunResult(
         tokens_per_s=workload.requests * workload.output_len / duration,
         itl_p99_ms=1000 * itls[int(0.99 * (len(itls) - 1))],
         ttft_p99_ms=1000 * ttfts[int(0.99 * (len(ttfts) - 1))],
         itls_over_150ms=sum(1 for x in itls if x > 0.150),
-        timeline=[f"{rid:>4} sent {sent_at[rid]:6.2f} first token {first_token_at[rid]:6.2f} end {last_token_at[rid]:6.2f}"
-                  f" long gaps at {long_gaps.get(rid, [])}" for rid in sent_at],
+        timeline=[f"{rid:>4} sent {sent_at[rid]:6.2f} first token {first_token_at[rid]:6.2f}"
+                  f" end {last_token_at[rid]:6.2f} long gaps at {long_gaps.get(rid, [])}" for rid in sent_at],
     )
 
 
@@ -213,7 +211,8 @@ def main() -> None:
         itl = [r.itl_p99_ms for r in runs]
         ttft = [r.ttft_p99_ms for r in runs]
         big = [r.itls_over_150ms for r in runs]
-        print(f"{name:>16} | {statistics.median(tps):6.1f} ({min(tps):6.1f}) | {statistics.median(itl):7.0f} ({max(itl):6.0f})"
+        print(f"{name:>16} | {statistics.median(tps):6.1f} ({min(tps):6.1f})"
+              f" | {statistics.median(itl):7.0f} ({max(itl):6.0f})"
               f" | {statistics.median(ttft):7.0f} ({max(ttft):6.0f}) | {statistics.median(big):5.0f} ({max(big):4d})")
 
 

@@ -35,7 +35,7 @@ one wasted position in N+1, whose output is dropped.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -419,11 +419,7 @@ class Scheduler:
         arrive alone beside the next batch, to be held and stall it, wave after wave. Admitted
         now, they end within hold_while_finishing_steps of the batch, and the finishing hold
         keeps the next requests together (bench/sim_waves.py replays that loop)."""
-        steps = self.config.hold_while_finishing_steps
-        if steps == 0:
-            return False
-        starting = sum(request.num_seqs for request in self.running if request.num_output_tokens < steps)
-        return 2 * starting >= self.num_running_seqs
+        return self._half_of_running(lambda request, steps: request.num_output_tokens < steps)
 
     def _running_mostly_finishing(self) -> bool:
         """Whether at least half of the running sequences reach their length limit within
@@ -431,13 +427,18 @@ class Scheduler:
         together, and their clients' next requests arrive together; when half a batch ends a step
         before the other half (its prompts were computed a step earlier), computing the new
         prompts at once would stall the other half's last tokens by a whole prefill step."""
+        return self._half_of_running(
+            lambda request, steps: request.num_output_tokens > 0  # else its prompt is still being computed
+            and self._tokens_before_length_stop(request) <= steps)
+
+    def _half_of_running(self, counts: Callable[[Request, int], bool]) -> bool:
+        """Whether hold_while_finishing_steps is on and at least half of the running sequences
+        belong to requests for which counts(request, hold_while_finishing_steps) holds."""
         steps = self.config.hold_while_finishing_steps
         if steps == 0:
             return False
-        finishing = sum(request.num_seqs for request in self.running
-                        if request.num_output_tokens > 0  # else its prompt is still being computed
-                        and self._tokens_before_length_stop(request) <= steps)
-        return 2 * finishing >= self.num_running_seqs
+        num_counted = sum(request.num_seqs for request in self.running if counts(request, steps))
+        return 2 * num_counted >= self.num_running_seqs
 
     def _set_prefill_limits(self, running_step: dict[str, int] | None = None) -> None:
         """The prompt limits of the step about to be decided (running_step: the step in flight
@@ -480,16 +481,21 @@ class Scheduler:
             num_new = min(num_new, threshold)
         if is_prefill and self.config.enable_chunked_prefill:
             num_new = min(num_new, self._prefill_left)
-            if self._long_left is not None and request.num_tokens_to_compute > threshold:
+            if self._draws_on_long_left(request):
                 num_new = min(num_new, self._long_left)
         return num_new
 
     def _charge_prefill(self, num_left: int, num_new: int, request: Request) -> None:
         if num_left > 1:
             self._prefill_left -= num_new
-            threshold = self.config.long_prefill_token_threshold
-            if self._long_left is not None and request.num_tokens_to_compute > threshold:
+            if self._draws_on_long_left(request):
                 self._long_left -= num_new
+
+    def _draws_on_long_left(self, request: Request) -> bool:
+        """Whether the request's prompt tokens count against this step's long-prompt cap: the
+        cap is on (long_prefill_tokens_while_decoding, streams decoding) and its prompt (or
+        recompute) is longer than long_prefill_token_threshold."""
+        return self._long_left is not None and request.num_tokens_to_compute > self.config.long_prefill_token_threshold
 
     def _preempt_newest(self, batch: StepBatch, stats: StepStats) -> Request:
         """Preempts the newest running sequence by recompute; returns it."""
