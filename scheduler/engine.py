@@ -299,7 +299,7 @@ class Engine:
             if self.on_runner_error is not None:
                 self.on_runner_error(self, error)
             else:
-                self._fail_all(error)
+                self.fail_all(error)
             raise
         flight.landed = self.clock()
         try:
@@ -315,12 +315,10 @@ class Engine:
         every later step failing on the half-updated state."""
         logger.error("engine %s: the scheduler failed; ending its %d requests with the error",
                      self.worker_label, len(self._streams), exc_info=error)
-        known = [request.request_id for request in self.scheduler.requests.values() if request.sent_to_worker]
         if self.on_runner_error is not None:
             self.on_runner_error(self, error)
         else:
-            self._fail_all(error)
-        self.scheduler.finished_for_worker.update(known)  # the worker forgets them with the next step
+            self.fail_all(error)
 
     def _deliver(self, flight: StepInFlight, outputs: list[RequestOutput]) -> None:
         """Sends a landed step's deltas to their streams and its stats to the sink."""
@@ -427,9 +425,16 @@ class Engine:
         if self.stats_sink is not None:
             self.stats_sink.on_request_finished(stream.stats(self.worker_label))
 
-    def _fail_all(self, error: BaseException) -> None:
+    def fail_all(self, error: BaseException) -> None:
+        """Ends every request with the error, the worker staying up (a runner or scheduler
+        error: its state for them cannot be trusted). The KV accounting starts empty, and the
+        next step tells the worker to forget every request it was sent, so a failed step
+        leaves nothing behind on a live worker. That list may name a request the worker never
+        registered (the failed step was its first); workers ignore those."""
+        sent = [request.request_id for request in self.scheduler.requests.values() if request.sent_to_worker]
         for stream in self.take_for_migration().streams.values():  # nowhere to go: fail them
             stream.fail(error)
+        self.scheduler.finished_for_worker.update(sent)
 
     # --- migration (worker death) ------------------------------------------------------------
     def take_for_migration(self) -> Migration:

@@ -279,11 +279,10 @@ class EngineGroup:
         """A step failed. If the worker died, its requests go on on live workers: each is
         recomputed from prompt + tokens generated so far, so its stream has no gap and no
         duplicate. Any other error fails them (the worker's state is unknown)."""
-        migration = engine.take_for_migration()  # drops this worker's block accounting
         if self.runners[index].alive:
-            for stream in migration.streams.values():
-                stream.fail(error)
+            engine.fail_all(error)  # and the worker forgets their state with the next step
             return
+        migration = engine.take_for_migration()  # drops this worker's block accounting
         logger.warning("worker %d died (%s): moving %d requests to live workers",
                        index, type(error).__name__, len(migration.streams))
         self.num_migrated_requests += len(migration.streams)

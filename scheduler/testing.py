@@ -76,6 +76,7 @@ class FakeRunner:
         self.next_token_fn = next_token_fn or self.default_next_token
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]  # block -> slot -> digest
         self.requests: dict[str, FakeSeq] = {}  # request_id -> worker state
+        self.registered: set[str] = set()  # every request_id ever added
         self.rng = random.Random(0)  # unseeded sampling
         self.num_steps = 0  # execute calls
         self.scheduled_history: list[dict[str, int]] = []  # per step: request_id -> tokens
@@ -95,8 +96,10 @@ class FakeRunner:
         self.num_steps += 1
         self.scheduled_history.append(dict(so.num_scheduled_tokens))
         for rid in so.finished_request_ids:
-            assert rid in self.requests, f"finished {rid} is unknown to the worker"
-            del self.requests[rid]
+            # a request whose first step failed may be named without ever being registered
+            # (Engine.fail_all); one registered and already forgotten may not
+            assert rid in self.requests or rid not in self.registered, f"finished {rid} twice"
+            self.requests.pop(rid, None)
         for new in so.new_requests:
             self._add(new)
         for cached in so.cached_requests:
@@ -124,6 +127,7 @@ class FakeRunner:
     def _add(self, new: NewRequestData) -> None:
         rid = new.request_id
         assert rid not in self.requests, f"new {rid} is already known to the worker"
+        self.registered.add(rid)
         tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
         assert 0 <= new.num_computed_tokens < len(tokens), (rid, new.num_computed_tokens)
         assert len(set(new.block_ids)) == len(new.block_ids), f"{rid}: a block twice in one table"
@@ -177,7 +181,7 @@ class InstantRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
         for rid in so.finished_request_ids:
-            del self.progress[rid]
+            self.progress.pop(rid, None)  # None: its first step failed (Engine.fail_all)
         for new in so.new_requests:
             num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
             self.progress[new.request_id] = [new.num_computed_tokens, num_tokens]

@@ -174,6 +174,34 @@ def test_runner_error_fails_streams_and_engine_recovers():
     assert sum(len(d.new_token_ids) for d in asyncio.run(main())) == 12
 
 
+@pytest.mark.parametrize("fail_at_step", [1, 3])
+def test_a_live_worker_forgets_the_requests_of_a_failed_step(fail_at_step):
+    """A runner error on a worker that stays up fails its requests; the worker must not keep
+    their state (it would grow with every error). At step 1 the worker never registered "a"
+    (its forget names an id it does not know); at step 3 it did."""
+
+    class FailsOnce(FakeRunner):
+        def execute(self, so):
+            if self.num_steps + 1 == fail_at_step:
+                self.num_steps += 1
+                raise RuntimeError("kernel error")
+            return super().execute(so)
+
+    async def main():
+        runner = FailsOnce(CFG.block_size, CFG.num_blocks)
+        engine = Engine(CFG, runner)
+        with pytest.raises(RuntimeError, match="kernel error"):
+            await collect(engine.add_request(EngineRequest("a", list(range(40)), GREEDY)))
+        deltas = await collect(engine.add_request(EngineRequest("b", [1, 2, 3], GREEDY)))
+        assert_pool_full(engine.scheduler)
+        return runner, deltas
+
+    runner, deltas = asyncio.run(main())
+    assert sum(len(d.new_token_ids) for d in deltas) == 12
+    assert ("a" in runner.registered) == (fail_at_step > 1)
+    assert "a" not in runner.requests  # ("b" is forgotten with the step after it, which never comes)
+
+
 def test_async_runner_and_injected_clock():
     now = [100.0]
 

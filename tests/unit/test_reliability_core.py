@@ -166,6 +166,31 @@ def test_a_failing_but_live_worker_fails_its_streams() -> None:
     asyncio.run(main())
 
 
+def test_a_live_worker_that_fails_once_forgets_those_requests_and_goes_on() -> None:
+    class FailsOnce(FakeRunner):
+        def execute(self, scheduler_output):
+            if self.num_steps == 2:
+                self.num_steps += 1
+                raise RuntimeError("kernel bug")
+            return super().execute(scheduler_output)
+
+    async def main():
+        worker = FailsOnce(CFG.block_size, CFG.num_blocks)
+        runner = TimedRunner(worker, is_death=lambda e: False)
+        group = EngineGroup([Engine(CFG, runner)], [runner])
+        with pytest.raises(RuntimeError, match="kernel bug"):
+            await collect(group.add_request(requests()[0]))
+        group.forget(requests()[0].request_id)
+        after = await collect(group.add_request(requests()[1]))
+        assert_pool_full(group.engines[0].scheduler)
+        return worker, after
+
+    worker, after = asyncio.run(main())
+    assert after[0][1] == FinishReason.LENGTH and len(after[0][0]) == 20
+    assert requests()[0].request_id in worker.registered
+    assert requests()[0].request_id not in worker.requests
+
+
 # --- drain ---------------------------------------------------------------------------------------
 def test_drain_refuses_new_requests_and_lets_open_ones_finish() -> None:
     async def main():

@@ -13,6 +13,7 @@ from runner_helpers import (
     run_requests,
 )
 
+from scheduler.outputs import SchedulerOutput
 from workers.simple_driver import SimpleDriver
 
 PROMPT_LENGTHS = [1, 3, 8, 17, 29, 45]  # crosses block boundaries (block_size 4) in every way
@@ -124,6 +125,10 @@ def test_finished_requests_are_dropped_from_the_runner(tiny_runner, tiny_prompts
     driver.run()
     assert "short" not in tiny_runner.requests  # sent in finished_request_ids on a later step
     assert "long" in tiny_runner.requests  # nobody told the runner yet (no step after it finished)
+    # After a failed step the scheduler names every request it sent (Engine.fail_all), also one
+    # whose first step failed before the worker registered it: the runner ignores that one.
+    tiny_runner.execute(SchedulerOutput([], [], {}, 0, finished_request_ids={"long", "never-registered"}))
+    assert "long" not in tiny_runner.requests
 
 
 @pytest.mark.slow
