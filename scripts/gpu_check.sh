@@ -5,7 +5,8 @@
 #
 #     bash scripts/gpu_check.sh
 #
-# Wheels in .whl/ (packages the GPU image lacks, e.g. llguidance) are installed to /tmp/site first.
+# Wheels in .whl/ (packages the GPU image lacks: llguidance, and Ray Serve for the served test;
+# `.venv/bin/python scripts/gpu_wheels.py` fills it) are installed to /tmp/site first.
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"

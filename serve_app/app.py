@@ -219,7 +219,8 @@ class OpenAIIngress:
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             created=int(time.time()),
-            backend={"device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend},
+            backend={"device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend,
+                     "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes)},
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability)

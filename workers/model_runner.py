@@ -96,6 +96,7 @@ class ModelInfo:
     device: str = "cpu"  # torch device type the weights and KV pool live on
     dtype: str = "float32"  # weights and KV dtype
     attention_backend: str = "torch"  # resolved attention kernels: "cpu" (our C kernel), "torch" (reference) or "triton"
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (none on CPU)
 
 
 @dataclass(slots=True)
@@ -216,6 +217,7 @@ class ModelRunner:
             device=self.device.type,
             dtype=self.dtype_name,
             attention_backend=self.attention_backend,
+            cuda_graph_batch_sizes=self.decode_graphs.batch_sizes if self.decode_graphs is not None else (),
         )
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:

@@ -28,7 +28,8 @@ def test_health_version_models(server) -> None:
         assert model["root"] == str(server.model_dir)
         # the shared app pins fp32 (see conftest); on CPU the attention is our C kernel
         # (triton is the CUDA default)
-        assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "cpu"}
+        assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "cpu",
+                                    "cuda_graph_batch_sizes": []}
 
 
 PROBER = """

@@ -1,0 +1,73 @@
+"""Puts in .whl/ the wheels a lent GPU machine lacks for the served path (Ray Serve and what it
+imports), so that `scripts/gpu_check.sh` can run tests/gpu/test_gpu_served.py there.
+
+    .venv/bin/python scripts/gpu_wheels.py          # then carry .whl to the device (docs/gpu.md)
+
+The device tool carries at most 64 MiB and the GPU image (Python 3.12, torch, transformers,
+grpcio, no Ray) cannot download anything. Ray's wheel alone is 79 MB, 32 MB of it Java jars,
+so this rewrites it without the jars, the dashboard's web client and the libraries the server
+never imports (rllib, data, tune, train, llm): 40 MB. With the rest (FastAPI, pydantic,
+uvicorn, OpenTelemetry, grpcio and protobuf at the versions of this machine's .venv) and the
+llguidance wheel, about 53 MB. The list was found by running the served test with every
+other package of .venv hidden from imports (what the GPU image has is in the device tool's
+KINDS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WHEELS = REPO / ".whl"
+PACKAGES = [
+    "ray", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "uvicorn",
+    "grpcio", "grpcio-reflection", "protobuf", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
+    "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-semantic-conventions", "opentelemetry-proto",
+    "opentelemetry-exporter-prometheus", "llguidance",
+]
+RAY_DROP = ("ray/jars/", "ray/dashboard/client/", "ray/rllib/", "ray/data/", "ray/tune/", "ray/train/", "ray/llm/")
+PLATFORMS = ["manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64"]
+
+
+def strip_ray(wheel: Path) -> None:
+    """Rewrites the ray wheel in place without RAY_DROP (and their RECORD lines)."""
+    stripped = wheel.with_suffix(".tmp")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(stripped, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            if info.filename.startswith(RAY_DROP):
+                continue
+            data = source.read(info.filename)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"\n".join(line for line in data.split(b"\n") if not line.decode().startswith(RAY_DROP))
+            target.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    stripped.replace(wheel)
+
+
+def main() -> None:
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in PACKAGES]
+    WHEELS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                   "3.12", "--implementation", "cp", "-d", scratch, *pins]
+        for platform in PLATFORMS:
+            command += ["--platform", platform]
+        print("downloading", " ".join(pins), flush=True)
+        subprocess.run(command, check=True)
+        for wheel in Path(scratch).glob("*.whl"):
+            if wheel.name.startswith("ray-"):
+                print(f"stripping {wheel.name} ({wheel.stat().st_size / 1e6:.0f} MB)", flush=True)
+                strip_ray(wheel)
+            wheel.replace(WHEELS / wheel.name)
+    total = sum(path.stat().st_size for path in WHEELS.glob("*.whl"))
+    print(f"{WHEELS}: {len(list(WHEELS.glob('*.whl')))} wheels, {total / 2**20:.0f} MiB (the device tool carries 64 MiB "
+          "with the working tree)")
+
+
+if __name__ == "__main__":
+    main()
