@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU session's checks in one call (docs/gpu.md, "First GPU session checklist"): the
-# machine, `pytest tests/gpu`, and the GPU runner benchmark (bench/bench_gpu.py). Run from the
+# The GPU session's checks in one call (docs/gpu.md): the machine, `pytest tests/gpu`, the GPU
+# runner benchmark (bench/bench_gpu.py) and, when the carried wheels hold Ray Serve, the served
+# path against the in-process engine (bench/bench_gpu_served.py). Run from the
 # repository root on a machine with CUDA, torch and triton; logs go to $OUT (default /tmp/gpu-check).
 #
 #     bash scripts/gpu_check.sh
@@ -24,3 +25,7 @@ echo "== pytest tests/gpu"
 timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest tests/gpu -ra -m gpu -n "${TEST_WORKERS:-8}" 2>&1 | tee "$OUT/tests.txt"
 echo "== bench.bench_gpu"
 timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.bench_gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
+if [ -d .whl/tokenizer ] && python3 -c "import ray.serve" 2>/dev/null; then
+    echo "== bench.bench_gpu_served"
+    timeout "${SERVED_TIMEOUT_S:-240}" python3 -m bench.bench_gpu_served --tokenizer-dir .whl/tokenizer 2>&1 | tee "$OUT/served.txt"
+fi

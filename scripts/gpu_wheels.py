@@ -8,7 +8,8 @@ grpcio, no Ray) cannot download anything. Ray's wheel alone is 79 MB, 32 MB of i
 so this rewrites it without the jars, the dashboard's web client and the libraries the server
 never imports (rllib, data, tune, train, llm): 40 MB. With the rest (FastAPI, pydantic,
 uvicorn, OpenTelemetry, grpcio and protobuf at the versions of this machine's .venv) and the
-llguidance wheel, about 53 MB. The list was found by running the served test with every
+llguidance wheel, about 53 MB. It also copies the default model's tokenizer files (4 MB) to
+.whl/tokenizer for bench/bench_gpu_served.py (the weights, 517 MB, cannot travel). The list was found by running the served test with every
 other package of .venv hidden from imports (what the GPU image has is in the device tool's
 KINDS.md).
 """
@@ -16,6 +17,7 @@ KINDS.md).
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script: bench/ and workers/ from this checkout
 WHEELS = REPO / ".whl"
 PACKAGES = [
     "ray", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "uvicorn",
@@ -49,6 +52,18 @@ def strip_ray(wheel: Path) -> None:
     stripped.replace(wheel)
 
 
+def copy_tokenizer(target: Path) -> None:
+    """The default model's tokenizer files (converting the model first if it never was)."""
+    from bench.bench_gpu_served import TOKENIZER_FILES
+    from workers.loader import resolve_model_path
+
+    source = resolve_model_path(None)
+    target.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, target / name)
+
+
 def main() -> None:
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in PACKAGES]
     WHEELS.mkdir(exist_ok=True)
@@ -64,9 +79,10 @@ def main() -> None:
                 print(f"stripping {wheel.name} ({wheel.stat().st_size / 1e6:.0f} MB)", flush=True)
                 strip_ray(wheel)
             wheel.replace(WHEELS / wheel.name)
-    total = sum(path.stat().st_size for path in WHEELS.glob("*.whl"))
-    print(f"{WHEELS}: {len(list(WHEELS.glob('*.whl')))} wheels, {total / 2**20:.0f} MiB (the device tool carries 64 MiB "
-          "with the working tree)")
+    copy_tokenizer(WHEELS / "tokenizer")
+    total = sum(path.stat().st_size for path in WHEELS.rglob("*") if path.is_file())
+    print(f"{WHEELS}: {len(list(WHEELS.glob('*.whl')))} wheels and the tokenizer, {total / 2**20:.0f} MiB (the device "
+          "tool carries 64 MiB with the working tree)")
 
 
 if __name__ == "__main__":
