@@ -223,7 +223,8 @@ class OpenAIIngress:
                      "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes)},
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
-                                   limits=self._args.server_limits(), observability=observability)
+                                   limits=self._args.server_limits(), observability=observability,
+                                   stream_interval=self._args.stream_interval)
         # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
         # a full collection over them paused this replica's loop for 100-300 ms under load.
         gc.freeze()

@@ -172,6 +172,10 @@ class AppArgs(BaseModel):
         "(one worker per node, fails if too few nodes), pack, or none (no placement group).",
     )
     ingress_replicas: int = Field(1, ge=1, le=64, description="Replicas of the HTTP ingress deployment.")
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="Streamed chunks carry at least this many tokens (a choice's first and last "
+        "go at once), as vLLM's --stream-interval: fewer chunks, less serving CPU per token, burstier streams.",
+    )
     ingress_num_cpus: float = Field(0.25, ge=0, description="Logical CPUs per ingress replica.")
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Concurrent requests one ingress replica accepts (Serve's limit)."

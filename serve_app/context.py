@@ -31,6 +31,7 @@ class ServingContext:
     draining: bool = False  # set on shutdown: new generation requests get 503, /health 503
     observability: Observability | None = None  # metrics, request ids, logs; None: made by create_api
     grammars: Any = None  # serve_app.grammar.GrammarValidator, made on the first structured-output request
+    stream_interval: int = 1  # tokens per streamed chunk at least (AppArgs.stream_interval)
 
     def start_run(
         self,
@@ -55,4 +56,4 @@ class ServingContext:
             )
             requests.append(EngineRequest(request_id, token_ids, sampling))
             first_index += sampling.n
-        return GenerationRun(base_id, self.engine, requests, trackers, timeout_s, client_timeout)
+        return GenerationRun(base_id, self.engine, requests, trackers, timeout_s, client_timeout, self.stream_interval)

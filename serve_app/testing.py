@@ -122,7 +122,7 @@ class ScriptedEngine:
         )
 
 
-def make_test_context(engine: Any = None, max_model_len: int = 128, health: Any = None) -> Any:
+def make_test_context(engine: Any = None, max_model_len: int = 128, health: Any = None, stream_interval: int = 1) -> Any:
     """A ServingContext over ByteTokenizer and (by default) a ScriptedEngine."""
     from serve_app.context import ServingContext
     from serve_app.engine_client import InProcessEngineClient
@@ -133,5 +133,5 @@ def make_test_context(engine: Any = None, max_model_len: int = 128, health: Any 
     engine = engine if engine is not None else ScriptedEngine()
     return ServingContext(
         TokenizerService(ByteTokenizer()), InProcessEngineClient(engine), card, health=health,
-        clock=lambda: 1700000000.0, version="test",
+        clock=lambda: 1700000000.0, version="test", stream_interval=stream_interval,
     )

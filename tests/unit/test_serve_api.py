@@ -327,3 +327,40 @@ async def test_no_stream_chunk_before_the_first_token(module, body) -> None:
         for choice in c["choices"]:
             texts[choice["index"]] += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
     assert texts == ["hel"] * body.n
+
+
+# --- stream_interval (vLLM's --stream-interval) -------------------------------------------------
+def content_texts(chunks: list, index: int = 0) -> list[str]:
+    return [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+
+
+async def test_stream_interval_sends_the_first_token_alone_then_chunks_of_at_least_that_many() -> None:
+    request = {"prompt": "hi", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}}
+    every = content_texts(sse_payloads(await post("/v1/completions", request)))
+    chunks = sse_payloads(await post("/v1/completions", request, stream_interval=4))
+    texts = content_texts(chunks)
+    assert "".join(texts) == "".join(every) == "hello world"  # one byte token per character
+    assert len(every) == 12 and len(texts) < len(every)
+    assert texts[0] == "h"  # the first token at once: TTFT is not delayed
+    assert all(len(text) >= 4 for text in texts[1:-1])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+async def test_stream_interval_keeps_choices_apart_and_logprobs_aligned() -> None:
+    request = {"prompt": "x", "n": 2, "max_tokens": 9, "logprobs": 1, "stream": True}
+    chunks = sse_payloads(await post("/v1/completions", request, stream_interval=3))
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(choice["text"] for choice in mine) == "hello wor"
+        assert [len(choice["text"]) for choice in mine] == [1, 3, 3, 2]  # the last one: the rest, finished
+        assert [token for choice in mine for token in choice["logprobs"]["tokens"]] == list("hello wor")
+        assert mine[-1]["finish_reason"] == "length"
+
+
+async def test_stream_interval_with_a_stop_string_and_chat() -> None:
+    request = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 50, "stop": "o w", "stream": True}
+    chunks = sse_payloads(await post("/v1/chat/completions", request, stream_interval=4))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "hell"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
