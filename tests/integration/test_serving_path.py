@@ -118,3 +118,41 @@ def test_the_proxy_and_the_replicas_own_port_answer_alike(server) -> None:
         assert "x-request-id" in {k.lower() for k in health.headers}
     direct, proxied = answers[server.url], answers[server.proxy_url]
     assert direct == proxied
+
+
+# --- stream_interval: fewer, larger chunks (docs/serving.md) -------------------------------------
+STREAM_INTERVAL = 4
+INTERVAL_APP = "interval"
+
+
+def test_stream_interval_sends_chunks_of_that_many_tokens_with_the_same_text(server) -> None:
+    """An app with stream_interval 4, through Serve's proxy and the openai client: the first
+    token alone, then chunks of at least 4 tokens, the same greedy text as the shared app."""
+    import openai
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app({
+        "model": str(server.model_dir), "served_model_name": "tiny", "name": "rayllm-interval",
+        "num_kv_blocks": 256, "block_size": 16, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
+        "worker_num_cpus": 0.5, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1, "worker_placement": "none",
+        "dtype": "float32", "stream_interval": STREAM_INTERVAL,
+    }), name=INTERVAL_APP, route_prefix=f"/{INTERVAL_APP}")
+    try:
+        kwargs = dict(model="tiny", prompt="The interval app says", max_tokens=NUM_TOKENS + 1, temperature=0,
+                      logprobs=1, extra_body={"ignore_eos": True})
+        interval = openai.OpenAI(base_url=f"{server.proxy_url}/{INTERVAL_APP}/v1", api_key="unused", max_retries=0)
+        shared = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+        chunks = [c.choices[0] for c in interval.completions.create(stream=True, **kwargs) if c.choices]
+        tokens_per_chunk = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+        assert sum(tokens_per_chunk) == NUM_TOKENS + 1
+        assert tokens_per_chunk[0] == 1  # the first token is not held back
+        assert all(n >= STREAM_INTERVAL for n in tokens_per_chunk[1:-1]), tokens_per_chunk
+        assert len(tokens_per_chunk) <= 2 + NUM_TOKENS // STREAM_INTERVAL
+        assert chunks[-1].finish_reason == "length"
+        every = [c.choices[0] for c in shared.completions.create(stream=True, **kwargs) if c.choices]
+        assert len(every) > len(chunks)
+        assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
+    finally:
+        serve.delete(INTERVAL_APP)
