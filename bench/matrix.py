@@ -112,6 +112,8 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("ours-nolongchunk", "ours with long_prefill_tokens_while_decoding=null: a long prompt beside decoding "
            "streams takes 512-token chunks, the threshold (the shipped YAML otherwise)", "ours.sh", 8000,
            ("long-prompt",), ("long_prefill_tokens_while_decoding=null",)),
+    Server("ours-si4", "ours with stream_interval=4: streamed chunks of at least 4 tokens, the first and last "
+           "at once (the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"), ("stream_interval=4",)),
     Server("ours-1worker", "ours with the previous defaults: 1 worker x 1 thread, 2048-token steps", "ours.sh", 8000,
            ALL_CELLS, _ONE_WORKER),
     Server("ours-1w2t", "ours with 1 worker x 2 torch threads (the shipped YAML otherwise)", "ours.sh", 8000,
