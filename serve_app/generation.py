@@ -228,7 +228,8 @@ class GenerationRun:
                 stream_choices(self._engine, request, tracker, self.deadline, self.timeout_status)
                 for request, tracker in zip(self._requests, self.trackers)
             ]
-        return coalesce(merge(streams), self.stream_interval)
+        merged = merge(streams)
+        return merged if self.stream_interval <= 1 else coalesce(merged, self.stream_interval)  # no extra layer at 1
 
     async def collect(self) -> list[ChoiceResult]:
         """Runs to the end; one result per choice, by choice index."""
