@@ -79,6 +79,19 @@ def in_process(settings: dict, device: str, workloads: list[list[list[int]]], ou
     engine.close()
 
 
+def wait_for_result(results, child) -> tuple[list, float]:
+    """The child's next result; raises as soon as the child died without one (a CUDA error,
+    say), instead of waiting for the caller's timeout on scarce device time."""
+    import queue
+
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the in-process engine exited ({child.exitcode}) without a result") from None
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -100,6 +113,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     for key, value in read_env_file().items():  # the serving environment, before Ray starts
         os.environ.setdefault(key, value)
     for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
@@ -132,7 +147,7 @@ def main() -> None:
         child = context.Process(target=in_process, args=(settings, args.device, prompts, args.output_len, c, results))
         child.start()
         for repeat in range(args.repeats):
-            done, duration = results.get()
+            done, duration = wait_for_result(results, child)
             engine_rows[c] = summarize(f"in-process c{c}", repeat, done, duration, "-")
             print_run(engine_rows[c])
         child.join()

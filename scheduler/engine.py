@@ -431,10 +431,11 @@ class Engine:
         next step tells the worker to forget every request it was sent, so a failed step
         leaves nothing behind on a live worker. That list may name a request the worker never
         registered (the failed step was its first); workers ignore those."""
-        sent = [request.request_id for request in self.scheduler.requests.values() if request.sent_to_worker]
+        forget = set(self.scheduler.finished_for_worker)  # retired before (an abort mid-step), not yet told
+        forget.update(request.request_id for request in self.scheduler.requests.values() if request.sent_to_worker)
         for stream in self.take_for_migration().streams.values():  # nowhere to go: fail them
             stream.fail(error)
-        self.scheduler.finished_for_worker.update(sent)
+        self.scheduler.finished_for_worker.update(forget)
 
     # --- migration (worker death) ------------------------------------------------------------
     def take_for_migration(self) -> Migration:

@@ -22,7 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 echo "== pytest tests/gpu"
-timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest tests/gpu -ra -m gpu -n "${TEST_WORKERS:-8}" 2>&1 | tee "$OUT/tests.txt"
+timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest tests/gpu -ra -m gpu -n "${TEST_WORKERS:-8}" --dist loadgroup 2>&1 | tee "$OUT/tests.txt"
 echo "== bench.bench_gpu"
 timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.bench_gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
 if [ -d .whl/tokenizer ] && python3 -c "import ray.serve" 2>/dev/null; then

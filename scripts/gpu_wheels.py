@@ -74,6 +74,10 @@ def main() -> None:
             command += ["--platform", platform]
         print("downloading", " ".join(pins), flush=True)
         subprocess.run(command, check=True)
+        stale = {name.replace("-", "_").lower() for name in PACKAGES}  # another version would break the install
+        for old in WHEELS.glob("*.whl"):
+            if old.name.split("-")[0].lower() in stale:
+                old.unlink()
         for wheel in Path(scratch).glob("*.whl"):
             if wheel.name.startswith("ray-"):
                 print(f"stripping {wheel.name} ({wheel.stat().st_size / 1e6:.0f} MB)", flush=True)

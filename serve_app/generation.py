@@ -116,28 +116,36 @@ async def coalesce(deltas: AsyncIterator[ChoiceDelta], interval: int) -> AsyncIt
             async for delta in every:
                 yield delta
         return
-    held: dict[int, ChoiceDelta] = {}  # choice index -> merged deltas not sent yet
+    held: dict[int, list[ChoiceDelta]] = {}  # choice index -> deltas not sent yet, in order
+    held_tokens: dict[int, int] = {}  # choice index -> tokens in them
     started: set[int] = set()  # choices whose first delta was sent
     async with contextlib.aclosing(deltas) as every:  # type: ignore[type-var]
-        async for delta in every:
-            pending = held.pop(delta.index, None)
-            if pending is not None:
-                delta = merge_deltas(pending, delta)
-            first = delta.index not in started
-            if first or delta.finish_reason is not None or len(delta.token_ids) >= interval:
-                started.add(delta.index)
-                yield delta
-            else:
-                held[delta.index] = delta
+        try:
+            async for delta in every:
+                index = delta.index
+                parts = held.setdefault(index, [])
+                parts.append(delta)
+                held_tokens[index] = held_tokens.get(index, 0) + len(delta.token_ids)
+                if index not in started or delta.finish_reason is not None or held_tokens[index] >= interval:
+                    started.add(index)
+                    del held[index], held_tokens[index]
+                    yield join_deltas(parts)
+        except Exception:  # the stream failed: what was held goes out before the error, as at interval 1
+            for parts in held.values():
+                yield join_deltas(parts)
+            raise
 
 
-def merge_deltas(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
-    """One delta carrying both, in order (same choice)."""
+def join_deltas(parts: list[ChoiceDelta]) -> ChoiceDelta:
+    """One delta carrying a choice's consecutive deltas, in order."""
+    if len(parts) == 1:
+        return parts[0]
     logprobs = None
-    if earlier.logprobs is not None or later.logprobs is not None:
-        logprobs = list(earlier.logprobs or []) + list(later.logprobs or [])
-    return ChoiceDelta(later.index, earlier.text + later.text, earlier.token_ids + later.token_ids, logprobs,
-                       later.finish_reason)
+    if any(part.logprobs is not None for part in parts):
+        logprobs = [entry for part in parts for entry in (part.logprobs or [])]
+        assert len(logprobs) == sum(len(part.token_ids) for part in parts), "logprobs out of step with tokens"
+    return ChoiceDelta(parts[-1].index, "".join(part.text for part in parts),
+                       [token for part in parts for token in part.token_ids], logprobs, parts[-1].finish_reason)
 
 
 async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[T]:
@@ -220,8 +228,9 @@ class GenerationRun:
             raise errors[0]
         self._primed = results  # type: ignore[assignment]
 
-    def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Every choice's deltas as they come (continues start(), or starts now)."""
+    def deltas(self, coalesced: bool = True) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas as they come (continues start(), or starts now), in chunks of
+        stream_interval tokens unless `coalesced` is False (whole responses need no chunks)."""
         streams, self._primed = self._primed, None
         if streams is None:
             streams = [
@@ -229,12 +238,14 @@ class GenerationRun:
                 for request, tracker in zip(self._requests, self.trackers)
             ]
         merged = merge(streams)
-        return merged if self.stream_interval <= 1 else coalesce(merged, self.stream_interval)  # no extra layer at 1
+        if not coalesced or self.stream_interval <= 1:  # no extra layer per delta
+            return merged
+        return coalesce(merged, self.stream_interval)
 
     async def collect(self) -> list[ChoiceResult]:
         """Runs to the end; one result per choice, by choice index."""
         results = [ChoiceResult(index) for index in range(self.num_choices)]
-        async with contextlib.aclosing(self.deltas()) as deltas:
+        async with contextlib.aclosing(self.deltas(coalesced=False)) as deltas:
             async for delta in deltas:
                 results[delta.index].add(delta)
         return results

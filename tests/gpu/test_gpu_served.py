@@ -38,7 +38,8 @@ httpx = pytest.importorskip("httpx")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 from runner_helpers import greedy, make_runner, run_requests  # noqa: E402  (tests/workers/runner_helpers.py)
 
-pytestmark = pytest.mark.gpu
+# one xdist worker runs the whole module (scripts/gpu_check.sh: --dist loadgroup), so the app starts once
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("served")]
 
 PROMPTS = [
     "The capital of France is",

@@ -1,6 +1,7 @@
 """Engine (in-process asyncio loop) with FakeRunner: streams, n>1, abort, generate, errors."""
 
 import asyncio
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -200,6 +201,48 @@ def test_a_live_worker_forgets_the_requests_of_a_failed_step(fail_at_step):
     assert sum(len(d.new_token_ids) for d in deltas) == 12
     assert ("a" in runner.registered) == (fail_at_step > 1)
     assert "a" not in runner.requests  # ("b" is forgotten with the step after it, which never comes)
+
+
+def test_a_failed_step_also_forgets_requests_retired_during_it():
+    """A request aborted while the failing step runs (a stop string, a client gone) is already
+    retired when the error lands; the worker must be told to forget it too."""
+    import threading
+
+    class AbortsThenFails(FakeRunner):
+        engine = loop = None
+
+        def execute(self, so):
+            if self.num_steps == 4:
+                self.num_steps += 1
+                aborted = threading.Event()
+
+                def abort_b():
+                    self.engine.abort("b")
+                    aborted.set()
+
+                self.loop.call_soon_threadsafe(abort_b)
+                assert aborted.wait(10)
+                raise RuntimeError("kernel error")
+            return super().execute(so)
+
+    async def drain(stream):
+        with contextlib.suppress(RuntimeError):
+            async for _ in stream:
+                pass
+
+    async def main():
+        runner = AbortsThenFails(CFG.block_size, CFG.num_blocks)
+        runner.loop = asyncio.get_running_loop()
+        engine = runner.engine = Engine(CFG, runner)
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        await asyncio.gather(drain(engine.add_request(EngineRequest("a", list(range(8)), params))),
+                             drain(engine.add_request(EngineRequest("b", list(range(9)), params))))
+        await drain(engine.add_request(EngineRequest("c", [1, 2, 3], GREEDY)))  # its step carries the forgets
+        return runner
+
+    runner = asyncio.run(main())
+    assert "b" in runner.registered and "a" in runner.registered
+    assert not {"a", "b"} & set(runner.requests), sorted(runner.requests)
 
 
 def test_async_runner_and_injected_clock():

@@ -364,3 +364,20 @@ async def test_stream_interval_with_a_stop_string_and_chat() -> None:
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "hell"
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+
+
+async def test_coalesce_sends_what_it_held_before_a_stream_error() -> None:
+    from serve_app.choice_tracker import ChoiceDelta
+    from serve_app.generation import coalesce
+
+    async def failing():
+        for i, char in enumerate("abcdef"):
+            yield ChoiceDelta(0, char, [i], None, None)
+        raise RuntimeError("worker error")
+
+    got = []
+    with pytest.raises(RuntimeError, match="worker error"):
+        async for delta in coalesce(failing(), 4):
+            got.append(delta)
+    assert [d.text for d in got] == ["a", "bcde", "f"]  # "f" was held: it goes out before the error
+    assert [t for d in got for t in d.token_ids] == list(range(6))
