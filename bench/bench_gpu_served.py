@@ -28,7 +28,6 @@ import asyncio
 import multiprocessing
 import os
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 from bench import datasets
 from bench.bench_gpu import SMOLLM2_135M, write_random_model
 from bench.bench_http import engine_request, print_run, summarize
-from bench.served_app import read_env_file
+from bench.served_app import free_port, read_env_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -90,12 +89,6 @@ def wait_for_result(results, child) -> tuple[list, float]:
         except queue.Empty:
             if not child.is_alive():
                 raise RuntimeError(f"the in-process engine exited ({child.exitcode}) without a result") from None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

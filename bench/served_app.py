@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -34,6 +35,13 @@ from bench.matrix import _alive, _session_members, port_free, stop
 REPO = Path(__file__).resolve().parent.parent
 SERVE_ENV_FILE = REPO / "deploy" / "serve.env"
 WORKER_PROCESS = "ray::WorkerActor"  # the model's processes; everything else is the serving stack
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 def direct_ingress_ports(env: dict[str, str]) -> tuple[int, int]:
     """The range Serve allocates a replica's own HTTP port from (its defaults: 30000-31000)."""

@@ -26,13 +26,14 @@ import asyncio
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from bench.served_app import free_port
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -148,12 +149,6 @@ def _summary(outcomes: Counter[str]) -> Counter[str]:
 
 
 # --- the app and its actors ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_app(args: argparse.Namespace) -> str:
     import ray
     from ray import serve

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -38,6 +37,8 @@ httpx = pytest.importorskip("httpx")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 from runner_helpers import greedy, make_runner, run_requests  # noqa: E402  (tests/workers/runner_helpers.py)
 
+from bench.served_app import free_port  # noqa: E402
+
 # one xdist worker runs the whole module (scripts/gpu_check.sh: --dist loadgroup), so the app starts once
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("served")]
 
@@ -54,12 +55,6 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     import ray
@@ -69,7 +64,7 @@ def served(tiny_model_dir):
 
     ray.init(address="local", num_cpus=4, num_gpus=1 if DEVICE == "cuda" else 0,
              include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({
