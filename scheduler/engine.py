@@ -296,10 +296,7 @@ class Engine:
         try:
             runner_output = await flight.result
         except Exception as error:
-            if self.on_runner_error is not None:
-                self.on_runner_error(self, error)
-            else:
-                self.fail_all(error)
+            self._end_requests(error)
             raise
         flight.landed = self.clock()
         try:
@@ -315,6 +312,10 @@ class Engine:
         every later step failing on the half-updated state."""
         logger.error("engine %s: the scheduler failed; ending its %d requests with the error",
                      self.worker_label, len(self._streams), exc_info=error)
+        self._end_requests(error)
+
+    def _end_requests(self, error: Exception) -> None:
+        """After a failed step: the group decides (migrate from a dead worker, or fail), else fail_all."""
         if self.on_runner_error is not None:
             self.on_runner_error(self, error)
         else:
