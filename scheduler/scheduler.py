@@ -42,7 +42,7 @@ from functools import partial
 from scheduler.batch import StepBatch, check_stop
 from scheduler.block_hash import BlockHash, BlockHasher, HashFn, sha256_block_hash
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from scheduler.outputs import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import CumulativeStats, StepStats
@@ -353,11 +353,19 @@ class Scheduler:
         if self._holds_new_prompts():
             return budget
         out_of_budget = False
+        being_computed: set[BlockHash] | None = None  # built on first need
+        deferred: list[Request] = []
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
+            if self._can_extend_hit(request, computed):
+                if being_computed is None:
+                    being_computed = self._hashes_being_computed()
+                if request.block_hashes[len(computed.blocks)] in being_computed:
+                    deferred.append(self.waiting.popleft())  # its prefix is cached once that lands
+                    continue
             num_new = request.num_tokens_to_compute - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 out_of_budget = True
@@ -381,9 +389,36 @@ class Scheduler:
             stats.num_prefix_hit_tokens += computed.num_tokens
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
+            if being_computed is not None:
+                being_computed.update(self._hashes_held_uncached(request))
+        self.waiting.extendleft(reversed(deferred))
         if self.waiting and (out_of_budget or budget == 0):
             self._left_over_through = self._num_steps_handed_out
         return budget
+
+    def _can_extend_hit(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Whether a longer prefix hit than `computed` is possible for the request."""
+        max_blocks = (request.num_tokens_to_compute - 1) // self.config.block_size
+        return self.config.enable_prefix_caching and len(computed.blocks) < min(max_blocks, len(request.block_hashes))
+
+    def _hashes_being_computed(self) -> set[BlockHash]:
+        """The hashes of blocks that running requests hold and that are not cached yet: their
+        tokens are scheduled, in a step in flight or the one being decided.
+
+        A waiting request whose next uncached block is among them is deferred (left waiting,
+        its place in the queue kept) until that block lands in the prefix cache, instead of
+        computing the same tokens beside their first owner: requests that arrive together
+        with one system prompt compute it once. The deferral lasts while the owner computes
+        the blocks they share; in a step the owner computes them anyway, so no time is lost
+        but the one step between a block being scheduled and it being cached."""
+        hashes: set[BlockHash] = set()
+        for request in self.running:
+            hashes.update(self._hashes_held_uncached(request))
+        return hashes
+
+    def _hashes_held_uncached(self, request: Request) -> Sequence[BlockHash]:
+        rid = request.request_id
+        return request.block_hashes[self.kv.num_registered.get(rid, 0):len(self.kv.req_blocks.get(rid, ()))]
 
     def _holds_new_prompts(self) -> bool:
         """Whether the waiting queue sits this step out so that running streams keep decoding.

@@ -9,7 +9,7 @@ from scheduler.outputs import EngineRequest, FinishReason
 from scheduler.request import RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.testing import FakeRunner, assert_pool_full, run_steps
+from scheduler.testing import AheadDriver, FakeRunner, assert_pool_full, run_steps
 
 
 
@@ -116,6 +116,46 @@ def test_prefix_hit_starts_computed_and_reports_block_rounded_cached_tokens():
     alone, _, _ = run([req("b", shared + [3, 4, 5], max_tokens=4)], enable_prefix_caching=False)
     assert alone.tokens[("b", 0)] == t.tokens[("b", 0)]
     assert s.totals.num_prefix_hit_tokens == 28 and s.totals.num_prefix_query_tokens == 32 + 33
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_requests_arriving_with_one_prefix_compute_it_once(ahead):
+    # a shared 24-token prefix (6 blocks of 4) in chunks of 8: the followers wait for its blocks
+    shared = list(range(1000, 1024))
+    requests = [req("a", shared + [1, 2]), req("b", shared + [3]), req("other", range(50, 60)),
+                req("c", shared + [4, 5, 6])]
+    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    for q in requests:
+        s.add_request(q)
+    if ahead:
+        driver = AheadDriver(s, r)
+        while driver.busy:
+            driver.step()
+        t = driver.transcript
+    else:
+        t = run_steps(s, r)
+    first = r.scheduled_history[0]
+    assert first == {"a": 8, "other": 8}  # the followers are deferred, the unrelated one is not
+    assert t.num_cached_tokens == {"a": 0, "b": 24, "other": 0, "c": 24}
+    prompt_tokens = sum(n for step in r.scheduled_history for n in step.values() if n > 1)
+    assert prompt_tokens == 26 + 10 + 3  # a and other whole, c's 3 tokens past its hit (b's 1 looks like a decode)
+    assert s.totals.num_prefix_hit_tokens == 48
+    for q in requests:  # streams as if each ran alone, without a cache
+        alone, _, _ = run([q], enable_prefix_caching=False)
+        assert alone.tokens[(q.request_id, 0)] == t.tokens[(q.request_id, 0)]
+
+
+def test_a_deferred_request_runs_when_the_owner_of_its_prefix_is_aborted():
+    shared = list(range(1000, 1024))
+    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    s.add_request(req("a", shared + [1]))
+    s.add_request(req("b", shared + [2], max_tokens=3))
+    t = run_steps(s, r, num_steps=1)
+    assert r.scheduled_history[0] == {"a": 8}
+    s.abort_request("a")
+    run_steps(s, r, t)
+    assert r.scheduled_history[1] == {"b": 8} and t.num_cached_tokens["b"] == 8  # what a computed before it went
+    assert len(t.tokens[("b", 0)]) == 3
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
