@@ -42,6 +42,12 @@ class SchedulerConfig:
     # Conversely, while at least half of them have sampled fewer than this many tokens, new
     # requests are not held: they join the batch just started and end within this many steps of it.
     hold_while_finishing_steps: int = 0
+    # A waiting request whose next prompt blocks, this many tokens of them or more, are being
+    # computed by a running request (scheduled, not yet cached) waits until they are cached,
+    # keeping its place, instead of computing them too: a burst with one long system prompt
+    # computes it once. Shorter shared runs (a chat template's opening) are computed twice
+    # rather than cost the follower the step or two before the blocks are cached. None: never.
+    min_shared_prefix_to_wait: int | None = None
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
@@ -57,6 +63,7 @@ class SchedulerConfig:
         assert self.waiting_served_ratio >= 0, self.waiting_served_ratio
         assert self.max_waiting_steps >= 0, self.max_waiting_steps
         assert self.hold_while_finishing_steps >= 0, self.hold_while_finishing_steps
+        assert self.min_shared_prefix_to_wait is None or self.min_shared_prefix_to_wait >= 1
         # A lone sequence of max_model_len tokens must fit the pool, or preemption could loop.
         if self.num_blocks - 1 < self.max_blocks_per_seq:
             raise ValueError(

@@ -13,7 +13,9 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    requests are held until enough of them wait or the oldest has waited max_waiting_steps
    (`_holds_new_prompts`), so that prompts arriving close together share one prefill step;
    with hold_while_finishing_steps, also while most running sequences are about to end, and
-   never while most of them have just started (an arrival joins their batch).
+   never while most of them have just started (an arrival joins their batch). A request
+   whose next min_shared_prefix_to_wait prompt tokens a running request is computing (one
+   system prompt in a burst) is passed over, its place kept, until they are cached.
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
 the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
@@ -360,11 +362,11 @@ class Scheduler:
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
-            if self._can_extend_hit(request, computed):
+            if self._may_wait_for_prefix(request, computed):
                 if being_computed is None:
                     being_computed = self._hashes_being_computed()
-                if request.block_hashes[len(computed.blocks)] in being_computed:
-                    deferred.append(self.waiting.popleft())  # its prefix is cached once that lands
+                if self._waits_for_prefix(request, computed, being_computed):
+                    deferred.append(self.waiting.popleft())
                     continue
             num_new = request.num_tokens_to_compute - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -396,21 +398,26 @@ class Scheduler:
             self._left_over_through = self._num_steps_handed_out
         return budget
 
-    def _can_extend_hit(self, request: Request, computed: ComputedBlocks) -> bool:
-        """Whether a longer prefix hit than `computed` is possible for the request."""
-        max_blocks = (request.num_tokens_to_compute - 1) // self.config.block_size
-        return self.config.enable_prefix_caching and len(computed.blocks) < min(max_blocks, len(request.block_hashes))
+    def _may_wait_for_prefix(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Whether waiting could give the request a prefix hit of min_shared_prefix_to_wait more tokens."""
+        min_tokens = self.config.min_shared_prefix_to_wait
+        if min_tokens is None or not self.config.enable_prefix_caching:
+            return False
+        max_hit = (request.num_tokens_to_compute - 1) // self.config.block_size * self.config.block_size
+        return max_hit - computed.num_tokens >= min_tokens
+
+    def _waits_for_prefix(self, request: Request, computed: ComputedBlocks, being_computed: set[BlockHash]) -> bool:
+        """Whether the request's next min_shared_prefix_to_wait tokens (whole blocks) are all in
+        blocks that running requests are computing (_hashes_being_computed): then it waits for
+        them to be cached, as it would compute the same tokens beside their owner otherwise."""
+        first = len(computed.blocks)
+        num_blocks = -(-self.config.min_shared_prefix_to_wait // self.config.block_size)
+        return all(h in being_computed for h in request.block_hashes[first:first + num_blocks])
 
     def _hashes_being_computed(self) -> set[BlockHash]:
         """The hashes of blocks that running requests hold and that are not cached yet: their
-        tokens are scheduled, in a step in flight or the one being decided.
-
-        A waiting request whose next uncached block is among them is deferred (left waiting,
-        its place in the queue kept) until that block lands in the prefix cache, instead of
-        computing the same tokens beside their first owner: requests that arrive together
-        with one system prompt compute it once. The deferral lasts while the owner computes
-        the blocks they share; in a step the owner computes them anyway, so no time is lost
-        but the one step between a block being scheduled and it being cached."""
+        tokens are scheduled, in a step in flight or in the one being decided. Each lands in
+        the prefix cache after the step that computes its last token."""
         hashes: set[BlockHash] = set()
         for request in self.running:
             hashes.update(self._hashes_held_uncached(request))

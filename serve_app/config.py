@@ -125,6 +125,13 @@ class AppArgs(BaseModel):
         "prompt does not stall streams that are about to finish; and while at least half of them have sampled "
         "fewer than this many tokens, new requests are not held (they join the batch just started). 0: off.",
     )
+    min_shared_prefix_to_wait: int | None = Field(
+        256, ge=1,
+        description="A new request whose next prompt tokens, this many or more, another request is computing "
+        "right now (the same prefix, e.g. one long system prompt in a burst) waits until they are in the prefix "
+        "cache, keeping its place in the queue, instead of computing them beside it; shorter shared runs are "
+        "computed twice rather than delay it by the step or two before they are cached. null: never wait.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
     enable_chunked_prefill: bool = Field(
@@ -299,6 +306,7 @@ class AppArgs(BaseModel):
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_steps=self.max_waiting_steps,
             hold_while_finishing_steps=self.hold_while_finishing_steps,
+            min_shared_prefix_to_wait=self.min_shared_prefix_to_wait,
         )
 
     def router_config(self) -> RouterConfig:

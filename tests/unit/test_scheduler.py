@@ -124,7 +124,7 @@ def test_requests_arriving_with_one_prefix_compute_it_once(ahead):
     shared = list(range(1000, 1024))
     requests = [req("a", shared + [1, 2]), req("b", shared + [3]), req("other", range(50, 60)),
                 req("c", shared + [4, 5, 6])]
-    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8, min_shared_prefix_to_wait=8)
     for q in requests:
         s.add_request(q)
     if ahead:
@@ -145,9 +145,21 @@ def test_requests_arriving_with_one_prefix_compute_it_once(ahead):
         assert alone.tokens[(q.request_id, 0)] == t.tokens[(q.request_id, 0)]
 
 
+@pytest.mark.parametrize("min_wait", [12, None])
+def test_a_shared_run_shorter_than_min_shared_prefix_to_wait_is_computed_twice(min_wait):
+    # the owner schedules 8 tokens (2 blocks) of the 24 it shares with the follower
+    shared = list(range(1000, 1024))
+    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8, min_shared_prefix_to_wait=min_wait)
+    s.add_request(req("a", shared + [1]))
+    s.add_request(req("b", shared + [2]))
+    t = run_steps(s, r)
+    assert r.scheduled_history[0] == {"a": 8, "b": 8}
+    assert t.num_cached_tokens == {"a": 0, "b": 0}
+
+
 def test_a_deferred_request_runs_when_the_owner_of_its_prefix_is_aborted():
     shared = list(range(1000, 1024))
-    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8, min_shared_prefix_to_wait=8)
     s.add_request(req("a", shared + [1]))
     s.add_request(req("b", shared + [2], max_tokens=3))
     t = run_steps(s, r, num_steps=1)

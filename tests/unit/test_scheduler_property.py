@@ -1,6 +1,8 @@
 """Property: after any sequence of add/step/abort/migrate and then finishing, the pool is full,
 with steps scheduled after the last one landed or ahead of it (async scheduling)."""
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,9 +39,9 @@ def add_request(s, k, op):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, drain=st.sampled_from(["run", "abort"]))
-def test_pool_is_full_again_after_any_sequence(ops, drain):
-    s = Scheduler(CFG, eos_token_ids=[3])
+@given(ops=ops, drain=st.sampled_from(["run", "abort"]), wait=st.sampled_from([None, 4]))
+def test_pool_is_full_again_after_any_sequence(ops, drain, wait):
+    s = Scheduler(replace(CFG, min_shared_prefix_to_wait=wait), eos_token_ids=[3])
     runner = FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50)  # EOS now and then
     t = Transcript()
     added: list[str] = []
@@ -73,10 +75,10 @@ def _n_of(ops, cid):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, drain=st.sampled_from(["run", "abort"]))
-def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, drain):
+@given(ops=ops, drain=st.sampled_from(["run", "abort"]), wait=st.sampled_from([None, 4]))
+def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, drain, wait):
     """Adds, aborts and worker deaths land while a step decided ahead is still to run."""
-    s = Scheduler(CFG, eos_token_ids=[3])
+    s = Scheduler(replace(CFG, min_shared_prefix_to_wait=wait), eos_token_ids=[3])
     driver = AheadDriver(s, FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50), Transcript())
     added: list[str] = []
     for k, op in enumerate(ops):

@@ -170,3 +170,11 @@ def test_prefill_batching_is_on_by_default_and_reaches_the_scheduler() -> None:
     assert (off.waiting_served_ratio, off.max_waiting_steps, off.hold_while_finishing_steps) == (0.0, 5, 0)
     with pytest.raises(pydantic.ValidationError):
         AppArgs.model_validate({"waiting_served_ratio": -1})
+
+
+def test_waiting_for_a_shared_prefix_is_on_by_default_and_reaches_the_scheduler() -> None:
+    sizes = {"block_size": 16, "num_blocks": 600, "max_model_len": 8192}
+    assert AppArgs().scheduler_config(**sizes).min_shared_prefix_to_wait == 256
+    assert AppArgs.model_validate({"min_shared_prefix_to_wait": None}).scheduler_config(**sizes).min_shared_prefix_to_wait is None
+    with pytest.raises(pydantic.ValidationError):
+        AppArgs.model_validate({"min_shared_prefix_to_wait": 0})
