@@ -82,6 +82,12 @@ class KVCacheManager:
             blocks.append(block)
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
+    def uncached_hashes(self, request: Request) -> Sequence[BlockHash]:
+        """Hashes of the request's full blocks that it holds and that are not registered yet:
+        their tokens are scheduled and not computed yet."""
+        rid = request.request_id
+        return request.block_hashes[self.num_registered.get(rid, 0):len(self.req_blocks.get(rid, ()))]
+
     def num_matched_tokens(self, block_hashes: Sequence[BlockHash]) -> int:
         """Tokens of the longest cached prefix (full blocks), without allocating: for routing."""
         num = 0

@@ -392,7 +392,7 @@ class Scheduler:
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id))
             budget -= num_new
             if being_computed is not None:
-                being_computed.update(self._hashes_held_uncached(request))
+                being_computed.update(self.kv.uncached_hashes(request))
         self.waiting.extendleft(reversed(deferred))
         if self.waiting and (out_of_budget or budget == 0):
             self._left_over_through = self._num_steps_handed_out
@@ -420,12 +420,8 @@ class Scheduler:
         the prefix cache after the step that computes its last token."""
         hashes: set[BlockHash] = set()
         for request in self.running:
-            hashes.update(self._hashes_held_uncached(request))
+            hashes.update(self.kv.uncached_hashes(request))
         return hashes
-
-    def _hashes_held_uncached(self, request: Request) -> Sequence[BlockHash]:
-        rid = request.request_id
-        return request.block_hashes[self.kv.num_registered.get(rid, 0):len(self.kv.req_blocks.get(rid, ()))]
 
     def _holds_new_prompts(self) -> bool:
         """Whether the waiting queue sits this step out so that running streams keep decoding.

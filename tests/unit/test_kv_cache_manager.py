@@ -157,3 +157,16 @@ def test_prefix_caching_off_never_hits():
     admit(kv, make("a", range(12)))
     assert kv.get_computed_blocks(make("b", range(12))).num_tokens == 0
     assert kv.num_matched_tokens(BlockHasher(BS).hash_tokens(range(12))) == 0
+
+
+def test_uncached_hashes_are_the_full_blocks_held_but_not_computed_yet():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    a = make("a", range(14))  # 3 full blocks and a partial one
+    assert kv.uncached_hashes(a) == []  # holds nothing
+    kv.allocate_slots(a, 9)  # 3 blocks for the first 9 tokens
+    assert kv.uncached_hashes(a) == a.block_hashes[:3]
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)  # blocks 0 and 1 are full and computed
+    assert kv.uncached_hashes(a) == a.block_hashes[2:3]
+    kv.allocate_slots(a, 5)  # the rest: the 4th block is partial, so it has no hash
+    assert kv.uncached_hashes(a) == a.block_hashes[2:3]
