@@ -1,6 +1,7 @@
 """The c16 benchmark's closed loop, simulated in virtual time with the real scheduler.
 
     .venv/bin/python -m bench.sim_waves [--seeds 40] [--variant NAME:KEY=VALUE,...]
+        [--cell c16|long-prompt|shared-prefix]
 
 A served c16 run (bench.matrix: 16 clients, 64 requests of 256 prompt and 128 output tokens,
 ignore_eos) is one sample of how the waves of requests line up, and whether they fall apart
@@ -18,8 +19,10 @@ compared over many arrival spreads in seconds:
   exponential tail). The first wave's latencies are drawn from a wider tail, as a cold
   connection pool and a busy ingress spread it in the real runs.
 
-It prints, per variant, the median and worst over the seeds of output tok/s, ITL p99, TTFT
-p99 and the count of ITLs over 150 ms. Times are virtual: compare variants, not absolute
+The long-prompt and shared-prefix cells replay bench.matrix's cells of those names (the
+shared-prefix one with the client's warm-up of its first request). It prints, per variant, the
+median and worst over the seeds of output tok/s, ITL p99, TTFT p99, the count of ITLs over
+150 ms and the prompt tokens computed. Times are virtual: compare variants, not absolute
 numbers with a served run.
 """
 
@@ -48,6 +51,7 @@ SHIPPED = SchedulerConfig(  # deploy/serve.yaml's scheduling settings
     waiting_served_ratio=0.3,
     max_waiting_steps=20,
     hold_while_finishing_steps=4,
+    min_shared_prefix_to_wait=256,
 )
 
 
@@ -62,12 +66,22 @@ class Workload:
     first_wave_mean_s: float = 0.3  # the first wave's tail (cold connections, busy ingress)
     long_prompt_len: int = 0  # >0: the long-prompt cell's long requests, at long_positions in the order sent
     long_positions: tuple[int, ...] = ()
+    prefix_families: int = 0  # >0: request i's prompt is family i % F's system prompt, then prompt_len tokens
+    prefix_len: int = 0  # tokens of each family's system prompt
+    warm_first: bool = False  # the first request is computed once before the clock starts (the client's warm-up)
 
     @classmethod
     def long_prompt_cell(cls, **kw) -> Workload:
         """bench.matrix's long-prompt cell: 32 requests of 128 in / 128 out and 2 of 2048 in,
         sent 12th and 23rd (bench/datasets.py, long_prompt_requests), concurrency 16."""
         return cls(requests=34, prompt_len=128, long_prompt_len=2048, long_positions=(11, 22), **kw)
+
+    @classmethod
+    def shared_prefix_cell(cls, **kw) -> Workload:
+        """bench.matrix's shared-prefix cell: 4 families of 1024-token system prompts, round-robin,
+        32-token questions, 64 out, 32 requests at concurrency 8, the first one warmed up."""
+        return cls(clients=8, requests=32, prompt_len=32, output_len=64, prefix_families=4, prefix_len=1024,
+                   warm_first=True, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +102,7 @@ class RunResult:
     itl_p99_ms: float
     ttft_p99_ms: float
     itls_over_150ms: int
+    prompt_tokens: int  # prompt tokens the worker computed (prefix hits are not)
     timeline: list[str] = dataclasses.field(default_factory=list)  # per request: sent, first token, end, long gaps
 
 
@@ -95,6 +110,12 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
     rng = random.Random(seed)
     scheduler = Scheduler(config)
     runner = InstantRunner()
+    text_rng = random.Random(seed + 1_000_000)  # the shared-prefix cell's prompts, apart from rng's draws
+    systems = [[text_rng.randrange(1, 49000) for _ in range(workload.prefix_len)]
+               for _ in range(workload.prefix_families)]
+    questions = [[text_rng.randrange(1, 49000) for _ in range(workload.prompt_len)]
+                 for _ in range(workload.requests if systems else 0)]
+    prompt_tokens = 0
     arrivals: list[tuple[float, int, EngineRequest]] = []  # (time at the scheduler, order, request)
     sent = 0
     sent_at: dict[str, float] = {}
@@ -113,7 +134,10 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
         request_id = f"r{sent}"
         is_long = sent in workload.long_positions
         length = workload.long_prompt_len if is_long else workload.prompt_len
-        prompt = [rng.randrange(1, 49000) for _ in range(length)]  # no shared prefixes
+        if systems:
+            prompt = systems[sent % len(systems)] + questions[sent]
+        else:
+            prompt = [rng.randrange(1, 49000) for _ in range(length)]  # no shared prefixes
         if is_long:
             long_ids.add(request_id)
         params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True, temperature=0.0)
@@ -129,6 +153,8 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
             prompt_left[request.request_id] = True
 
     def land(step, now: float) -> None:
+        nonlocal prompt_tokens
+        prompt_tokens += sum(n for rid, n in step.num_scheduled_tokens.items() if prompt_left.get(rid))
         for out in scheduler.update_from_output(step, runner.execute(step)):
             rid = out.request_id
             if not out.new_token_ids:
@@ -146,6 +172,12 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
             if out.finished:
                 send(now, workload.latency_mean_s)
 
+    if workload.warm_first:
+        warm = EngineRequest("warm-up", systems[0] + questions[0], SamplingParams(max_tokens=1, temperature=0.0))
+        scheduler.add_request(warm)
+        while scheduler.has_unfinished_requests():
+            step = scheduler.schedule()
+            scheduler.update_from_output(step, runner.execute(step))
     for _ in range(workload.clients):
         send(0.0, workload.first_wave_mean_s)
     now = 0.0
@@ -172,6 +204,7 @@ def simulate(config: SchedulerConfig, workload: Workload, cost: StepCost, seed: 
         itl_p99_ms=1000 * itls[int(0.99 * (len(itls) - 1))],
         ttft_p99_ms=1000 * ttfts[int(0.99 * (len(ttfts) - 1))],
         itls_over_150ms=sum(1 for x in itls if x > 0.150),
+        prompt_tokens=prompt_tokens,
         timeline=[f"{rid:>4} sent {sent_at[rid]:6.2f} first token {first_token_at[rid]:6.2f}"
                   f" end {last_token_at[rid]:6.2f} long gaps at {long_gaps.get(rid, [])}" for rid in sent_at],
     )
@@ -195,13 +228,15 @@ def main() -> None:
     parser.add_argument("--first-wave-mean", type=float, default=Workload.first_wave_mean_s)
     parser.add_argument("--trace", type=int, default=None, help="print this seed's timeline per request")
     parser.add_argument("--latency-mean", type=float, default=Workload.latency_mean_s)
-    parser.add_argument("--cell", choices=["c16", "long-prompt"], default="c16")
+    parser.add_argument("--cell", choices=["c16", "long-prompt", "shared-prefix"], default="c16")
     args = parser.parse_args()
     timing = {"first_wave_mean_s": args.first_wave_mean, "latency_mean_s": args.latency_mean}
-    workload = Workload.long_prompt_cell(**timing) if args.cell == "long-prompt" else Workload(**timing)
+    cells = {"c16": Workload, "long-prompt": Workload.long_prompt_cell, "shared-prefix": Workload.shared_prefix_cell}
+    workload = cells[args.cell](**timing)
     variants = [parse_variant(v) for v in args.variant or ["shipped"]]
     print(f"{args.seeds} seeds | {workload}")
-    print(f"{'variant':>16} | tok/s med (min) | ITL p99 ms med (max) | TTFT p99 ms med (max) | ITLs>150ms med (max)")
+    print(f"{'variant':>16} | tok/s med (min) | ITL p99 ms med (max) | TTFT p99 ms med (max) | ITLs>150ms med (max)"
+          " | prompt tokens computed med (max)")
     for name, config in variants:
         if args.trace is not None:
             print(f"{name}, seed {args.trace}:")
@@ -211,9 +246,11 @@ def main() -> None:
         itl = [r.itl_p99_ms for r in runs]
         ttft = [r.ttft_p99_ms for r in runs]
         big = [r.itls_over_150ms for r in runs]
+        computed = [r.prompt_tokens for r in runs]
         print(f"{name:>16} | {statistics.median(tps):6.1f} ({min(tps):6.1f})"
               f" | {statistics.median(itl):7.0f} ({max(itl):6.0f})"
-              f" | {statistics.median(ttft):7.0f} ({max(ttft):6.0f}) | {statistics.median(big):5.0f} ({max(big):4d})")
+              f" | {statistics.median(ttft):7.0f} ({max(ttft):6.0f}) | {statistics.median(big):5.0f} ({max(big):4d})"
+              f" | {statistics.median(computed):6.0f} ({max(computed):6d})")
 
 
 if __name__ == "__main__":
