@@ -26,7 +26,7 @@ admission, 6 tokens computed so far (hit included), 5 scheduled this step:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.block_hash import BlockHash
@@ -69,18 +69,35 @@ class KVCacheManager:
         self.num_registered: dict[str, int] = {}  # request_id -> leading blocks in the prefix cache
 
     # --- lookups (no side effects) ---------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix of `request`, at least one token short of its target."""
+    def get_computed_blocks(
+        self, request: Request, landing: Mapping[BlockHash, KVBlock] | None = None
+    ) -> ComputedBlocks:
+        """The longest cached prefix of `request`, at least one token short of its target.
+
+        `landing`: blocks that other requests hold, uncached, whose tokens the step in flight
+        computes (blocks_filled_by). Deciding the step after it, they count as cached: the
+        worker runs that step first. They are registered when it lands, by their owner."""
         if not self.enable_prefix_caching:
             return ComputedBlocks([], 0)
         max_blocks = (request.num_tokens_to_compute - 1) // self.block_size
         blocks = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
+            if block is None and landing:
+                block = landing.get(block_hash)
             if block is None:
                 break
             blocks.append(block)
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
+
+    def blocks_filled_by(self, request: Request, num_computed_tokens: int) -> dict[BlockHash, KVBlock]:
+        """The request's held, uncached full blocks whose tokens all lie below num_computed_tokens:
+        those the step in flight fills, when num_computed_tokens counts its tokens."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        hashes = request.block_hashes
+        return {hashes[i]: blocks[i] for i in range(self.num_registered.get(rid, 0), num_full)}
 
     def uncached_hashes(self, request: Request) -> Sequence[BlockHash]:
         """Hashes of the request's full blocks that it holds and that are not registered yet:

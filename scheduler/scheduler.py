@@ -43,6 +43,7 @@ from functools import partial
 
 from scheduler.batch import StepBatch, check_stop
 from scheduler.block_hash import BlockHash, BlockHasher, HashFn, sha256_block_hash
+from scheduler.block_pool import KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from scheduler.outputs import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -234,13 +235,27 @@ class Scheduler:
             return _empty_step()  # someone must be preempted: that is schedule()'s decision
         stats = StepStats(step=self.totals.num_steps + 2)
         batch = StepBatch()
+        landing = self._blocks_landing(running_step) if self.waiting and self.config.enable_prefix_caching else None
         for request, computed, num_new in plan:
             allocation = self.kv.allocate_slots(request, computed - request.num_computed_tokens + num_new)
             assert allocation is not None, "blocks were counted"
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id),
                       start=computed)
-        self._schedule_waiting(budget, batch, stats)
+        self._schedule_waiting(budget, batch, stats, landing)
         return self._hand_out(batch, stats)
+
+    def _blocks_landing(self, running_step: dict[str, int]) -> dict[BlockHash, KVBlock]:
+        """Blocks that running requests hold and the step in flight fills: a waiting request
+        admitted in the step after it takes them as a prefix hit, as if they were cached
+        already (a burst's followers start right after the step that computes their shared
+        prefix, not one step later). Only running owners' blocks: an owner aborted meanwhile
+        has freed them, and another request may write them again in the step being decided."""
+        landing: dict[BlockHash, KVBlock] = {}
+        for rid, num_tokens in running_step.items():
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                landing.update(self.kv.blocks_filled_by(request, request.num_computed_tokens + num_tokens))
+        return landing
 
     def _finishes_by_length_after_one_more(self, request: Request) -> bool:
         return self._tokens_before_length_stop(request) <= 1
@@ -351,7 +366,8 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, batch: StepBatch, stats: StepStats) -> int:
+    def _schedule_waiting(self, budget: int, batch: StepBatch, stats: StepStats,
+                          landing: dict[BlockHash, KVBlock] | None = None) -> int:
         if self._holds_new_prompts():
             return budget
         out_of_budget = False
@@ -361,7 +377,7 @@ class Scheduler:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
-            computed = self.kv.get_computed_blocks(request)
+            computed = self.kv.get_computed_blocks(request, landing)
             if self._may_wait_for_prefix(request, computed):
                 if being_computed is None:
                     being_computed = self._hashes_being_computed()

@@ -170,3 +170,20 @@ def test_uncached_hashes_are_the_full_blocks_held_but_not_computed_yet():
     assert kv.uncached_hashes(a) == a.block_hashes[2:3]
     kv.allocate_slots(a, 5)  # the rest: the 4th block is partial, so it has no hash
     assert kv.uncached_hashes(a) == a.block_hashes[2:3]
+
+
+def test_blocks_filled_by_the_step_in_flight_count_as_a_hit_when_passed_as_landing():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    a = make("a", range(14))
+    kv.allocate_slots(a, 9)  # the step in flight computes tokens 0-8: blocks 0 and 1 full, 2 not
+    landing = kv.blocks_filled_by(a, 9)
+    assert list(landing) == a.block_hashes[:2] and [b.block_id for b in landing.values()] == kv.block_ids("a")[:2]
+    follower = make("f", list(range(12)) + [99])
+    assert kv.get_computed_blocks(follower).num_tokens == 0  # nothing is cached yet
+    computed = kv.get_computed_blocks(follower, landing)
+    assert computed.num_tokens == 8
+    kv.allocate_slots(follower, 5, computed)
+    assert kv.block_ids("f")[:2] == kv.block_ids("a")[:2] and refs(kv, kv.block_ids("a")[:2]) == [2, 2]
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)  # the step lands: the owner registers them
+    assert kv.get_computed_blocks(make("g", list(range(12)) + [98])).num_tokens == 8

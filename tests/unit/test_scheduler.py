@@ -9,7 +9,7 @@ from scheduler.outputs import EngineRequest, FinishReason
 from scheduler.request import RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.testing import AheadDriver, FakeRunner, assert_pool_full, run_steps
+from scheduler.testing import AheadDriver, FakeRunner, Transcript, assert_pool_full, run_steps
 
 
 
@@ -136,6 +136,11 @@ def test_requests_arriving_with_one_prefix_compute_it_once(ahead):
         t = run_steps(s, r)
     first = r.scheduled_history[0]
     assert first == {"a": 8, "other": 8}  # the followers are deferred, the unrelated one is not
+    # they start in the step that computes a's last prompt tokens: decided ahead, while the
+    # step that computes the last shared block runs, they take its blocks as landing hits
+    assert [step.get("a") for step in r.scheduled_history[:4]] == [8, 8, 8, 2]
+    assert not any("b" in step or "c" in step for step in r.scheduled_history[:3])
+    assert r.scheduled_history[3]["b"] == 1 and r.scheduled_history[3]["c"] == 3
     assert t.num_cached_tokens == {"a": 0, "b": 24, "other": 0, "c": 24}
     prompt_tokens = sum(n for step in r.scheduled_history for n in step.values() if n > 1)
     assert prompt_tokens == 26 + 10 + 3  # a and other whole, c's 3 tokens past its hit (b's 1 looks like a decode)
@@ -168,6 +173,26 @@ def test_a_deferred_request_runs_when_the_owner_of_its_prefix_is_aborted():
     run_steps(s, r, t)
     assert r.scheduled_history[1] == {"b": 8} and t.num_cached_tokens["b"] == 8  # what a computed before it went
     assert len(t.tokens[("b", 0)]) == 3
+
+
+def test_a_follower_takes_no_landing_blocks_of_an_owner_aborted_while_its_step_runs():
+    shared = list(range(1000, 1024))
+    s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8, min_shared_prefix_to_wait=8)
+    s.add_request(req("a", shared + [1]))
+    s.add_request(req("b", shared + [2], max_tokens=3))
+    s.add_request(req("c", range(2000, 2030), max_tokens=3))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 8, "c": 8}
+    s.abort_request("a")  # its blocks are freed while the step that fills them is in flight
+    ahead = s.schedule_ahead()  # c's next chunk may take a's freed blocks: b must not read them
+    assert ahead.num_scheduled_tokens == {"c": 8, "b": 8}
+    t = Transcript()
+    t.record(s.update_from_output(first, r.execute(first)))
+    t.record(s.update_from_output(ahead, r.execute(ahead)))  # the runner checks every KV read
+    run_steps(s, r, t)
+    assert t.num_cached_tokens["b"] == 0
+    alone, _, _ = run([req("b", shared + [2], max_tokens=3)], enable_prefix_caching=False)
+    assert alone.tokens[("b", 0)] == t.tokens[("b", 0)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
