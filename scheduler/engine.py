@@ -432,8 +432,7 @@ class Engine:
         next step tells the worker to forget every request it was sent, so a failed step
         leaves nothing behind on a live worker. That list may name a request the worker never
         registered (the failed step was its first); workers ignore those."""
-        forget = set(self.scheduler.finished_for_worker)  # retired before (an abort mid-step), not yet told
-        forget.update(request.request_id for request in self.scheduler.requests.values() if request.sent_to_worker)
+        forget = self.scheduler.ids_the_worker_may_hold()
         for stream in self.take_for_migration().streams.values():  # nowhere to go: fail them
             stream.fail(error)
         self.scheduler.finished_for_worker.update(forget)

@@ -165,6 +165,16 @@ class Scheduler:
         self.totals.num_aborted_seqs += len(outputs)
         return outputs
 
+    def ids_the_worker_may_hold(self) -> set[str]:
+        """Every request id the worker may keep state for: requests it was sent, those retired
+        and not yet named in a step's finished ids, and those named in the steps in flight
+        (a step that fails may never have told the worker)."""
+        ids = {request.request_id for request in self.requests.values() if request.sent_to_worker}
+        ids.update(self.finished_for_worker)
+        for output, _, _ in self._in_flight:
+            ids.update(output.finished_request_ids)
+        return ids
+
     def take_requests_for_migration(self) -> list[Request]:
         """The worker is gone: returns every unfinished request, reset, oldest first.
 

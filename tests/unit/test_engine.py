@@ -190,6 +190,7 @@ def test_a_live_worker_forgets_the_requests_of_a_failed_step(fail_at_step):
 
     async def main():
         runner = FailsOnce(CFG.block_size, CFG.num_blocks)
+        runner.forgets_may_repeat = True
         engine = Engine(CFG, runner)
         with pytest.raises(RuntimeError, match="kernel error"):
             await collect(engine.add_request(EngineRequest("a", list(range(40)), GREEDY)))
@@ -201,6 +202,37 @@ def test_a_live_worker_forgets_the_requests_of_a_failed_step(fail_at_step):
     assert sum(len(d.new_token_ids) for d in deltas) == 12
     assert ("a" in runner.registered) == (fail_at_step > 1)
     assert "a" not in runner.requests  # ("b" is forgotten with the step after it, which never comes)
+
+
+def test_a_failed_step_also_forgets_the_requests_it_was_to_tell_the_worker_to_forget():
+    """A request that ended before the failing step rides in that step's finished ids; the
+    step never reached the worker, so the step after the error must name it again."""
+
+    class FailsTellingToForgetX(FakeRunner):
+        failed = False
+
+        def execute(self, so):
+            if "x" in so.finished_request_ids and not self.failed:
+                self.failed = True
+                self.num_steps += 1
+                raise RuntimeError("kernel error")
+            return super().execute(so)
+
+    async def main():
+        runner = FailsTellingToForgetX(CFG.block_size, CFG.num_blocks)
+        runner.forgets_may_repeat = True
+        engine = Engine(CFG, runner)
+        x = engine.add_request(EngineRequest("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1)))
+        a = engine.add_request(EngineRequest("a", list(range(8)), GREEDY))
+        assert len(await collect(x)) == 1
+        with pytest.raises(RuntimeError, match="kernel error"):
+            await collect(a)
+        await collect(engine.add_request(EngineRequest("c", [1, 2, 3], GREEDY)))  # its step carries the forgets
+        return runner
+
+    runner = asyncio.run(main())
+    assert runner.failed and {"x", "a"} <= runner.registered
+    assert not {"x", "a"} & set(runner.requests), sorted(runner.requests)
 
 
 def test_a_failed_step_also_forgets_requests_retired_during_it():
@@ -232,6 +264,7 @@ def test_a_failed_step_also_forgets_requests_retired_during_it():
 
     async def main():
         runner = AbortsThenFails(CFG.block_size, CFG.num_blocks)
+        runner.forgets_may_repeat = True
         runner.loop = asyncio.get_running_loop()
         engine = runner.engine = Engine(CFG, runner)
         params = SamplingParams(temperature=0.0, max_tokens=12)
