@@ -288,6 +288,17 @@ def run_steps(
     raise AssertionError(f"not done after {max_steps} steps")
 
 
+def run_to_end(scheduler: Scheduler, runner: FakeRunner | InstantRunner, ahead: bool) -> Transcript:
+    """Steps until no request is left: each step scheduled after the last one landed
+    (run_steps) or, ahead, decided while the last one runs (AheadDriver)."""
+    if not ahead:
+        return run_steps(scheduler, runner)
+    driver = AheadDriver(scheduler, runner)
+    while driver.busy:
+        driver.step()
+    return driver.transcript
+
+
 def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     cfg = scheduler.config
     assert 0 < output.total_num_scheduled_tokens <= cfg.max_num_batched_tokens, output.total_num_scheduled_tokens

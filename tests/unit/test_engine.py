@@ -175,22 +175,31 @@ def test_runner_error_fails_streams_and_engine_recovers():
     assert sum(len(d.new_token_ids) for d in asyncio.run(main())) == 12
 
 
+class FailsOnceWhen(FakeRunner):
+    """Raises "kernel error" on the first step for which when(step number, step) holds."""
+
+    def __init__(self, when):
+        super().__init__(CFG.block_size, CFG.num_blocks)
+        self.when = when
+        self.failed = False
+        self.forgets_may_repeat = True
+
+    def execute(self, so):
+        if not self.failed and self.when(self.num_steps + 1, so):
+            self.failed = True
+            self.num_steps += 1
+            raise RuntimeError("kernel error")
+        return super().execute(so)
+
+
 @pytest.mark.parametrize("fail_at_step", [1, 3])
 def test_a_live_worker_forgets_the_requests_of_a_failed_step(fail_at_step):
     """A runner error on a worker that stays up fails its requests; the worker must not keep
     their state (it would grow with every error). At step 1 the worker never registered "a"
     (its forget names an id it does not know); at step 3 it did."""
 
-    class FailsOnce(FakeRunner):
-        def execute(self, so):
-            if self.num_steps + 1 == fail_at_step:
-                self.num_steps += 1
-                raise RuntimeError("kernel error")
-            return super().execute(so)
-
     async def main():
-        runner = FailsOnce(CFG.block_size, CFG.num_blocks)
-        runner.forgets_may_repeat = True
+        runner = FailsOnceWhen(lambda step, so: step == fail_at_step)
         engine = Engine(CFG, runner)
         with pytest.raises(RuntimeError, match="kernel error"):
             await collect(engine.add_request(EngineRequest("a", list(range(40)), GREEDY)))
@@ -208,19 +217,8 @@ def test_a_failed_step_also_forgets_the_requests_it_was_to_tell_the_worker_to_fo
     """A request that ended before the failing step rides in that step's finished ids; the
     step never reached the worker, so the step after the error must name it again."""
 
-    class FailsTellingToForgetX(FakeRunner):
-        failed = False
-
-        def execute(self, so):
-            if "x" in so.finished_request_ids and not self.failed:
-                self.failed = True
-                self.num_steps += 1
-                raise RuntimeError("kernel error")
-            return super().execute(so)
-
     async def main():
-        runner = FailsTellingToForgetX(CFG.block_size, CFG.num_blocks)
-        runner.forgets_may_repeat = True
+        runner = FailsOnceWhen(lambda step, so: "x" in so.finished_request_ids)
         engine = Engine(CFG, runner)
         x = engine.add_request(EngineRequest("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1)))
         a = engine.add_request(EngineRequest("a", list(range(8)), GREEDY))

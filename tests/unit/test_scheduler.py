@@ -9,7 +9,7 @@ from scheduler.outputs import EngineRequest, FinishReason
 from scheduler.request import RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.testing import AheadDriver, FakeRunner, Transcript, assert_pool_full, run_steps
+from scheduler.testing import FakeRunner, Transcript, assert_pool_full, run_steps, run_to_end
 
 
 
@@ -127,13 +127,7 @@ def test_requests_arriving_with_one_prefix_compute_it_once(ahead):
     s, r = setup(max_num_batched_tokens=64, long_prefill_token_threshold=8, min_shared_prefix_to_wait=8)
     for q in requests:
         s.add_request(q)
-    if ahead:
-        driver = AheadDriver(s, r)
-        while driver.busy:
-            driver.step()
-        t = driver.transcript
-    else:
-        t = run_steps(s, r)
+    t = run_to_end(s, r, ahead)
     first = r.scheduled_history[0]
     assert first == {"a": 8, "other": 8}  # the followers are deferred, the unrelated one is not
     # they start in the step that computes a's last prompt tokens: decided ahead, while the
