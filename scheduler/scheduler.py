@@ -262,6 +262,8 @@ class Scheduler:
         has freed them, and another request may write them again in the step being decided."""
         landing: dict[BlockHash, KVBlock] = {}
         for rid, num_tokens in running_step.items():
+            if num_tokens == 1:
+                continue  # a decode: the blocks it fills hold generated tokens, no one's prompt
             request = self.requests.get(rid)
             if request is not None and request.status == RequestStatus.RUNNING:
                 landing.update(self.kv.blocks_filled_by(request, request.num_computed_tokens + num_tokens))
@@ -446,7 +448,8 @@ class Scheduler:
         the prefix cache after the step that computes its last token."""
         hashes: set[BlockHash] = set()
         for request in self.running:
-            hashes.update(self.kv.uncached_hashes(request))
+            if request.num_computed_tokens + 1 < request.num_tokens_to_compute:  # not a decode
+                hashes.update(self.kv.uncached_hashes(request))
         return hashes
 
     def _holds_new_prompts(self) -> bool:
