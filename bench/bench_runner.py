@@ -122,6 +122,9 @@ def parse_args() -> argparse.Namespace:
                              "(bench/step_breakdown.py), at --batch-sizes (default here 1,16) and --prompt-len (256)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="--breakdown: dtypes to run")
     parser.add_argument("--threads-list", default="1,2", help="--breakdown: torch thread counts to run")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="--breakdown: also a step computing N prompts of --prompt-len tokens (8: the 2048-token "
+                             "steps of a c16 wave), against its GEMM-only time")
     return parser.parse_args()
 
 
@@ -135,7 +138,7 @@ def run_breakdown(args: argparse.Namespace) -> None:
     print(step_breakdown.HEADER)
     print("-" * len(step_breakdown.HEADER))
     step_breakdown.run(str(resolve_model_path(args.model)), args.dtypes.split(","),
-                       [int(t) for t in args.threads_list.split(",")], batches, prompt_len)
+                       [int(t) for t in args.threads_list.split(",")], batches, prompt_len, prefill_seqs=args.prefill)
     print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 

@@ -19,6 +19,10 @@ context of --prompt-len tokens), all in one process and one run:
 - weights: the bytes a step must read once (every projection weight and the lm_head, not
   the embedding rows), over the read bandwidth measured here with the same threads
   (a sum over a 512 MB tensor); step / weights-read is the batch-1 target (<= 1.2).
+
+With `--prefill N` (`bench_runner --breakdown --prefill 8`), also a step that computes N
+prompts of --prompt-len tokens whole (8 x 256: the 2048-token steps of a c16 wave), against
+its products alone (the lm_head on N rows) and its attention.
 """
 
 from __future__ import annotations
@@ -84,10 +88,12 @@ def weight_bytes(runner: ModelRunner) -> int:
     return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * element
 
 
-def gemm_only_s(runner: ModelRunner, batch: int, repeats: int) -> float:
-    """The step's matrix products alone: per layer qkv, o, gate_up, down at M = batch, then the lm_head."""
+def gemm_only_s(runner: ModelRunner, batch: int, repeats: int, sampled_rows: int | None = None) -> float:
+    """The step's matrix products alone: per layer qkv, o, gate_up, down at M = batch, then the
+    lm_head on sampled_rows rows (a prompt step samples one row per sequence; default: every row)."""
     model, c = runner.model, runner.model_config
     x = torch.randn(batch, c.hidden_size).to(model.dtype)
+    sampled = x[:sampled_rows] if sampled_rows is not None else x
     attended = torch.randn(batch, c.num_heads * c.head_dim).to(model.dtype)
     act = torch.randn(batch, c.intermediate_size).to(model.dtype)
 
@@ -97,7 +103,7 @@ def gemm_only_s(runner: ModelRunner, batch: int, repeats: int) -> float:
             model.linear(attended, layer.o, layer.o_bias)
             model.linear(x, layer.gate_up, layer.gate_up_bias)
             model.linear(act, layer.down, layer.down_bias)
-        model.compute_logits(x)
+        model.compute_logits(sampled)
 
     with torch.inference_mode():
         run()
@@ -150,24 +156,69 @@ def decode_steps(runner: ModelRunner, batch: int, prompt_len: int, num_steps: in
         steps.append(runner.last_timing.total_s)
     # attention is timed on the Python loop (the C loop of workers/native_forward.py runs the
     # same kernels with no Python between them to time): steps after the timed ones
-    model, native = runner.model, runner.model.native_forward
-    model.native_forward = None
-    try:
-        with timing_attention(model) as spent:
-            for _ in range(num_steps):
-                driver.step()
-    finally:
-        model.native_forward = native
+    with python_layer_loop(runner.model), timing_attention(runner.model) as spent:
+        for _ in range(num_steps):
+            driver.step()
     while driver.has_unfinished:
         driver.step()
     return statistics.median(steps), spent[0] / num_steps
 
 
+@contextmanager
+def python_layer_loop(model):
+    """Runs the model's forward on its Python layer loop, where attention can be timed (the
+    shipped C loop of workers/native_forward.py has no Python between its kernels)."""
+    native = model.native_forward
+    model.native_forward = None
+    try:
+        yield
+    finally:
+        model.native_forward = native
+
+
+@dataclass
+class PrefillBreakdown:
+    dtype: str
+    threads: int
+    num_seqs: int
+    prompt_len: int
+    step_s: float  # the best prompt step (ModelRunner.execute)
+    gemm_s: float  # its matrix products alone (M = num_seqs x prompt_len, the lm_head on num_seqs rows)
+    attention_s: float  # attention kernel + rotary/KV write in such a step
+
+    def row(self) -> str:
+        return (f"{self.dtype:>8} | {self.threads:>7} | prompt step {self.num_seqs} x {self.prompt_len}: "
+                f"{self.step_s * 1e3:.0f} ms, GEMM-only {self.gemm_s * 1e3:.0f} ms, step / GEMM "
+                f"{self.step_s / self.gemm_s:.2f}, attention {self.attention_s * 1e3:.0f} ms "
+                f"({self.attention_s / self.step_s:.1%})")
+
+
+def prefill_step(runner: ModelRunner, num_seqs: int, prompt_len: int, repeats: int) -> tuple[float, float]:
+    """(best step seconds, attention seconds) of a step computing num_seqs prompts whole."""
+    def one_step(seed: int) -> float:
+        driver = SimpleDriver(runner, token_budget=num_seqs * prompt_len)
+        generator = torch.Generator().manual_seed(seed)
+        for index in range(num_seqs):
+            prompt = torch.randint(3, runner.model_info.vocab_size, (prompt_len,), generator=generator).tolist()
+            driver.add_request(f"p{seed}-{index}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        driver.step()
+        spent = runner.last_timing.total_s
+        while driver.has_unfinished:
+            driver.step()
+        return spent
+
+    one_step(0)  # warm
+    step_s = min(one_step(seed) for seed in range(1, repeats + 1))
+    with python_layer_loop(runner.model), timing_attention(runner.model) as spent:
+        one_step(repeats + 1)
+    return step_s, spent[0]
+
+
 def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: list[int], prompt_len: int,
-        num_steps: int = 16, repeats: int = 5) -> list[Breakdown]:
+        num_steps: int = 16, repeats: int = 5, prefill_seqs: int = 0) -> list[Breakdown | PrefillBreakdown]:
     results = []
     for dtype in dtypes:
-        blocks = max(batches) * (-(-(prompt_len + 2 * num_steps + 8) // 16)) + 1
+        blocks = max(max(batches), prefill_seqs) * (-(-(prompt_len + 2 * num_steps + 8) // 16)) + 1
         runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks))
         for threads in threads_list:
             torch.set_num_threads(threads)
@@ -176,6 +227,11 @@ def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: lis
                 step_s, attention_s = decode_steps(runner, batch, prompt_len, num_steps)
                 results.append(Breakdown(dtype, threads, batch, step_s, gemm_only_s(runner, batch, repeats),
                                          attention_s, weight_bytes(runner) / bandwidth))
+                print(results[-1].row(), flush=True)
+            if prefill_seqs:
+                step_s, attention_s = prefill_step(runner, prefill_seqs, prompt_len, repeats=3)
+                gemm_s = gemm_only_s(runner, prefill_seqs * prompt_len, 3, sampled_rows=prefill_seqs)
+                results.append(PrefillBreakdown(dtype, threads, prefill_seqs, prompt_len, step_s, gemm_s, attention_s))
                 print(results[-1].row(), flush=True)
         del runner
     return results
