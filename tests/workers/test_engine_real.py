@@ -69,6 +69,23 @@ def test_shared_long_prefix_hits_block_rounded_and_same_output(runner):
     assert second.sequences[0].token_ids == cold.sequences[0].token_ids
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_burst_with_one_long_prefix_computes_it_once_with_the_same_outputs(runner, async_scheduling):
+    # 4 requests arrive together with a 60-token prefix, computed 16 tokens a step: the followers
+    # wait for its blocks and, deciding ahead, take those the step in flight fills (landing hits),
+    # so the real runner reads KV that another request wrote a step or two before
+    prefix, *tails = prompts_of_lengths([60, 3, 5, 2, 7], runner.model_info.vocab_size, seed=6)
+    prompts = [prefix + tail for tail in tails]
+    engine = make_engine(runner, long_prefill_token_threshold=16, min_shared_prefix_to_wait=8,
+                         async_scheduling=async_scheduling)
+    results = engine.generate(prompts, greedy(10))
+    assert sorted(r.num_cached_tokens for r in results) == [0, 60, 60, 60]  # 15 full blocks of 4
+    assert engine.stats.num_prompt_tokens_computed == 60 + sum(len(t) for t in tails)
+    alone = make_engine(runner, enable_prefix_caching=False)
+    for prompt, result in zip(prompts, results):
+        assert result.sequences[0].token_ids == alone.generate([prompt], greedy(10))[0].sequences[0].token_ids
+
+
 def test_n4_greedy_children_identical_and_prompt_computed_once(runner):
     (prompt,) = prompts_of_lengths([37], runner.model_info.vocab_size, seed=3)
     engine = make_engine(runner)
