@@ -245,13 +245,12 @@ class Scheduler:
             return _empty_step()  # someone must be preempted: that is schedule()'s decision
         stats = StepStats(step=self.totals.num_steps + 2)
         batch = StepBatch()
-        landing = self._blocks_landing(running_step) if self.waiting and self.config.enable_prefix_caching else None
         for request, computed, num_new in plan:
             allocation = self.kv.allocate_slots(request, computed - request.num_computed_tokens + num_new)
             assert allocation is not None, "blocks were counted"
             batch.add(request, num_new, allocation.new_block_ids, partial(self.kv.block_ids, request.request_id),
                       start=computed)
-        self._schedule_waiting(budget, batch, stats, landing)
+        self._schedule_waiting(budget, batch, stats, running_step)
         return self._hand_out(batch, stats)
 
     def _blocks_landing(self, running_step: dict[str, int]) -> dict[BlockHash, KVBlock]:
@@ -379,9 +378,14 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, batch: StepBatch, stats: StepStats,
-                          landing: dict[BlockHash, KVBlock] | None = None) -> int:
-        if self._holds_new_prompts():
+                          running_step: dict[str, int] | None = None) -> int:
+        """Admits waiting requests into the step being decided; running_step: the step in
+        flight, when deciding ahead (its filled blocks count as cached: _blocks_landing)."""
+        if self._holds_new_prompts() or not self.waiting:
             return budget
+        landing = None
+        if running_step is not None and self.config.enable_prefix_caching:
+            landing = self._blocks_landing(running_step)
         out_of_budget = False
         being_computed: set[BlockHash] | None = None  # built on first need
         deferred: list[Request] = []
