@@ -140,14 +140,20 @@ def timing_attention(model):
         del ops.rope  # back to the class's method
 
 
+def add_random_prompts(driver: SimpleDriver, num: int, prompt_len: int, params: SamplingParams, seed: int,
+                       prefix: str) -> None:
+    """Queues num requests of prompt_len random token ids (seeded), named prefix + index."""
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(num):
+        prompt = torch.randint(3, driver.runner.model_info.vocab_size, (prompt_len,), generator=generator).tolist()
+        driver.add_request(f"{prefix}{index}", prompt, params)
+
+
 def decode_steps(runner: ModelRunner, batch: int, prompt_len: int, num_steps: int) -> tuple[float, float]:
     """(median step seconds, mean attention seconds per step) over num_steps decode steps."""
     driver = SimpleDriver(runner, token_budget=max(2048, batch * prompt_len))
     params = SamplingParams(temperature=0.0, max_tokens=2 * num_steps + 3, ignore_eos=True)
-    generator = torch.Generator().manual_seed(batch)
-    for index in range(batch):
-        prompt = torch.randint(3, runner.model_info.vocab_size, (prompt_len,), generator=generator).tolist()
-        driver.add_request(f"b{index}", prompt, params)
+    add_random_prompts(driver, batch, prompt_len, params, seed=batch, prefix="b")
     driver.step()  # prefill
     driver.step()  # a first decode (warm)
     steps = []
@@ -197,10 +203,8 @@ def prefill_step(runner: ModelRunner, num_seqs: int, prompt_len: int, repeats: i
     """(best step seconds, attention seconds) of a step computing num_seqs prompts whole."""
     def one_step(seed: int) -> float:
         driver = SimpleDriver(runner, token_budget=num_seqs * prompt_len)
-        generator = torch.Generator().manual_seed(seed)
-        for index in range(num_seqs):
-            prompt = torch.randint(3, runner.model_info.vocab_size, (prompt_len,), generator=generator).tolist()
-            driver.add_request(f"p{seed}-{index}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        add_random_prompts(driver, num_seqs, prompt_len, SamplingParams(temperature=0.0, max_tokens=1), seed,
+                           prefix=f"p{seed}-")
         driver.step()
         spent = runner.last_timing.total_s
         while driver.has_unfinished:
