@@ -431,7 +431,8 @@ class Engine:
         error: its state for them cannot be trusted). The KV accounting starts empty, and the
         next step tells the worker to forget every request it was sent, so a failed step
         leaves nothing behind on a live worker. That list may name a request the worker never
-        registered (the failed step was its first); workers ignore those."""
+        registered (the failed step was its first) or one it dropped already (a step decided
+        ahead ran after the failed one); workers ignore both."""
         forget = self.scheduler.ids_the_worker_may_hold()
         for stream in self.take_for_migration().streams.values():  # nowhere to go: fail them
             stream.fail(error)
