@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from workers.kernels import cpu_attention  # noqa: E402
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
 def main() -> None:
@@ -43,7 +43,10 @@ def main() -> None:
     parser.add_argument("--pool-gb", type=float, default=1.0,
                         help="KV pool over all layers (the shipped kv_cache_memory_gb); the step's blocks are "
                              "scattered over it, as a served step's are; 0: just the blocks the step reads")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV block (the shipped block_size: 16; the kernel takes up to 64)")
     args = parser.parse_args()
+    BLOCK = args.block_size
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     blocks_per_seq = -(-args.context // BLOCK)
@@ -74,7 +77,7 @@ def main() -> None:
     cold = statistics.median(run(layers) for _ in range(args.repeats))
     warm = statistics.median(run([layers[0]] * LAYERS) for _ in range(args.repeats))
     what = f"prefill of {args.seqs} x {args.context} tokens" if args.prefill else f"{args.seqs} seqs x {args.context} keys"
-    print(f"{args.dtype}, {args.threads} thread(s), {what}, {LAYERS} layers "
+    print(f"{args.dtype}, {args.threads} thread(s), {what}, {LAYERS} layers, blocks of {BLOCK} "
           f"({pool_mb:.0f} MB of pools): {cold * 1e3:.1f} ms from memory, {warm * 1e3:.1f} ms on one warm pool")
 
 

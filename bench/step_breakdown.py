@@ -18,7 +18,13 @@ context of --prompt-len tokens), all in one process and one run:
   the step (target <= 15% at batch 16);
 - weights: the bytes a step must read once (every projection weight and the lm_head, not
   the embedding rows), over the read bandwidth measured here with the same threads
-  (a sum over a 512 MB tensor); step / weights-read is the batch-1 target (<= 1.2).
+  (a sum over a 512 MB tensor); step / weights-read is the batch-1 target (<= 1.2);
+- bytes: what the step must read besides, its KV (every sequence's keys and values in every
+  layer, at the timed steps' mean context), its share of the step's bytes, and the byte floor
+  (weights + KV) / weights: the step / GEMM-only of a step that moves all its bytes at the rate
+  the products move the weights (their GB/s is printed beside the sum's). A step beats it only
+  by reading its KV faster than that, or while arithmetic runs (docs/benchmarks.md, "Where
+  each missed target stands").
 
 With `--prefill N` (`bench_runner --breakdown --prefill 8`), also a step that computes N
 prompts of --prompt-len tokens whole (8 x 256: the 2048-token steps of a c16 wave), against
@@ -52,16 +58,27 @@ class Breakdown:
     gemm_s: float  # the step's matrix products alone
     attention_s: float  # attention kernel + rotary/KV write, per step
     weight_read_s: float  # weight bytes / measured bandwidth
+    weight_bytes: int  # what weight_read_s reads
+    kv_bytes: int  # the KV a decode step reads (all sequences, all layers, the timed steps' mean context)
+
+    @property
+    def byte_floor(self) -> float:
+        """(weights + KV) / weights: the least step / GEMM-only where the products move bytes at
+        their limit (module docstring)."""
+        return (self.weight_bytes + self.kv_bytes) / self.weight_bytes
 
     def row(self) -> str:
         return (f"{self.dtype:>8} | {self.threads:>7} | {self.batch:>5} | {self.step_s * 1e3:8.2f} | "
                 f"{self.gemm_s * 1e3:8.2f} | {self.step_s / self.gemm_s:8.2f} | {self.attention_s * 1e3:8.2f} "
                 f"({self.attention_s / self.step_s:5.1%}) | {self.weight_read_s * 1e3:8.2f} | "
-                f"{self.step_s / self.weight_read_s:7.2f}")
+                f"{self.step_s / self.weight_read_s:7.2f} | {self.weight_bytes / self.gemm_s / 1e9:7.1f} "
+                f"({self.weight_bytes / self.weight_read_s / 1e9:4.1f}) | {self.kv_bytes / 1e6:5.0f} MB "
+                f"({self.kv_bytes / (self.weight_bytes + self.kv_bytes):5.1%}) | {self.byte_floor:5.2f}")
 
 
 HEADER = (f"{'dtype':>8} | {'threads':>7} | {'batch':>5} | {'step ms':>8} | {'GEMM ms':>8} | {'step/GEMM':>8} | "
-          f"{'attention ms (share)':>20} | {'weights ms':>8} | {'step/weights':>7}")
+          f"{'attention ms (share)':>20} | {'weights ms':>8} | {'step/weights':>7} | "
+          f"GEMM GB/s (read) | KV (its bytes share) | byte floor")
 
 
 def read_bandwidth(repeats: int = 5) -> float:
@@ -149,6 +166,15 @@ def add_random_prompts(driver: SimpleDriver, num: int, prompt_len: int, params: 
         driver.add_request(f"{prefix}{index}", prompt, params)
 
 
+def kv_bytes(runner: ModelRunner, batch: int, prompt_len: int, num_steps: int) -> int:
+    """The KV that decode_steps' timed steps read, per step: batch sequences at their mean
+    context (the prompt, the first sampled token, the warm step's and half the timed steps' tokens)."""
+    c = runner.model_config
+    element = torch.empty(0, dtype=runner.model.dtype).element_size()
+    mean_keys = prompt_len + 1 + (num_steps + 1) / 2
+    return int(batch * mean_keys * c.num_layers * 2 * c.num_kv_heads * c.head_dim * element)
+
+
 def decode_steps(runner: ModelRunner, batch: int, prompt_len: int, num_steps: int) -> tuple[float, float]:
     """(median step seconds, mean attention seconds per step) over num_steps decode steps."""
     driver = SimpleDriver(runner, token_budget=max(2048, batch * prompt_len))
@@ -229,8 +255,10 @@ def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: lis
             bandwidth = read_bandwidth()
             for batch in batches:
                 step_s, attention_s = decode_steps(runner, batch, prompt_len, num_steps)
+                weights = weight_bytes(runner)
                 results.append(Breakdown(dtype, threads, batch, step_s, gemm_only_s(runner, batch, repeats),
-                                         attention_s, weight_bytes(runner) / bandwidth))
+                                         attention_s, weights / bandwidth, weights,
+                                         kv_bytes(runner, batch, prompt_len, num_steps)))
                 print(results[-1].row(), flush=True)
             if prefill_seqs:
                 step_s, attention_s = prefill_step(runner, prefill_seqs, prompt_len, repeats=3)

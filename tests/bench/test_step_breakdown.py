@@ -1,0 +1,37 @@
+"""bench.step_breakdown's byte accounting, on the tiny random model: the KV a decode step reads
+is what the runner's pools hold for its sequences, and the byte floor follows from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import step_breakdown
+from workers.model_runner import ModelRunner, RunnerConfig
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_bytes_are_the_pools_bytes_for_the_timed_contexts(tiny_model_dir, dtype: str) -> None:
+    runner = ModelRunner(RunnerConfig(model=str(tiny_model_dir), dtype=dtype, num_blocks=16))
+    k_cache, v_cache = runner.kv_caches[0]
+    pool_bytes_per_token = sum(cache[0].numel() * cache.element_size() for cache in (k_cache, v_cache)) / runner.block_size
+    # 3 sequences of 20 prompt tokens; 4 timed steps after the warm one see 22..25 keys, mean 23.5
+    expected = 3 * 23.5 * pool_bytes_per_token * len(runner.kv_caches)
+    assert step_breakdown.kv_bytes(runner, batch=3, prompt_len=20, num_steps=4) == int(expected)
+
+
+def test_a_breakdown_row_shows_the_byte_floor() -> None:
+    row = step_breakdown.Breakdown("bfloat16", 2, 16, step_s=0.0172, gemm_s=0.0130, attention_s=0.0046,
+                                   weight_read_s=0.0100, weight_bytes=270_000_000, kv_bytes=100_000_000)
+    assert row.byte_floor == pytest.approx(370 / 270)
+    text = row.row()
+    assert "1.37" in text and "100 MB (27.0%)" in text and len(text.split("|")) == len(step_breakdown.HEADER.split("|"))
+
+
+def test_run_prints_a_row_per_batch_with_its_kv(tiny_model_dir, capsys) -> None:
+    torch.manual_seed(0)
+    results = step_breakdown.run(str(tiny_model_dir), ["float32"], [1], [1, 2], prompt_len=16, num_steps=2, repeats=1)
+    assert [r.batch for r in results] == [1, 2]
+    assert results[1].kv_bytes == 2 * results[0].kv_bytes > 0
+    assert all(r.byte_floor > 1 for r in results)
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2
