@@ -45,6 +45,8 @@ def main() -> None:
                              "scattered over it, as a served step's are; 0: just the blocks the step reads")
     parser.add_argument("--block-size", type=int, default=16,
                         help="tokens per KV block (the shipped block_size: 16; the kernel takes up to 64)")
+    parser.add_argument("--blocks-in-order", action="store_true",
+                        help="the step's blocks in pool order (each sequence's consecutive) instead of scattered")
     args = parser.parse_args()
     BLOCK = args.block_size
     torch.set_num_threads(args.threads)
@@ -53,7 +55,8 @@ def main() -> None:
     block_bytes = 2 * KV_HEADS * HEAD_DIM * BLOCK * dtype.itemsize  # K and V
     num_blocks = max(args.seqs * blocks_per_seq + 1, int(args.pool_gb * 2**30 / (LAYERS * block_bytes)))
     generator = torch.Generator().manual_seed(0)
-    block_tables = (torch.randperm(num_blocks - 1, generator=generator)[: args.seqs * blocks_per_seq] + 1)
+    order = torch.arange(num_blocks - 1) if args.blocks_in_order else torch.randperm(num_blocks - 1, generator=generator)
+    block_tables = order[: args.seqs * blocks_per_seq] + 1
     block_tables = block_tables.view(args.seqs, blocks_per_seq).to(torch.int32).contiguous()
     queries_per_seq = args.context if args.prefill else 1
     query_start_loc = torch.arange(args.seqs + 1, dtype=torch.int32) * queries_per_seq
@@ -77,7 +80,8 @@ def main() -> None:
     cold = statistics.median(run(layers) for _ in range(args.repeats))
     warm = statistics.median(run([layers[0]] * LAYERS) for _ in range(args.repeats))
     what = f"prefill of {args.seqs} x {args.context} tokens" if args.prefill else f"{args.seqs} seqs x {args.context} keys"
-    print(f"{args.dtype}, {args.threads} thread(s), {what}, {LAYERS} layers, blocks of {BLOCK} "
+    print(f"{args.dtype}, {args.threads} thread(s), {what}, {LAYERS} layers, blocks of {BLOCK}"
+          f"{' in order' if args.blocks_in_order else ''} "
           f"({pool_mb:.0f} MB of pools): {cold * 1e3:.1f} ms from memory, {warm * 1e3:.1f} ms on one warm pool")
 
 
