@@ -84,7 +84,15 @@ typedef struct {
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
     float l[MAX_ROWS][16] __attribute__((aligned(64))); /* running sum of p_j, per lane (portable: lane 0) */
     float m[MAX_ROWS], correction[MAX_ROWS];
+    int64_t keys_seen[MAX_ROWS]; /* keys row r may see: its position (first_position + r / num_heads) + 1 */
 } Scratch;
+
+/* Keys row r may see in the chunk [start, start + n) (keys_seen: set once per task, so no
+ * division by num_heads per row and chunk). */
+static inline int64_t visible_keys(const Scratch *w, int64_t r, int64_t start, int64_t n) {
+    const int64_t end = w->keys_seen[r] - start;
+    return end < n ? end : n;
+}
 
 static inline int64_t pack_of(int dtype) { return dtype == DTYPE_BF16 ? 2 : 1; }
 
@@ -97,12 +105,6 @@ static inline int64_t k_offset(const AttentionArgs *a, int64_t g, int64_t j, int
 static inline int64_t v_offset(const AttentionArgs *a, int64_t g, int64_t j, int64_t d) {
     const int64_t P = pack_of(a->dtype);
     return ((g * (a->block_size / P) + j / P) * a->head_dim + d) * P + j % P;
-}
-
-/* Keys row r may see in the chunk [start, start + n): its position is first_position + r / num_heads. */
-static inline int64_t visible_keys(const Task *t, int64_t r, int64_t start, int64_t n) {
-    const int64_t end = t->first_position + r / t->a->num_heads + 1 - start;
-    return end < n ? end : n;
 }
 
 static inline int64_t element_size(const AttentionArgs *a) { return a->dtype == DTYPE_F32 ? 4 : 2; }
@@ -200,7 +202,7 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
     const void *vb = block_part(t, a->v_cache, start / a->block_size, 0);
     for (int64_t r = 0; r < t->num_rows; r++) {
         if (!row_in_task(t, r)) continue;
-        const int64_t visible = visible_keys(t, r, start, n), g = (r % H) / t->group;
+        const int64_t visible = visible_keys(w, r, start, n), g = (r % H) / t->group;
         if (visible <= 0) { /* the whole chunk is in this row's future */
             w->correction[r] = 1.0f;
             continue;
@@ -305,7 +307,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
     const __m512 scale = _mm512_set1_ps(a->dtype == DTYPE_BF16 ? a->scale : 1.0f); /* fp32 q is prescaled */
     for (int i = 0; i < RB; i++)
         softmax_row_fast(w, rows[i], _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale),
-                         visible_keys(t, rows[i], start, n));
+                         visible_keys(w, rows[i], start, n));
 }
 
 /* Phase 2 for rows[0, count) of kv head g: acc = acc * correction + sum_j p_j v_j over the
@@ -362,7 +364,7 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
         prefetch_next_part(t, a->k_cache, start, g);
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
-            if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
+            if (visible_keys(w, rows[i], start, n) > 0) live[num_live++] = rows[i];
         prefetch_next_part(t, a->v_cache, start, g);
         FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV)
     }
@@ -395,7 +397,7 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
         }
     }
     for (int i = 0; i < RB; i++) {
-        const int64_t r = rows[i], visible = visible_keys(t, r, start, n);
+        const int64_t r = rows[i], visible = visible_keys(w, r, start, n);
         const __m256 live_lo = _mm256_castsi256_ps(first_lanes8(visible));
         const __m256 live_hi = _mm256_castsi256_ps(first_lanes8(visible - 8));
         const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lo[i], live_lo);
@@ -461,7 +463,7 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
         prefetch_next_part(t, a->k_cache, start, g);
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
-            if (visible_keys(t, rows[i], start, n) > 0) live[num_live++] = rows[i];
+            if (visible_keys(w, rows[i], start, n) > 0) live[num_live++] = rows[i];
         prefetch_next_part(t, a->v_cache, start, g);
         for (int64_t i = 0; i < num_live; i += 2) {
             if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D);
@@ -516,6 +518,7 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
         else
             memcpy(w->qb[r], (const uint16_t *)a->q + at, (size_t)D * sizeof(uint16_t));
         memset(w->acc[r], 0, (size_t)D * sizeof(float));
+        w->keys_seen[r] = t.first_position + r / H + 1;
         w->m[r] = NEG_BIG;
         memset(w->l[r], 0, sizeof w->l[r]);
     }
