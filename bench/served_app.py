@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVE_ENV_FILE = REPO / "deploy" / "serve.env"
 WORKER_PROCESS = "ray::WorkerActor"  # the model's processes; everything else is the serving stack
 
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as sock:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench import matrix, matrix_report
+from bench.served_app import free_port
 
 
 def fake_run(tok_s: float, ttft_p99: float, itl_p99: float, **extra) -> dict:
@@ -104,9 +104,3 @@ def test_stop_ends_a_setsid_server_and_its_other_process_groups(tmp_path) -> Non
             break
         time.sleep(0.05)
     assert matrix._session_members(server.pid) == []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
