@@ -250,12 +250,12 @@ def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: lis
     for dtype in dtypes:
         blocks = max(max(batches), prefill_seqs) * (-(-(prompt_len + 2 * num_steps + 8) // 16)) + 1
         runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks))
+        weights = weight_bytes(runner)
         for threads in threads_list:
             torch.set_num_threads(threads)
             bandwidth = read_bandwidth()
             for batch in batches:
                 step_s, attention_s = decode_steps(runner, batch, prompt_len, num_steps)
-                weights = weight_bytes(runner)
                 results.append(Breakdown(dtype, threads, batch, step_s, gemm_only_s(runner, batch, repeats),
                                          attention_s, weights / bandwidth, weights,
                                          kv_bytes(runner, batch, prompt_len, num_steps)))
