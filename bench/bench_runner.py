@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.bench_runner                      # SmolLM2, batch 1 8 16, prompt 128, 128 new
     .venv/bin/python -m bench.bench_runner --batch-sizes 16 --repeats 3 --threads 1
     .venv/bin/python -m bench.bench_runner --breakdown          # step vs GEMM-only vs attention (bench/step_breakdown.py)
+    .venv/bin/python -m bench.bench_runner --sampling           # sampled vs greedy decode steps (bench/sampling_cost.py)
 
 Both sides run greedy on the same random prompts (prompt_len tokens each, no padding) for
 exactly new_tokens tokens (EOS ignored), fp32 on CPU with the same torch thread count.
@@ -122,6 +123,10 @@ def parse_args() -> argparse.Namespace:
                              "(bench/step_breakdown.py), at --batch-sizes (default here 1,16) and --prompt-len (256)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="--breakdown: dtypes to run")
     parser.add_argument("--threads-list", default="1,2", help="--breakdown: torch thread counts to run")
+    parser.add_argument("--sampling", action="store_true",
+                        help="instead: greedy vs sampled (temperature 1.0, top_p 0.95) decode steps side by side "
+                             "(bench/sampling_cost.py), at --batch-sizes (default here 1,16), --threads, --dtypes "
+                             "(default here auto) and --prompt-len (256)")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="--breakdown: also a step computing N prompts of --prompt-len tokens (8: the 2048-token "
                              "steps of a c16 wave), against its GEMM-only time")
@@ -142,10 +147,28 @@ def run_breakdown(args: argparse.Namespace) -> None:
     print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 
+def run_sampling(args: argparse.Namespace) -> None:
+    from bench import sampling_cost
+
+    batches = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes != "1,8,16" else [1, 16]
+    dtypes = args.dtypes.split(",") if args.dtypes != "float32,bfloat16" else ["auto"]
+    prompt_len = args.prompt_len if args.prompt_len != 128 else 256
+    print(f"model {resolve_model_path(args.model)} | context {prompt_len} | sampled: temperature 1.0, top_p 0.95 | "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load average before {os.getloadavg()[0]:.2f}")
+    print(sampling_cost.HEADER)
+    print("-" * len(sampling_cost.HEADER))
+    sampling_cost.run(str(resolve_model_path(args.model)), dtypes, args.threads, batches, prompt_len,
+                      rounds=max(args.repeats, 3))
+    print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
+
+
 def main() -> None:
     args = parse_args()
     if args.breakdown:
         run_breakdown(args)
+        return
+    if args.sampling:
+        run_sampling(args)
         return
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -4,21 +4,25 @@ Order of operations per row (rows only pay for what their params ask):
 
     raw logits --> logprobs (log_softmax of the RAW logits, sampled token + top-k)
        |
-       +-> penalties: repetition (prompt + output, HF/vLLM), presence and frequency (output, OpenAI)
+       +-> penalties: repetition (prompt + output, HF/vLLM), presence and frequency (output,
+       |   OpenAI), on the tokens each row has seen, not over the vocabulary
        +-> grammar rows: tokens their grammar forbids -> -inf (a bitmask per constrained row)
-       +-> greedy rows: argmax
-       +-> other rows: / temperature -> top-k -> top-p -> min-p -> softmax -> draw
+       +-> every row greedy: argmax
+       +-> otherwise one call for the batch (workers/kernels/sampling.py): greedy rows argmax,
+           the others temperature -> top-k -> top-p -> min-p -> a draw from one uniform number
 
-Drawing is an exponential race, argmax(probs / E) with E ~ Exp(1) per token, which picks
-token i with probability probs[i]. The noise E of a seeded request comes from a generator
-seeded from (seed, output position) alone, so the same seed gives the same tokens whatever
-else is in the batch, after preemption, and on another worker. Unseeded rows draw their
-noise together from one shared generator.
+Each sampled row takes one uniform number u in [0, 1) and the kernel turns it into a token by
+the inverse CDF of the row's distribution. A seeded request's u comes from (seed, output
+position) alone, through an integer hash, so the same seed gives the same tokens whatever else
+is in the batch, after preemption, and on another worker running the same kernel build.
+Unseeded rows take theirs from one shared generator.
 """
 
 from __future__ import annotations
 
 import functools
+import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +30,7 @@ import torch
 
 from scheduler.outputs import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
+from workers.kernels.sampling import RowParams, sample_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -37,9 +42,9 @@ def _splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def position_seed(seed: int, output_position: int) -> int:
-    """The generator seed for a seeded request's token at output_position (0-based)."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ output_position) >> 1  # torch seeds are < 2**63
+def seeded_uniform(seed: int, output_position: int) -> float:
+    """The uniform number in [0, 1) that draws a seeded request's token at output_position (0-based)."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ output_position) >> 11) * 2.0 ** -53
 
 
 @dataclass(slots=True)
@@ -106,8 +111,8 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)  # shared by unseeded rows
-        self.generator.manual_seed(seed)
+        self.random = random.Random(seed)  # the unseeded rows' uniform numbers
+        self.workspace = torch.empty(0)  # the CPU kernel's scratch, grown to the largest batch
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -121,42 +126,18 @@ class Sampler:
         if all(p.is_greedy for p in params):
             token_ids = argmax_rows(logits)
         else:
-            token_ids = self._sample_mixed(logits, batch)
+            token_ids = sample_rows(logits, self.row_params(batch), self.workspace)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, self._fill_logprobs(logprobs, token_list, params))
 
-    def _sample_mixed(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        params = batch.params
-        token_ids = argmax_rows(logits)  # right for the greedy rows; the others are replaced
-        random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
-        chosen = [params[row] for row in random_rows]
-        index = torch.tensor(random_rows, device=logits.device)
-        temperatures = torch.tensor([p.temperature for p in chosen], device=logits.device)
-        scaled = logits[index] / temperatures[:, None]
-        scaled = _top_k_top_p(scaled, [p.top_k for p in chosen], [p.top_p for p in chosen])
-        if any(p.min_p > 0.0 for p in chosen):
-            scaled = _min_p(scaled, torch.tensor([p.min_p for p in chosen], device=logits.device))
-        probs = scaled.softmax(dim=-1)
-        noise = self._exponential_noise(probs.shape, chosen, [batch.output_positions[row] for row in random_rows])
-        token_ids[index] = argmax_rows(probs / noise)
-        return token_ids
-
-    def _exponential_noise(self, shape: torch.Size, params: list[SamplingParams],
-                           output_positions: list[int]) -> torch.Tensor:
-        noise = torch.empty(shape, device=self.device)
-        unseeded = [row for row, p in enumerate(params) if p.seed is None]
-        if len(unseeded) == len(params):
-            noise.exponential_(generator=self.generator)
-        else:
-            if unseeded:
-                shared = torch.empty(len(unseeded), shape[1], device=self.device)
-                noise[unseeded] = shared.exponential_(generator=self.generator)
-            for row, p in enumerate(params):
-                if p.seed is not None:
-                    generator = torch.Generator(device=self.device)
-                    generator.manual_seed(position_seed(p.seed, output_positions[row]))
-                    noise[row].exponential_(generator=generator)
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # never divide by zero
+    def row_params(self, batch: SamplingBatch) -> RowParams:
+        """The kernel's per-row parameters: greedy rows get temperature 0, every row a uniform number."""
+        draw = self.random.random
+        return RowParams.from_rows([
+            (p.temperature, p.top_k or 0, p.top_p, p.min_p,
+             draw() if p.seed is None else seeded_uniform(p.seed, position))
+            for p, position in zip(batch.params, batch.output_positions)
+        ])
 
     def _logprobs_rows(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], torch.Tensor] | None:
         rows = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -183,55 +164,32 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """A copy of logits with each row's repetition, presence and frequency penalties applied."""
-    rows = [row for row, p in enumerate(batch.params) if p.has_penalties]
+    """A copy of logits with each row's repetition, presence and frequency penalties applied,
+    touching only the tokens the row has seen (one gather and one scatter for the batch)."""
+    rows, token_ids, counts, repetition, frequency, presence = [], [], [], [], [], []
+    for row, p in enumerate(batch.params):
+        if not p.has_penalties:
+            continue
+        history, num_prompt = batch.token_ids[row], batch.num_prompt_tokens[row]
+        output_counts = Counter(history[num_prompt:])
+        seen = set(output_counts)
+        if p.repetition_penalty != 1.0:  # HF/vLLM: over prompt and output tokens
+            seen.update(history[:num_prompt])
+        rows.extend([row] * len(seen))
+        token_ids.extend(seen)
+        counts.extend(output_counts.get(token, 0) for token in seen)
+        repetition.extend([p.repetition_penalty] * len(seen))
+        frequency.extend([p.frequency_penalty] * len(seen))
+        presence.extend([p.presence_penalty] * len(seen))
     logits = logits.clone()
-    vocab = logits.shape[1]
-    params = [batch.params[row] for row in rows]
-    outputs = [list(batch.token_ids[row][batch.num_prompt_tokens[row]:]) for row in rows]
-    output_counts = _token_counts(outputs, vocab, logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    penalized = logits[index]
-    if any(p.repetition_penalty != 1.0 for p in params):  # HF/vLLM: over prompt and output tokens
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]
-        seen = _token_counts([list(batch.token_ids[row]) for row in rows], vocab, logits.device) > 0
-        scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
-        penalized = torch.where(seen, scaled, penalized)
-    # OpenAI: over output tokens only
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]
-    logits[index] = penalized - frequency * output_counts - presence * (output_counts > 0)
-    return logits
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] fp32 occurrence counts; one padded index tensor, one scatter_add."""
-    width = max((len(tokens) for tokens in token_lists), default=0)
-    padded = [tokens + [vocab] * (width - len(tokens)) for tokens in token_lists]  # pad into a spare column
-    index = torch.tensor(padded, dtype=torch.long, device=device).view(len(token_lists), width)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
-    return counts[:, :vocab]
-
-
-def _top_k_top_p(logits: torch.Tensor, top_ks: list[int | None], top_ps: list[float]) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf (one sort for all rows)."""
-    vocab = logits.shape[1]
-    if all(k is None or k >= vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
+    if not rows:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.tensor([vocab if k is None else min(k, vocab) for k in top_ks], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    if any(p < 1.0 for p in top_ps):
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens
-        top_p = torch.tensor(top_ps, device=logits.device)[:, None]
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))  # rank 0 always stays
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
-
-
-def _min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    probs = logits.softmax(dim=-1)
-    threshold = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
+    values = logits[index]
+    repetition_t = torch.tensor(repetition, device=device)
+    values = torch.where(values > 0, values / repetition_t, values * repetition_t)
+    count_t = torch.tensor(counts, dtype=values.dtype, device=device)  # OpenAI: over output tokens only
+    values = values - torch.tensor(frequency, device=device) * count_t - torch.tensor(presence, device=device) * (count_t > 0)
+    logits[index] = values
+    return logits

@@ -202,3 +202,42 @@ def test_runner_captures_graphs_by_default_on_cuda_with_triton(tmp_path):
     graphs = kc.greedy_generate(runner, prompts, max_tokens=24, chunk_size=16)
     assert sum(runner.decode_graphs.replays.values()) > 0, "no step replayed a graph"
     assert graphs == eager
+
+
+def test_sampler_on_cuda_draws_the_cpu_tokens():
+    """The torch sampling path on CUDA (no host sync per row) takes the CPU path's tokens from the
+    same uniform numbers, top-k and top-p included, at the default model's vocabulary size."""
+    from workers.kernels.sampling import RowParams, sample_rows_torch
+
+    rows, vocab = 64, 49152
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=generator)
+    for top_k, top_p in [(0, 1.0), (0, 0.95), (50, 1.0), (40, 0.9)]:
+        params = RowParams.of([1.0] * rows, [top_k] * rows, [top_p] * rows, [0.0] * rows, uniforms)
+        on_cuda = sample_rows_torch(logits.to(DEVICE), params).cpu()
+        agree = (on_cuda == sample_rows_torch(logits, params)).float().mean().item()
+        assert agree >= 0.98, (top_k, top_p, agree)  # exp and sums round differently on the two devices
+
+
+def test_runner_seeded_sampling_on_cuda_same_alone_and_batched(tmp_path):
+    from scheduler.sampling_params import SamplingParams
+    from workers.model_runner import ModelRunner, RunnerConfig
+    from workers.simple_driver import SimpleDriver
+
+    model_dir = tmp_path / "tiny-llama"
+    kc.write_tiny_llama(model_dir)
+    runner = ModelRunner(RunnerConfig(model=str(model_dir), device=DEVICE, dtype="float32", num_blocks=256))
+
+    def run_requests(prompts, params):
+        driver = SimpleDriver(runner)
+        for index, (prompt, request_params) in enumerate(zip(prompts, params)):
+            driver.add_request(f"r{index}", prompt, request_params)
+        finished = driver.run()
+        return [finished[f"r{index}"].output_token_ids for index in range(len(prompts))]
+
+    prompts = [[(7 * i + 3) % runner.model_info.vocab_size for i in range(length)] for length in (7, 19, 4)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    alone = run_requests(prompts[:1], [seeded])[0]
+    others = [SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=9)]
+    assert run_requests(prompts, [seeded] + others)[0] == alone

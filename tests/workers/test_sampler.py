@@ -7,7 +7,7 @@ import torch
 from runner_helpers import make_runner, prompts_of_lengths, run_requests
 
 from scheduler.sampling_params import SamplingParams
-from workers.sampler import Sampler, SamplingBatch, apply_penalties, argmax_rows, position_seed
+from workers.sampler import Sampler, SamplingBatch, apply_penalties, argmax_rows, seeded_uniform
 
 VOCAB = 50
 
@@ -94,7 +94,7 @@ def test_seeded_row_depends_only_on_seed_and_position():
     assert alone == batched
     draws = {Sampler().sample(logits[2:3], batch_of([seeded], positions=[p])).token_ids[0] for p in range(40)}
     assert len(draws) > 1  # the position matters
-    assert position_seed(1, 2) != position_seed(2, 1)
+    assert seeded_uniform(1, 2) != seeded_uniform(2, 1)
 
 
 def test_penalties_match_their_definitions():
@@ -148,3 +148,90 @@ def test_seeded_request_resumed_after_preemption_continues_identically(tiny_mode
     driver = SimpleDriver(runner)
     driver.add_request("resumed", prompt, seeded, output_token_ids=uninterrupted[:5])  # recomputed, then sampled
     assert driver.run()["resumed"].output_token_ids == uninterrupted
+
+
+def test_seeded_request_same_on_two_workers(tiny_model_dir):
+    """Two runners (two workers) whose shared generators differ give a seeded request the same tokens."""
+    first, second = make_runner(tiny_model_dir, seed=1), make_runner(tiny_model_dir, seed=2)
+    prompt = prompts_of_lengths([9], first.model_info.vocab_size, seed=12)
+    seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=77, max_tokens=16, ignore_eos=True)
+    assert run_requests(first, prompt, seeded) == run_requests(second, prompt, seeded)
+    unseeded = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
+    assert run_requests(first, prompt, unseeded) != run_requests(second, prompt, unseeded)
+
+
+# ---------------------------------------------------------------- the C kernel against its oracle
+
+KERNEL_PARAMS = [  # temperature, top_k (0: off), top_p, min_p
+    (1.0, 0, 1.0, 0.0), (1.0, 0, 0.95, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 3, 0.5, 0.0), (2.0, 0, 1.0, 0.2),
+    (1e-3, 0, 0.9, 0.0), (1.0, 0, 1e-6, 0.0), (0.5, 2, 0.9, 0.1), (1.0, 10**6, 0.99, 0.0), (0.0, 0, 1.0, 0.0),
+]
+
+
+def kernel_cases(vocab: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits with masked (-inf) tokens, rows of many ties (rounded logits, one all equal), and uniforms."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    if vocab > 3:
+        logits[:, ::3] = float("-inf")
+    logits[rows // 2:, : vocab // 2] = logits[rows // 2:, : vocab // 2].round()
+    logits[0] = 1.0
+    return logits, torch.rand(rows, dtype=torch.float64, generator=generator)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 63, 64, 65, 1000, 49152])
+def test_native_kernel_draws_the_torch_reference_tokens(vocab):
+    """Same logits and uniform numbers: the kernel and sample_rows_torch pick the same tokens,
+    over vector widths, block edges, ties, masked tokens and every filter."""
+    from workers.kernels.sampling import RowParams, native_sampler_available, sample_rows_native, sample_rows_torch
+
+    if not native_sampler_available():
+        pytest.skip("the C kernels do not build here")
+    rows = 48 if vocab > 1000 else 192
+    for index, (temperature, top_k, top_p, min_p) in enumerate(KERNEL_PARAMS):
+        logits, uniforms = kernel_cases(vocab, rows, seed=vocab + index)
+        params = RowParams.of([temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms)
+        assert sample_rows_native(logits, params).tolist() == sample_rows_torch(logits, params).tolist()
+
+
+def test_native_kernel_rows_without_a_finite_maximum_take_argmax():
+    from workers.kernels.sampling import RowParams, native_sampler_available, sample_rows_native, sample_rows_torch
+
+    if not native_sampler_available():
+        pytest.skip("the C kernels do not build here")
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 7] = float("inf")
+    params = RowParams.of([1.0] * 4, [0] * 4, [0.9] * 4, [0.0] * 4, [0.5] * 4)
+    native = sample_rows_native(logits, params).tolist()
+    assert native[:3] == [5, 0, 7] == sample_rows_torch(logits, params).tolist()[:3]
+
+
+def test_scalar_build_of_the_kernel_draws_the_same_tokens(tmp_path):
+    """The plain C path (CPUs without AVX2) built here with -march=x86-64: the torch reference's tokens."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from workers.kernels import native
+    from workers.kernels.sampling import RowParams, sample_rows_torch
+
+    cc = native.compiler()
+    if cc is None or shutil.which(cc) is None:
+        pytest.skip("no C compiler")
+    library_path = tmp_path / "scalar_sampler.so"
+    flags = [flag for flag in native.CFLAGS if flag != "-march=native"] + ["-march=x86-64"]
+    sources = [str(native.SOURCE_DIR / name) for name in ("sampler.c", "layer_ops.c", "thread_pool.c")]
+    subprocess.run([cc, *flags, "-o", str(library_path), *sources, "-lm"], check=True, capture_output=True)
+    kernel = ctypes.CDLL(str(library_path)).rayllm_sample
+    kernel.argtypes, kernel.restype = [ctypes.POINTER(native.SampleArgs)], ctypes.c_int
+    for vocab, (temperature, top_k, top_p, min_p) in zip([9, 65, 1000, 49152, 200], KERNEL_PARAMS):
+        rows = 32
+        logits, uniforms = kernel_cases(vocab, rows, seed=vocab)
+        params = RowParams.of([temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms)
+        out, workspace = torch.empty(rows, dtype=torch.long), torch.empty(rows * vocab)
+        args = native.SampleArgs(logits.data_ptr(), workspace.data_ptr(), params.table.data_ptr(), out.data_ptr(),
+                                 rows, vocab, vocab, 2, 0)
+        assert kernel(ctypes.byref(args)) == 0
+        assert out.tolist() == sample_rows_torch(logits, params).tolist()

@@ -33,7 +33,7 @@ import torch  # loaded before our library, so it binds to torch's libgomp (see a
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "thread_pool.c")  # compiled together; they include csrc/*.h
+SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -191,6 +191,19 @@ class ForwardArgs(ctypes.Structure):
     ]
 
 
+class SampleArgs(ctypes.Structure):
+    """Mirror of SampleArgs in csrc/sampler.c (same order, same types)."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("logits", "workspace", "params", "out")),
+        ("num_rows", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("logits_stride", ctypes.c_int64),
+        ("num_threads", ctypes.c_int32),
+        ("status", ctypes.c_int32),
+    ]
+
+
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
@@ -215,6 +228,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_panel_gemm_bf16_available": [],
     "rayllm_vector_width": [],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
+    "rayllm_sample": [ctypes.POINTER(SampleArgs)],
 }
 
 

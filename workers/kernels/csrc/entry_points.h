@@ -47,6 +47,7 @@ int rayllm_panel_gemm_bf16(const void *x, const void *panels, const void *bias, 
 
 /* layer_ops.c: x: [num_rows, width] fp32 -> out[r] = argmax of row r (torch.argmax's answer), as int64. */
 int rayllm_argmax(const float *x, int64_t *out, int64_t num_rows, int64_t width, int32_t num_threads);
+int64_t rayllm_argmax_row(const float *row, int64_t width); /* one row of it, on the calling thread */
 
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */

@@ -222,10 +222,7 @@ typedef struct {
     int64_t *out, width;
 } ArgmaxJob;
 
-static void argmax_row(void *context, int64_t r) {
-    const ArgmaxJob *j = context;
-    const float *row = j->x + r * j->width;
-    const int64_t width = j->width;
+int64_t rayllm_argmax_row(const float *row, int64_t width) {
     int64_t best = 0, i = 0;
     float best_value = width > 0 ? row[0] : 0.0f;
     int has_nan = 0;
@@ -281,7 +278,12 @@ static void argmax_row(void *context, int64_t r) {
     if (has_nan || best_value != best_value)
         for (best = 0; best < width && row[best] == row[best]; best++) {
         }
-    j->out[r] = best;
+    return best;
+}
+
+static void argmax_row(void *context, int64_t r) {
+    const ArgmaxJob *j = context;
+    j->out[r] = rayllm_argmax_row(j->x + r * j->width, j->width);
 }
 
 /* x: [num_rows, width] fp32 (width < 2^31); out: [num_rows] int64. */

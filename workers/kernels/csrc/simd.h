@@ -7,8 +7,11 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define RAYLLM_AVX2 1 /* the 8-lane paths: compiled only where AVX-512 is not */
+#if defined(__AVX2__) && defined(__FMA__)
+#define RAYLLM_HAS_AVX2 1 /* the 8-lane helpers below: on AVX-512 CPUs too (the sampler runs 8 lanes on both) */
+#if !defined(__AVX512F__)
+#define RAYLLM_AVX2 1 /* the 8-lane paths of the other kernels: compiled only where AVX-512 is not */
+#endif
 #endif
 
 /* p = 2^f for f in [-0.5, 0.5] (degree 6), in either vector width: W is _mm512 or _mm256. */
@@ -82,7 +85,7 @@ static inline void store16(void *p, __m512 x, int bf16) {
         _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
 }
 #endif
-#ifdef RAYLLM_AVX2
+#ifdef RAYLLM_HAS_AVX2
 /* exp_ps in 8 lanes: the same polynomial; 2^n built in the exponent bits (n in [-126, 127]). */
 static inline __m256 exp8_ps(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
