@@ -184,10 +184,12 @@ class EngineSupervisor:
     async def __del__(self) -> None:
         """Serve calls this on app deletion or redeploy, before the actors this replica owns
         die with it: the schedulers refuse new requests (503, /health 503) and in-flight ones
-        get drain_timeout_s to finish (graceful_shutdown_timeout_s leaves room for it)."""
+        get drain_timeout_s to finish (graceful_shutdown_timeout_s leaves room for it). A replica
+        whose start failed before it had schedulers has nothing to drain."""
         timeout = self._args.drain_timeout_s
         results = await asyncio.gather(
-            *(scheduler.drain.remote(timeout) for scheduler in self._schedulers), return_exceptions=True
+            *(scheduler.drain.remote(timeout) for scheduler in getattr(self, "_schedulers", ())),
+            return_exceptions=True,
         )
         logger.info("drained the engine: %s requests aborted at the deadline", results)
 

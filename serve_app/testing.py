@@ -74,6 +74,7 @@ class ScriptedEngine:
 
     responder: Callable[[EngineRequest, int], list[int]] = lambda request, index: text_tokens("hello world")
     step_delay_s: float = 0.0
+    first_delay_s: float = 0.0  # seconds from a request's submission to its first token
     num_cached_tokens: int = 0
     eos_token_ids: tuple[int, ...] = (EOS_ID,)
 
@@ -92,6 +93,7 @@ class ScriptedEngine:
         scripts = [self.responder(request, i) + list(self.eos_token_ids[:1]) for i in range(params.n)]
         active = list(range(params.n))
         try:
+            await asyncio.sleep(self.first_delay_s)
             for position in range(params.max_tokens):
                 if request.request_id in self.aborted or not active:
                     return

@@ -267,6 +267,15 @@ def test_queue_overflow_is_429_with_retry_after_and_accepted_requests_complete(f
     assert status.num_rejected_requests >= len(refused)
 
 
+async def wait_for_status(http: httpx.AsyncClient, url: str, status: int, timeout_s: float) -> int:
+    """GETs url until it answers status (returned), failing after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (code := (await http.get(url)).status_code) != status:
+        assert time.monotonic() < deadline, f"{url} still answers {code}, not {status}, after {timeout_s}s"
+        await asyncio.sleep(0.05)
+    return code
+
+
 def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp) -> None:
     import ray
 
@@ -277,10 +286,10 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
             while progress[0] < 8:
                 await asyncio.sleep(0.01)
             drained = fault_app.scheduler.drain.remote(30)  # what the supervisor's shutdown hook calls
-            await asyncio.sleep(2.5)  # the ingress's status poll (metrics_poll_interval_s, 1 s) sees it
             statuses = []
             for url in (fault_app.url, fault_app.proxy_url):  # both paths
-                statuses.append((await http.get(f"{url}/health")).status_code)
+                # the ingress learns of the drain at its next status poll (metrics_poll_interval_s)
+                statuses.append(await wait_for_status(http, f"{url}/health", 503, timeout_s=30))
                 new = await http.post(f"{url}/v1/completions", json={"prompt": "new", "max_tokens": 2})
                 assert new.json()["error"]["code"] == "server_draining", new.text
                 statuses.append(new.status_code)

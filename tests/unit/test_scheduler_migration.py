@@ -38,7 +38,8 @@ def test_migrated_streams_continue_without_duplicate_or_gap(cut, in_flight):
     if in_flight:
         dead.schedule()  # the worker dies during this step: its tokens never arrive
     moved = dead.take_requests_for_migration()
-    assert_pool_full(dead) and not dead.has_unfinished_requests()
+    assert_pool_full(dead)
+    assert not dead.has_unfinished_requests()
     assert [m.arrival_time for m in moved] == sorted(m.arrival_time for m in moved)
     live = Scheduler(CFG)
     for request in moved:

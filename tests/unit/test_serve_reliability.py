@@ -109,17 +109,6 @@ async def test_operator_limits_are_400s_naming_the_field() -> None:
 
 
 # --- timeouts ----------------------------------------------------------------------------------------
-class SlowStartEngine(ScriptedEngine):
-    """Waits first_delay_s before its first token."""
-
-    first_delay_s: float = 10.0
-
-    async def add_request(self, request):
-        await asyncio.sleep(self.first_delay_s)
-        async for output in super().add_request(request):
-            yield output
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_timeout_returns_what_was_generated_with_finish_reason_timeout(stream) -> None:
     engine = ScriptedEngine(responder=lambda r, i: text_tokens("a" * 500), step_delay_s=0.02)
@@ -140,12 +129,12 @@ async def test_timeout_returns_what_was_generated_with_finish_reason_timeout(str
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_timeout_before_any_token_is_408(stream) -> None:
-    engine = SlowStartEngine()
+    engine = ScriptedEngine(first_delay_s=10.0)
     async with client(make_test_context(engine)) as http:
         response = await http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "timeout": 0.2, "stream": stream})
         assert response.status_code == 408 and error_of(response)["code"] == "timeout"
-    assert engine.aborted == [engine.submitted[0].request_id] if engine.submitted else True
+    assert [request.request_id for request in engine.submitted] == engine.aborted and len(engine.aborted) == 1
 
 
 # --- 429 and 503 before the response starts ------------------------------------------------------------
