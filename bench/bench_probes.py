@@ -1,4 +1,4 @@
-"""/health and /live latency under load, and /metrics on a fresh server (issue 14).
+"""/health, /live and /metrics latency under load, and /metrics on a fresh server (issue 14).
 
     .venv/bin/python -m bench.bench_probes              # deploy/serve.yaml + deploy/serve.env as shipped
     .venv/bin/python -m bench.bench_probes --variant previous:env-file=none
@@ -13,7 +13,7 @@ environment of deploy/serve.env, variants as in bench/bench_http.py). Then:
    `--input-len` tokens, `--output-len` tokens each, ignore_eos) through bench/serving_client.py,
    and, once they run, one /v1/completions whose prompt is a `--long-words`-word (1,500) text,
    which the ingress tokenizes and the engine prefills in budget-sized chunks beside the streams.
-3. Meanwhile a prober thread GETs /health and /live alternately every `--probe-interval-s`,
+3. Meanwhile a prober thread GETs /health, /live and /metrics in turn every `--probe-interval-s`,
    each on a new connection (as a load balancer's checker does), timing send to last byte.
 
 Reported: per path p50 / p90 / p99 / max in ms and the count of non-200 answers, over the
@@ -40,7 +40,7 @@ from bench.served_app import AppLaunch, bind_audit, is_loopback, read_env_file, 
 from bench.serving_client import RunConfig, run_requests
 
 REPO = Path(__file__).resolve().parent.parent
-PROBE_PATHS = ("/health", "/live")
+PROBE_PATHS = ("/health", "/live", "/metrics")
 
 
 # --- fresh /metrics ---------------------------------------------------------------------------------

@@ -212,14 +212,17 @@ def long_prompt_requests(
     return requests
 
 
-def request_body(req: SampleRequest, *, model: str, chat: bool, ignore_eos: bool, temperature: float) -> dict:
-    """The JSON body vLLM's benchmark sends, plus n, temperature and our extras."""
+def request_body(req: SampleRequest, *, model: str, chat: bool, ignore_eos: bool, temperature: float,
+                 top_p: float = 1.0) -> dict:
+    """The JSON body vLLM's benchmark sends, plus n, temperature, top_p (when below 1) and our extras."""
     body: dict = {
         "model": model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": temperature,
     }
+    if top_p < 1.0:
+        body["top_p"] = top_p
     if chat:
         messages = [{"role": "user", "content": req.prompt}]
         if req.system is not None:

