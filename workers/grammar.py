@@ -38,7 +38,7 @@ import torch
 
 from scheduler.sampling_params import GrammarSpec
 from workers.grammar_spec import build_tokenizer, grammar_text
-from workers.sampler import AllowedTokens
+from workers.kernels.sampling import AllowedTokens
 
 logger = logging.getLogger(__name__)
 

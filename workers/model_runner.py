@@ -8,6 +8,7 @@ scheduler. One step:
     drop finished requests -> add new / update cached requests -> copy blocks
     -> flatten the scheduled tokens of every request into one batch -> forward
     -> logits on the last row of each request that caught up -> sample -> append
+       (grammar bitmasks of the sampling rows are filled on a thread while the forward runs)
 
 Block 0 of the pool is the scheduler's null block; the runner never writes it unless told to.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ from workers.grammar import GrammarMatchers
 from workers.kernels import resolve_attention_backend_name
 from workers.loader import load_weights, resolve_model_path
 from workers.model import AttentionMetadata, KVCache
+from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -202,6 +205,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarMatchers(self.model_path, self.model_config.vocab_size,
                                         self.model_config.eos_token_ids, torch.get_num_threads())
+        self._mask_thread: ThreadPoolExecutor | None = None  # started by the first step with a grammar
         self.requests: dict[str, RequestState] = {}
         self.last_timing = StepTiming()
 
@@ -239,6 +243,7 @@ class ModelRunner:
             self.last_timing = StepTiming(total_s=time.perf_counter() - started)
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._prepare_batch(scheduler_output)
+        masks = self._start_grammar_masks(batch.sampling_states)  # filled while the forward runs
         prepared = time.perf_counter()
         graph_size = None  # captured batch size this step is padded to; None: eager
         if self.decode_graphs is not None:
@@ -253,7 +258,7 @@ class ModelRunner:
         forwarded = time.perf_counter()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_scheduled
-        output = self._sample(logits, batch.sampling_states) if logits is not None else ModelRunnerOutput({})
+        output = self._sample(logits, batch.sampling_states, masks) if logits is not None else ModelRunnerOutput({})
         finished = time.perf_counter()
         self.last_timing = StepTiming(prepared - started, forwarded - prepared, finished - forwarded, finished - started)
         return output
@@ -358,15 +363,26 @@ class ModelRunner:
                 f"its table has {len(state.block_ids)}"
             )
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> ModelRunnerOutput:
+    def _start_grammar_masks(self, states: list[RequestState]) -> Future[AllowedTokens] | None:
+        """The bitmask of this step's rows under a grammar, filled on a thread of its own so it
+        overlaps the forward (llguidance releases the GIL): their matchers already hold the
+        last step's tokens. None when no sampling row has a grammar."""
         constrained = [row for row, state in enumerate(states) if state.matcher is not None]
+        if not constrained:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        matchers = [states[row].matcher for row in constrained]
+        return self._mask_thread.submit(self.grammars.allowed_tokens, constrained, matchers, self.device)
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState],
+                masks: Future[AllowedTokens] | None) -> ModelRunnerOutput:
         batch = SamplingBatch(
             params=[state.sampling_params for state in states],
             output_positions=[len(state.token_ids) - state.num_prompt_tokens for state in states],
             token_ids=[state.token_ids for state in states],
             num_prompt_tokens=[state.num_prompt_tokens for state in states],
-            allowed_tokens=self.grammars.allowed_tokens(
-                constrained, [states[row].matcher for row in constrained], logits.device) if constrained else None,
+            allowed_tokens=masks.result() if masks is not None else None,
         )
         result = self.sampler.sample(logits, batch)
         sampled: dict[str, int] = {}

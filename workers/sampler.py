@@ -30,7 +30,7 @@ import torch
 
 from scheduler.outputs import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
-from workers.kernels.sampling import RowParams, sample_rows
+from workers.kernels.sampling import AllowedTokens, RowParams, sample_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,25 +56,6 @@ class SamplingBatch:
     token_ids: list[Sequence[int]]  # prompt + output ids so far (read only; for penalties)
     num_prompt_tokens: list[int]  # where the prompt ends inside token_ids
     allowed_tokens: AllowedTokens | None = None  # the rows under a grammar and their bitmask; None: no row is
-
-
-@dataclass(slots=True)
-class AllowedTokens:
-    """Which tokens each grammar-constrained row may sample (workers/grammar.py fills it)."""
-
-    rows: torch.Tensor  # [num_constrained] int64 logits rows under a grammar
-    bitmask: torch.Tensor  # [num_constrained, ceil(vocab / 32)] int32; bit t % 32 of word t // 32: token t allowed
-
-
-def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
-    """A copy of logits with the tokens each constrained row may not sample set to -inf."""
-    vocab = logits.shape[1]
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    unpacked = (allowed.bitmask.unsqueeze(-1) >> bits) & 1  # [rows, words, 32]
-    forbidden = unpacked.view(allowed.bitmask.shape[0], -1)[:, :vocab] == 0
-    logits = logits.clone()
-    logits[allowed.rows] = logits[allowed.rows].masked_fill_(forbidden, float("-inf"))
-    return logits
 
 
 @functools.cache
@@ -121,12 +102,10 @@ class Sampler:
         logprobs = self._logprobs_rows(logits, params)  # before anything touches the logits
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, batch)
-        if batch.allowed_tokens is not None:
-            logits = apply_allowed_tokens(logits, batch.allowed_tokens)
-        if all(p.is_greedy for p in params):
+        if batch.allowed_tokens is None and all(p.is_greedy for p in params):
             token_ids = argmax_rows(logits)
-        else:
-            token_ids = sample_rows(logits, self.row_params(batch), self.workspace)
+        else:  # grammar masks are applied inside (the CPU kernel reads the bitmask, no masked copy of the logits)
+            token_ids = sample_rows(logits, self.row_params(batch), self.workspace, batch.allowed_tokens)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, self._fill_logprobs(logprobs, token_list, params))
 

@@ -20,7 +20,7 @@ from scheduler.sampling_params import GrammarSpec, SamplingParams
 from tests.tiny_model import EOS_TOKEN_ID, build_tokenizer
 from workers.grammar import GrammarMatchers
 from workers.model_runner import ModelRunner, RunnerConfig
-from workers.sampler import AllowedTokens, apply_allowed_tokens
+from workers.kernels.sampling import AllowedTokens, apply_allowed_tokens
 
 SCHEMA = {
     "type": "object",

@@ -231,7 +231,37 @@ def test_scalar_build_of_the_kernel_draws_the_same_tokens(tmp_path):
         logits, uniforms = kernel_cases(vocab, rows, seed=vocab)
         params = RowParams.of([temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms)
         out, workspace = torch.empty(rows, dtype=torch.long), torch.empty(rows * vocab)
-        args = native.SampleArgs(logits.data_ptr(), workspace.data_ptr(), params.table.data_ptr(), out.data_ptr(),
-                                 rows, vocab, vocab, 2, 0)
+        args = native.SampleArgs(logits=logits.data_ptr(), workspace=workspace.data_ptr(),
+                                 params=params.table.data_ptr(), out=out.data_ptr(), num_rows=rows, vocab=vocab,
+                                 logits_stride=vocab, num_threads=2)
         assert kernel(ctypes.byref(args)) == 0
         assert out.tolist() == sample_rows_torch(logits, params).tolist()
+
+
+@pytest.mark.parametrize("vocab", [5, 31, 32, 33, 200, 49152])
+def test_native_kernel_reads_grammar_bitmasks_as_the_torch_path_masks(vocab):
+    """Rows under a grammar (some greedy, some sampled, with filters) and free rows in one
+    batch: the kernel, reading the bitmask, takes the tokens the torch path takes from masked
+    logits, and never a forbidden one."""
+    from workers.kernels.sampling import (AllowedTokens, RowParams, apply_allowed_tokens, native_sampler_available,
+                                          sample_rows_native, sample_rows_torch)
+
+    if not native_sampler_available():
+        pytest.skip("the C kernels do not build here")
+    rows = 64
+    logits, uniforms = kernel_cases(vocab, rows, seed=vocab)
+    generator = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    constrained = torch.arange(0, rows, 2)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(constrained), words), generator=generator, dtype=torch.int32)
+    bitmask[:, 0] |= 1 << 3 if vocab > 3 else 1  # every row allows at least one token
+    allowed = AllowedTokens(constrained, bitmask)
+    params = [KERNEL_PARAMS[row % len(KERNEL_PARAMS)] for row in range(rows)]
+    row_params = RowParams.of(*zip(*params), uniforms)
+    native = sample_rows_native(logits, row_params, allowed=allowed)
+    masked = apply_allowed_tokens(logits, allowed)
+    assert native.tolist() == sample_rows_torch(masked, row_params).tolist()
+    for index, row in enumerate(constrained.tolist()):
+        token = int(native[row])
+        if torch.isfinite(masked[row]).any():
+            assert (int(bitmask[index, token // 32]) >> (token % 32)) & 1, (row, token)

@@ -195,10 +195,11 @@ class SampleArgs(ctypes.Structure):
     """Mirror of SampleArgs in csrc/sampler.c (same order, same types)."""
 
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("logits", "workspace", "params", "out")),
+        *((name, ctypes.c_void_p) for name in ("logits", "workspace", "params", "bitmask", "out")),
         ("num_rows", ctypes.c_int64),
         ("vocab", ctypes.c_int64),
         ("logits_stride", ctypes.c_int64),
+        ("bitmask_words", ctypes.c_int64),
         ("num_threads", ctypes.c_int32),
         ("status", ctypes.c_int32),
     ]

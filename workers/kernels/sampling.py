@@ -26,7 +26,8 @@ Two implementations give the same distribution:
   the buckets where top-k and top-p end, and only those are sorted. A row per task.
 
 Rows with temperature 0 are greedy (argmax). A row holding NaN, or no finite logit, also gets
-argmax's answer.
+argmax's answer. Rows under a grammar sample only what its bitmask allows (AllowedTokens): the
+kernel reads the bits, the torch path masks a copy of the logits.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowParams", "native_sampler_available", "sample_rows", "sample_rows_native", "sample_rows_torch"]
+__all__ = ["AllowedTokens", "RowParams", "apply_allowed_tokens", "native_sampler_available", "sample_rows",
+           "sample_rows_native", "sample_rows_torch"]
 
 
 @dataclass(slots=True)
@@ -65,13 +67,35 @@ class RowParams:
         return self.table[:, index]
 
 
-def sample_rows(logits: torch.Tensor, rows: RowParams, workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows] int64 token ids (on the logits' device). logits: [rows, vocab] fp32, not modified.
-    CPU fp32 rows go through our C kernel where it builds; workspace is its scratch (grown and
-    returned in place when too small; pass the same tensor each call to reuse it)."""
+@dataclass(slots=True)
+class AllowedTokens:
+    """Which tokens each grammar-constrained row may sample (workers/grammar.py fills it)."""
+
+    rows: torch.Tensor  # [num_constrained] int64 logits rows under a grammar
+    bitmask: torch.Tensor  # [num_constrained, ceil(vocab / 32)] int32; bit t % 32 of word t // 32: token t allowed
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """A copy of logits with the tokens each constrained row may not sample set to -inf (the
+    torch path; the CPU kernel reads the bitmask itself)."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    unpacked = (allowed.bitmask.unsqueeze(-1) >> bits) & 1  # [rows, words, 32]
+    forbidden = unpacked.view(allowed.bitmask.shape[0], -1)[:, :vocab] == 0
+    logits = logits.clone()
+    logits[allowed.rows] = logits[allowed.rows].masked_fill_(forbidden, float("-inf"))
+    return logits
+
+
+def sample_rows(logits: torch.Tensor, rows: RowParams, workspace: torch.Tensor | None = None,
+                allowed: AllowedTokens | None = None) -> torch.Tensor:
+    """[rows] int64 token ids (on the logits' device). logits: [rows, vocab] fp32, not modified;
+    allowed: the rows under a grammar and what they may sample. CPU fp32 rows go through our C
+    kernel where it builds; workspace is its scratch (grown in place when too small: pass the
+    same tensor each call to reuse it)."""
     if _native_kernel() is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return sample_rows_native(logits, rows, workspace)
-    return sample_rows_torch(logits, rows)
+        return sample_rows_native(logits, rows, workspace, allowed)
+    return sample_rows_torch(apply_allowed_tokens(logits, allowed) if allowed is not None else logits, rows)
 
 
 @torch.inference_mode()
@@ -119,7 +143,8 @@ def native_sampler_available() -> bool:
     return _native_kernel() is not None
 
 
-def sample_rows_native(logits: torch.Tensor, rows: RowParams, workspace: torch.Tensor | None = None) -> torch.Tensor:
+def sample_rows_native(logits: torch.Tensor, rows: RowParams, workspace: torch.Tensor | None = None,
+                       allowed: AllowedTokens | None = None) -> torch.Tensor:
     from workers.kernels.native import SampleArgs, check_status
 
     num_rows, vocab = logits.shape
@@ -132,7 +157,14 @@ def sample_rows_native(logits: torch.Tensor, rows: RowParams, workspace: torch.T
     needed = num_rows * vocab
     if workspace is None or workspace.numel() < needed:
         workspace = torch.empty(needed, dtype=torch.float32) if workspace is None else workspace.resize_(needed)
-    args = SampleArgs(logits.data_ptr(), workspace.data_ptr(), table.data_ptr(), out.data_ptr(), num_rows, vocab,
-                      logits.stride(0), torch.get_num_threads(), 0)
+    bitmask, words = None, 0
+    if allowed is not None:  # every row gets a mask row; a free row's allows everything
+        words = allowed.bitmask.shape[1]
+        assert words * 32 >= vocab and allowed.bitmask.dtype == torch.int32, (allowed.bitmask.shape, vocab)
+        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+        bitmask[allowed.rows.cpu()] = allowed.bitmask.cpu()
+    args = SampleArgs(logits.data_ptr(), workspace.data_ptr(), table.data_ptr(),
+                      bitmask.data_ptr() if bitmask is not None else None, out.data_ptr(), num_rows, vocab,
+                      logits.stride(0), words, torch.get_num_threads(), 0)
     check_status(_native_kernel()(ctypes.byref(args)), "rayllm_sample")
     return out

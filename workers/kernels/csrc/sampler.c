@@ -3,6 +3,8 @@
  * Per row, on one thread (a row per item on our pool, so a row's answer never depends on the
  * rest of the batch or on the thread count):
  *
+ *   0. A row under a grammar first copies its logits into the workspace with the tokens its
+ *      bitmask forbids at -inf; the rest runs on that copy, in place.
  *   1. m = the row's largest logit. A row holding NaN, or no finite largest logit, gets
  *      argmax's answer.
  *   2. e_i = exp((x_i - m) / T) into the workspace, and Z = the sum of e_i (in double). The top
@@ -351,17 +353,39 @@ typedef struct {
     float *workspace;          /* [num_rows, vocab] fp32 scratch (the e values) */
     const double *params;      /* [num_rows, 5]: temperature (0: greedy, argmax), top_k (0 or >= vocab: all),
                                   top_p (in (0, 1]; 1: all), min_p (in [0, 1]; 0: none), uniform (in [0, 1)) */
+    const int32_t *bitmask;    /* [num_rows, bitmask_words] or NULL: token t allowed iff bit t % 32 of word
+                                  t / 32 is set (a grammar's mask; all bits set for a free row) */
     int64_t *out;              /* [num_rows] sampled token ids */
-    int64_t num_rows, vocab, logits_stride;
+    int64_t num_rows, vocab, logits_stride, bitmask_words;
     int32_t num_threads;
     int32_t status; /* set to 3 by a row that ran out of memory */
 } SampleArgs;
+
+/* out[i] = x[i] where token i is allowed, else -inf (out may be x). */
+static void masked_copy(const float *x, const int32_t *bits, float *out, int64_t vocab) {
+    const uint32_t *words = (const uint32_t *)bits;
+    int64_t i = 0;
+#ifdef RAYLLM_HAS_AVX2
+    const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= vocab; i += 8) { /* i is a multiple of 8: its 8 bits are one byte of a word */
+        const __m256i byte = _mm256_set1_epi32((int32_t)((words[i >> 5] >> (i & 31)) & 0xFFu));
+        const __m256i allowed = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bits), lane_bits);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(x + i), _mm256_castsi256_ps(allowed)));
+    }
+#endif
+    for (; i < vocab; i++) out[i] = (words[i >> 5] >> (i & 31)) & 1u ? x[i] : -INFINITY;
+}
 
 static void sample_row(void *context, int64_t r) {
     SampleArgs *a = context;
     const float *x = a->logits + r * a->logits_stride;
     float *w = a->workspace + r * a->vocab;
     const int64_t vocab = a->vocab;
+    if (a->bitmask != NULL) { /* the row's forbidden tokens become -inf, in the workspace (exp_pass runs in place) */
+        masked_copy(x, a->bitmask + r * a->bitmask_words, w, vocab);
+        x = w;
+    }
     const double *params = a->params + 5 * r;
     const float temperature = (float)params[0], top_p = (float)params[2], min_e = (float)params[3];
     int has_nan = 0;
@@ -384,6 +408,7 @@ static void sample_row(void *context, int64_t r) {
 
 int rayllm_sample(SampleArgs *a) {
     if (a->vocab < 1 || a->vocab > INT32_MAX || a->logits_stride < a->vocab) return 2;
+    if (a->bitmask != NULL && a->bitmask_words * 32 < a->vocab) return 2;
     a->status = 0;
     rayllm_parallel_for(a->num_rows, a->num_rows > 1 && a->num_threads > 1 ? a->num_threads : 1, sample_row, a);
     return a->status;
