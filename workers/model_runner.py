@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,8 @@ class RequestState:
     block_ids: list[int]  # block table
     num_computed_tokens: int  # tokens whose KV is in the pool
     matcher: Any = None  # grammar matcher (workers/grammar.py) of a structured-output request; None: unconstrained
+    penalty_history: array | None = None  # int32 copy of token_ids for a request with penalties (the sampler
+    #                                       takes it without converting a list every step)
 
 
 @dataclass(slots=True)
@@ -273,14 +276,16 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         grammar = new.sampling_params.grammar  # a resumed request replays its output through a new matcher
+        token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         return RequestState(
             request_id=new.request_id,
-            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            token_ids=token_ids,
             num_prompt_tokens=len(new.prompt_token_ids),
             sampling_params=new.sampling_params,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             matcher=None if grammar is None else self.grammars.new_matcher(grammar, new.output_token_ids),
+            penalty_history=array("i", token_ids) if new.sampling_params.has_penalties else None,
         )
 
     def reset(self) -> None:
@@ -380,7 +385,7 @@ class ModelRunner:
         batch = SamplingBatch(
             params=[state.sampling_params for state in states],
             output_positions=[len(state.token_ids) - state.num_prompt_tokens for state in states],
-            token_ids=[state.token_ids for state in states],
+            token_ids=[state.token_ids if state.penalty_history is None else state.penalty_history for state in states],
             num_prompt_tokens=[state.num_prompt_tokens for state in states],
             allowed_tokens=masks.result() if masks is not None else None,
         )
@@ -389,6 +394,8 @@ class ModelRunner:
         logprobs = {}
         for state, token_id, token_logprobs in zip(states, result.token_ids, result.logprobs):
             state.token_ids.append(token_id)
+            if state.penalty_history is not None:
+                state.penalty_history.append(token_id)
             if state.matcher is not None:
                 self.grammars.accept(state.matcher, token_id)
             sampled[state.request_id] = token_id

@@ -4,12 +4,13 @@ Order of operations per row (rows only pay for what their params ask):
 
     raw logits --> logprobs (log_softmax of the RAW logits, sampled token + top-k)
        |
-       +-> penalties: repetition (prompt + output, HF/vLLM), presence and frequency (output,
-       |   OpenAI), on the tokens each row has seen, not over the vocabulary
-       +-> grammar rows: tokens their grammar forbids -> -inf (a bitmask per constrained row)
-       +-> every row greedy: argmax
-       +-> otherwise one call for the batch (workers/kernels/sampling.py): greedy rows argmax,
-           the others temperature -> top-k -> top-p -> min-p -> a draw from one uniform number
+       +-> every row greedy, with no penalty and no grammar: argmax
+       +-> otherwise one call for the batch (workers/kernels/sampling.py), each row on its own:
+           grammar rows: tokens their grammar forbids -> -inf (a bitmask per constrained row)
+           -> penalties: repetition (prompt + output, HF/vLLM), presence and frequency (output,
+              OpenAI), over the tokens the row has seen, not the vocabulary
+           -> greedy rows argmax; the others temperature -> top-k -> top-p -> min-p -> a draw
+              from one uniform number
 
 Each sampled row takes one uniform number u in [0, 1) and the kernel turns it into a token by
 the inverse CDF of the row's distribution. A seeded request's u comes from (seed, output
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import random
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,23 +100,26 @@ class Sampler:
         """logits: [num_rows, vocab] fp32 raw model logits (not modified)."""
         params = batch.params
         logprobs = self._logprobs_rows(logits, params)  # before anything touches the logits
-        if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, batch)
-        if batch.allowed_tokens is None and all(p.is_greedy for p in params):
+        if batch.allowed_tokens is None and all(p.is_greedy and not p.has_penalties for p in params):
             token_ids = argmax_rows(logits)
-        else:  # grammar masks are applied inside (the CPU kernel reads the bitmask, no masked copy of the logits)
+        else:  # penalties and grammar masks are applied inside, each row on its own copy
             token_ids = sample_rows(logits, self.row_params(batch), self.workspace, batch.allowed_tokens)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, self._fill_logprobs(logprobs, token_list, params))
 
     def row_params(self, batch: SamplingBatch) -> RowParams:
-        """The kernel's per-row parameters: greedy rows get temperature 0, every row a uniform number."""
+        """The kernel's per-row parameters: greedy rows get temperature 0, every row a uniform
+        number, and rows with penalties their token history."""
         draw = self.random.random
-        return RowParams.from_rows([
-            (p.temperature, p.top_k or 0, p.top_p, p.min_p,
-             draw() if p.seed is None else seeded_uniform(p.seed, position))
-            for p, position in zip(batch.params, batch.output_positions)
-        ])
+        rows = [(p.temperature, p.top_k or 0, p.top_p, p.min_p,
+                 draw() if p.seed is None else seeded_uniform(p.seed, position),
+                 p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+                for p, position in zip(batch.params, batch.output_positions)]
+        histories = None
+        if any(p.has_penalties for p in batch.params):
+            histories = [(tokens, num_prompt) if p.has_penalties else None
+                         for p, tokens, num_prompt in zip(batch.params, batch.token_ids, batch.num_prompt_tokens)]
+        return RowParams.from_rows(rows, histories)
 
     def _logprobs_rows(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], torch.Tensor] | None:
         rows = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -140,35 +143,3 @@ class Sampler:
             top = list(zip(top_ids[position][:k], top_values[position][:k]))
             result[row] = TokenLogprobs(token_ids[row], sampled_list[position], top)
         return result
-
-
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """A copy of logits with each row's repetition, presence and frequency penalties applied,
-    touching only the tokens the row has seen (one gather and one scatter for the batch)."""
-    rows, token_ids, counts, repetition, frequency, presence = [], [], [], [], [], []
-    for row, p in enumerate(batch.params):
-        if not p.has_penalties:
-            continue
-        history, num_prompt = batch.token_ids[row], batch.num_prompt_tokens[row]
-        output_counts = Counter(history[num_prompt:])
-        seen = set(output_counts)
-        if p.repetition_penalty != 1.0:  # HF/vLLM: over prompt and output tokens
-            seen.update(history[:num_prompt])
-        rows.extend([row] * len(seen))
-        token_ids.extend(seen)
-        counts.extend(output_counts.get(token, 0) for token in seen)
-        repetition.extend([p.repetition_penalty] * len(seen))
-        frequency.extend([p.frequency_penalty] * len(seen))
-        presence.extend([p.presence_penalty] * len(seen))
-    logits = logits.clone()
-    if not rows:
-        return logits
-    device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
-    values = logits[index]
-    repetition_t = torch.tensor(repetition, device=device)
-    values = torch.where(values > 0, values / repetition_t, values * repetition_t)
-    count_t = torch.tensor(counts, dtype=values.dtype, device=device)  # OpenAI: over output tokens only
-    values = values - torch.tensor(frequency, device=device) * count_t - torch.tensor(presence, device=device) * (count_t > 0)
-    logits[index] = values
-    return logits

@@ -7,7 +7,8 @@ import torch
 from runner_helpers import make_runner, prompts_of_lengths, run_requests
 
 from scheduler.sampling_params import SamplingParams
-from workers.sampler import Sampler, SamplingBatch, apply_penalties, argmax_rows, seeded_uniform
+from workers.kernels.sampling import apply_penalties
+from workers.sampler import Sampler, SamplingBatch, argmax_rows, seeded_uniform
 
 VOCAB = 50
 
@@ -107,7 +108,7 @@ def test_penalties_match_their_definitions():
     # repetition (prompt + output): positive / 2, negative * 2; then presence + frequency (output only)
     expected = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.2],
                              [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 0.5 - 0.5, 1.2]])
-    torch.testing.assert_close(apply_penalties(logits, batch), expected)
+    torch.testing.assert_close(apply_penalties(logits, Sampler().row_params(batch)), expected)
     out = Sampler().sample(logits, batch)
     assert out.token_ids == [3, 4]
     raw = torch.log_softmax(logits[1], -1)  # logprobs are of the raw logits
@@ -265,3 +266,35 @@ def test_native_kernel_reads_grammar_bitmasks_as_the_torch_path_masks(vocab):
         token = int(native[row])
         if torch.isfinite(masked[row]).any():
             assert (int(bitmask[index, token // 32]) >> (token % 32)) & 1, (row, token)
+
+
+@pytest.mark.parametrize("vocab", [40, 1000, 49152])
+def test_native_kernel_applies_penalties_as_the_torch_path(vocab):
+    """Rows with repetition, presence and frequency penalties (histories with repeats, greedy and
+    sampled rows, some under a grammar) beside rows without: the kernel's tokens are the torch
+    path's (penalize, mask, then draw)."""
+    from workers.kernels.sampling import (AllowedTokens, apply_allowed_tokens, native_sampler_available,
+                                          sample_rows_native, sample_rows_torch)
+
+    if not native_sampler_available():
+        pytest.skip("the C kernels do not build here")
+    rows = 48
+    logits, _ = kernel_cases(vocab, rows, seed=vocab + 1)
+    logits[:, ::3] = torch.randn(rows, len(range(0, vocab, 3)), generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(vocab)
+    penalties = [(1.0, 0.0, 0.0), (1.3, 0.0, 0.0), (0.8, 0.0, 0.0), (1.0, 0.6, 0.3), (1.2, -0.5, 1.5)]
+    params, histories = [], []
+    for row in range(rows):
+        repetition, presence, frequency = penalties[row % len(penalties)]
+        params.append(SamplingParams(temperature=0.0 if row % 4 == 0 else 0.9, top_p=0.9 if row % 3 else 1.0,
+                                     repetition_penalty=repetition, presence_penalty=presence,
+                                     frequency_penalty=frequency))
+        histories.append(torch.randint(0, min(vocab, 60), (30,), generator=generator).tolist())  # many repeats
+    batch = SamplingBatch(params, list(range(rows)), histories, [12] * rows)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows // 4, words), generator=generator, dtype=torch.int32)
+    allowed = AllowedTokens(torch.arange(0, rows, 4), bitmask)
+    row_params = Sampler(seed=4).row_params(batch)
+    native = sample_rows_native(logits, row_params, allowed=allowed)
+    expected = sample_rows_torch(apply_allowed_tokens(apply_penalties(logits, row_params), allowed), row_params)
+    assert native.tolist() == expected.tolist()

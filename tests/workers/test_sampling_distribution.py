@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from scheduler.sampling_params import SamplingParams
-from workers.kernels.sampling import RowParams, native_sampler_available, sample_rows_torch
-from workers.sampler import Sampler, SamplingBatch, apply_penalties
+from workers.kernels.sampling import RowParams, apply_penalties, native_sampler_available, sample_rows_torch
+from workers.sampler import Sampler, SamplingBatch
 
 NUM_DRAWS = 100_000
 VOCAB = 48
@@ -169,7 +169,8 @@ def draw(sampler_name: str, p: SamplingParams, n: int = NUM_DRAWS) -> list[int]:
             pytest.skip("the C kernels do not build here")
         tokens = Sampler(seed=1).sample(logits, batch).token_ids
     else:
-        penalized = apply_penalties(logits, batch) if p.has_penalties else logits
+        one = SamplingBatch([p], [0], [HISTORY], [NUM_PROMPT])  # every row is this one: penalize it once
+        penalized = apply_penalties(logits[:1], Sampler().row_params(one)).repeat(n, 1)
         if sampler_name == "torch":
             tokens = sample_rows_torch(penalized, Sampler(seed=2).row_params(batch)).tolist()
         else:

@@ -195,7 +195,8 @@ class SampleArgs(ctypes.Structure):
     """Mirror of SampleArgs in csrc/sampler.c (same order, same types)."""
 
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("logits", "workspace", "params", "bitmask", "out")),
+        *((name, ctypes.c_void_p) for name in (
+            "logits", "workspace", "params", "bitmask", "history", "history_spans", "out")),
         ("num_rows", ctypes.c_int64),
         ("vocab", ctypes.c_int64),
         ("logits_stride", ctypes.c_int64),

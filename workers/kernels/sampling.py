@@ -2,8 +2,9 @@
 
     token_ids = sample_rows(logits, rows)     # rows: RowParams; CPU fp32 through our C kernel
 
-Per row: temperature, then top-k, then top-p within the top-k set, then min-p, then a draw
-from softmax over the kept tokens. The draw is an inverse CDF: with target = u * (sum of the
+Per row: penalties (repetition, presence, frequency) over the tokens the row has seen, then
+temperature, then top-k, then top-p within the top-k set, then min-p, then a draw from softmax
+over the kept tokens. The draw is an inverse CDF: with target = u * (sum of the
 kept e_i), e_i = exp((logit_i - max) / T), the token is the first, in index order, at which the
 running sum of the kept e_i exceeds target. So token i comes out with probability
 e_i / (sum of the kept e_i) from a single uniform number u, and a row's token is a function of
@@ -34,37 +35,69 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AllowedTokens", "RowParams", "apply_allowed_tokens", "native_sampler_available", "sample_rows",
-           "sample_rows_native", "sample_rows_torch"]
+__all__ = ["AllowedTokens", "RowParams", "apply_allowed_tokens", "apply_penalties", "native_sampler_available",
+           "sample_rows", "sample_rows_native", "sample_rows_torch"]
 
 
 @dataclass(slots=True)
 class RowParams:
     """Per-row parameters, aligned with the rows of the logits: one float64 row each, on the CPU
-    (one tensor, built in one call: a decode step builds it every time)."""
+    (one tensor, built in one call: a decode step builds it every time), and the token history
+    of the rows with penalties."""
 
-    table: torch.Tensor  # [rows, 5] float64, the columns below
+    table: torch.Tensor  # [rows, NUM_COLUMNS] float64, the columns below
+    history: torch.Tensor | None = None  # int32: the penalized rows' prompt + output ids, concatenated
+    history_spans: torch.Tensor | None = None  # [rows, 3] int64: prompt history[s0:s1], output history[s1:s2]
 
-    TEMPERATURE, TOP_K, TOP_P, MIN_P, UNIFORM = range(5)
+    TEMPERATURE, TOP_K, TOP_P, MIN_P, UNIFORM, REPETITION, PRESENCE, FREQUENCY = range(8)
+    NUM_COLUMNS = 8
     # temperature: 0 is greedy | top_k: 0 or >= vocab keeps all | top_p: in (0, 1], 1 keeps all |
-    # min_p: in [0, 1], 0 drops none | uniform: the row's random number, in [0, 1)
+    # min_p: in [0, 1], 0 drops none | uniform: the row's random number, in [0, 1) |
+    # repetition (1: none; HF/vLLM, over prompt and output), presence and frequency (0: none;
+    # OpenAI, over the output): penalties, which need the history
 
     @classmethod
     def of(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float], min_ps: list[float],
            uniforms: list[float] | torch.Tensor) -> RowParams:
+        """Rows without penalties."""
         uniforms = uniforms.tolist() if isinstance(uniforms, torch.Tensor) else uniforms
-        return cls.from_rows(list(zip(temperatures, top_ks, top_ps, min_ps, uniforms)))
+        return cls.from_rows([(*row, 1.0, 0.0, 0.0) for row in zip(temperatures, top_ks, top_ps, min_ps, uniforms)])
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[float, int, float, float, float]]) -> RowParams:
-        return cls(torch.tensor(rows, dtype=torch.float64).view(-1, 5))
+    def from_rows(cls, rows: list[tuple[float, ...]], histories: list[tuple[Sequence[int], int] | None] | None = None
+                  ) -> RowParams:
+        """rows: NUM_COLUMNS values each; histories: per row (prompt + output ids, prompt length)
+        or None (no penalties), read only where a row has penalties. Ids in an int32 array
+        ("i": the runner keeps one per penalized request) are read in place, a list converted."""
+        table = torch.tensor(rows, dtype=torch.float64).view(-1, cls.NUM_COLUMNS)
+        if histories is None or not any(history is not None for history in histories):
+            return cls(table)
+        parts, spans, start = [], [], 0
+        for history in histories:
+            tokens, num_prompt = history if history is not None else ((), 0)
+            if len(tokens):  # an array("i") is taken as it is, a list converted
+                parts.append(torch.frombuffer(tokens, dtype=torch.int32) if isinstance(tokens, array)
+                             else torch.tensor(tokens, dtype=torch.int32))
+            spans.append((start, start + num_prompt, start + len(tokens)))
+            start += len(tokens)
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
+        return cls(table, flat, torch.tensor(spans, dtype=torch.int64))
 
     def column(self, index: int) -> torch.Tensor:
         return self.table[:, index]
+
+    def penalized_rows(self) -> list[int]:
+        if self.history is None:
+            return []
+        t = self.table
+        return torch.nonzero((t[:, self.REPETITION] != 1) | (t[:, self.PRESENCE] != 0) | (t[:, self.FREQUENCY] != 0)
+                             ).view(-1).tolist()
 
 
 @dataclass(slots=True)
@@ -95,7 +128,31 @@ def sample_rows(logits: torch.Tensor, rows: RowParams, workspace: torch.Tensor |
     same tensor each call to reuse it)."""
     if _native_kernel() is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
         return sample_rows_native(logits, rows, workspace, allowed)
+    logits = apply_penalties(logits, rows)
     return sample_rows_torch(apply_allowed_tokens(logits, allowed) if allowed is not None else logits, rows)
+
+
+def apply_penalties(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """logits with each penalized row's penalties applied (a copy; the same tensor if no row has
+    any): the torch path of what the kernel does, over each row's distinct tokens only."""
+    penalized = rows.penalized_rows()
+    if not penalized:
+        return logits
+    logits = logits.clone()
+    table, spans = rows.table.tolist(), rows.history_spans.tolist()
+    for row in penalized:
+        start, prompt_end, end = spans[row]
+        repetition, presence, frequency = table[row][RowParams.REPETITION:]
+        values = logits[row]
+        if repetition != 1.0:  # HF/vLLM: over prompt and output tokens
+            seen = torch.unique(rows.history[start:end].long()).to(logits.device)
+            picked = values[seen]
+            values[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
+        if (presence != 0.0 or frequency != 0.0) and end > prompt_end:  # OpenAI: over output tokens only
+            ids, counts = torch.unique(rows.history[prompt_end:end].long(), return_counts=True)
+            ids, counts = ids.to(logits.device), counts.to(logits.device, torch.float32)
+            values[ids] = values[ids] - frequency * counts - presence
+    return logits
 
 
 @torch.inference_mode()
@@ -150,7 +207,7 @@ def sample_rows_native(logits: torch.Tensor, rows: RowParams, workspace: torch.T
     num_rows, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1, logits.stride()
     table = rows.table
-    assert table.dtype == torch.float64 and table.shape == (num_rows, 5) and table.is_contiguous(), table.shape
+    assert table.dtype == torch.float64 and table.shape == (num_rows, RowParams.NUM_COLUMNS) and table.is_contiguous()
     out = torch.empty(num_rows, dtype=torch.long)
     if num_rows == 0:
         return out
@@ -163,8 +220,13 @@ def sample_rows_native(logits: torch.Tensor, rows: RowParams, workspace: torch.T
         assert words * 32 >= vocab and allowed.bitmask.dtype == torch.int32, (allowed.bitmask.shape, vocab)
         bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
         bitmask[allowed.rows.cpu()] = allowed.bitmask.cpu()
+    history, spans = rows.history, rows.history_spans
+    if history is not None:
+        assert history.dtype == torch.int32 and spans.dtype == torch.int64 and spans.shape == (num_rows, 3)
     args = SampleArgs(logits.data_ptr(), workspace.data_ptr(), table.data_ptr(),
-                      bitmask.data_ptr() if bitmask is not None else None, out.data_ptr(), num_rows, vocab,
+                      bitmask.data_ptr() if bitmask is not None else None,
+                      history.data_ptr() if history is not None else None,
+                      spans.data_ptr() if spans is not None else None, out.data_ptr(), num_rows, vocab,
                       logits.stride(0), words, torch.get_num_threads(), 0)
     check_status(_native_kernel()(ctypes.byref(args)), "rayllm_sample")
     return out

@@ -3,8 +3,9 @@
  * Per row, on one thread (a row per item on our pool, so a row's answer never depends on the
  * rest of the batch or on the thread count):
  *
- *   0. A row under a grammar first copies its logits into the workspace with the tokens its
- *      bitmask forbids at -inf; the rest runs on that copy, in place.
+ *   0. A row under a grammar or with penalties first copies its logits into the workspace, with
+ *      the tokens its bitmask forbids at -inf, then applies its penalties over the tokens it
+ *      has seen (not the vocabulary); the rest runs on that copy, in place.
  *   1. m = the row's largest logit. A row holding NaN, or no finite largest logit, gets
  *      argmax's answer.
  *   2. e_i = exp((x_i - m) / T) into the workspace, and Z = the sum of e_i (in double). The top
@@ -348,13 +349,18 @@ static int find_cut(const float *w, int64_t vocab, double total, int64_t top_k, 
 
 /* ---------------------------------------------------------------- rows */
 
+#define NUM_PARAMS 8 /* columns of SampleArgs.params */
+
 typedef struct {
     const float *logits;       /* [num_rows, vocab], rows logits_stride elements apart */
     float *workspace;          /* [num_rows, vocab] fp32 scratch (the e values) */
-    const double *params;      /* [num_rows, 5]: temperature (0: greedy, argmax), top_k (0 or >= vocab: all),
-                                  top_p (in (0, 1]; 1: all), min_p (in [0, 1]; 0: none), uniform (in [0, 1)) */
+    const double *params;      /* [num_rows, NUM_PARAMS]: temperature (0: greedy, argmax), top_k (0 or >= vocab:
+                                  all), top_p (in (0, 1]; 1: all), min_p (in [0, 1]; 0: none), uniform (in [0, 1)),
+                                  repetition (1: none), presence (0: none), frequency (0: none) penalties */
     const int32_t *bitmask;    /* [num_rows, bitmask_words] or NULL: token t allowed iff bit t % 32 of word
                                   t / 32 is set (a grammar's mask; all bits set for a free row) */
+    const int32_t *history;    /* the penalized rows' prompt and output token ids, or NULL: no penalties */
+    const int64_t *history_spans; /* [num_rows, 3]: row r's prompt is history[s0, s1), its output history[s1, s2) */
     int64_t *out;              /* [num_rows] sampled token ids */
     int64_t num_rows, vocab, logits_stride, bitmask_words;
     int32_t num_threads;
@@ -377,17 +383,69 @@ static void masked_copy(const float *x, const int32_t *bits, float *out, int64_t
     for (; i < vocab; i++) out[i] = (words[i >> 5] >> (i & 31)) & 1u ? x[i] : -INFINITY;
 }
 
+#define REPEATED (1 << 30) /* in token_counts: the repetition penalty is applied to this token */
+
+static __thread int32_t *token_counts; /* a thread's [vocab] scratch, all 0 between rows */
+static __thread int64_t token_counts_size;
+
+/* Penalties on w (the row's logits, in the workspace), in O(tokens): HF/vLLM's repetition
+ * penalty once per distinct prompt or output token (a positive logit divided by it, a negative
+ * one multiplied), then OpenAI's frequency and presence over the output tokens: logit -
+ * frequency * count - presence. Returns -1 if out of memory. */
+static int apply_penalties(float *w, int64_t vocab, const int32_t *tokens, int64_t num_prompt, int64_t num_tokens,
+                           float repetition, float presence, float frequency) {
+    if (token_counts_size < vocab) {
+        free(token_counts);
+        token_counts = calloc((size_t)vocab, sizeof *token_counts);
+        token_counts_size = token_counts == NULL ? 0 : vocab;
+        if (token_counts == NULL) return -1;
+    }
+    int32_t *counts = token_counts;
+    for (int64_t i = num_prompt; i < num_tokens; i++)
+        if (tokens[i] >= 0 && tokens[i] < vocab) counts[tokens[i]]++;
+    if (repetition != 1.0f)
+        for (int64_t i = 0; i < num_tokens; i++) {
+            const int32_t t = tokens[i];
+            if (t < 0 || t >= vocab || (counts[t] & REPEATED)) continue;
+            counts[t] |= REPEATED;
+            w[t] = w[t] > 0.0f ? w[t] / repetition : w[t] * repetition;
+        }
+    if (presence != 0.0f || frequency != 0.0f)
+        for (int64_t i = num_prompt; i < num_tokens; i++) {
+            const int32_t t = tokens[i];
+            if (t < 0 || t >= vocab || (counts[t] & ~REPEATED) == 0) continue; /* done: once per distinct token */
+            w[t] = w[t] - frequency * (float)(counts[t] & ~REPEATED) - presence;
+            counts[t] &= REPEATED;
+        }
+    for (int64_t i = 0; i < num_tokens; i++)
+        if (tokens[i] >= 0 && tokens[i] < vocab) counts[tokens[i]] = 0;
+    return 0;
+}
+
 static void sample_row(void *context, int64_t r) {
     SampleArgs *a = context;
     const float *x = a->logits + r * a->logits_stride;
     float *w = a->workspace + r * a->vocab;
     const int64_t vocab = a->vocab;
-    if (a->bitmask != NULL) { /* the row's forbidden tokens become -inf, in the workspace (exp_pass runs in place) */
-        masked_copy(x, a->bitmask + r * a->bitmask_words, w, vocab);
+    const double *params = a->params + NUM_PARAMS * r;
+    const float temperature = (float)params[0], top_p = (float)params[2], min_e = (float)params[3];
+    const int penalized = a->history != NULL && (params[5] != 1.0 || params[6] != 0.0 || params[7] != 0.0);
+    if (a->bitmask != NULL || penalized) { /* the row's own logits, in the workspace (exp_pass then runs in place) */
+        if (a->bitmask != NULL)
+            masked_copy(x, a->bitmask + r * a->bitmask_words, w, vocab); /* forbidden tokens at -inf */
+        else
+            memcpy(w, x, (size_t)vocab * sizeof *w);
         x = w;
     }
-    const double *params = a->params + 5 * r;
-    const float temperature = (float)params[0], top_p = (float)params[2], min_e = (float)params[3];
+    if (penalized) {
+        const int64_t *span = a->history_spans + 3 * r;
+        if (apply_penalties(w, vocab, a->history + span[0], span[1] - span[0], span[2] - span[0], (float)params[5],
+                            (float)params[6], (float)params[7]) != 0) {
+            a->status = 3;
+            a->out[r] = 0;
+            return;
+        }
+    }
     int has_nan = 0;
     const float m = temperature > 0.0f ? row_max(x, vocab, &has_nan) : 0.0f;
     if (!(temperature > 0.0f) || has_nan || !(m > -INFINITY && m < INFINITY)) {
