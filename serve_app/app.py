@@ -222,7 +222,9 @@ class OpenAIIngress:
             eos_token_ids=tuple(info.eos_token_ids),
             created=int(time.time()),
             backend={"device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend,
-                     "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes)},
+                     "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes), "model_type": info.model_type,
+                     "layer_loop": info.layer_loop, "layer_ops": info.layer_ops,
+                     "linear_backend": info.linear_backend},
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,

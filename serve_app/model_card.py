@@ -15,7 +15,7 @@ class ModelCard:
     vocab_size: int  # token ids must be in [0, vocab_size)
     eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence unless ignore_eos
     created: int = 0  # unix seconds, for /v1/models
-    backend: dict[str, str] = field(default_factory=dict)  # worker device, dtype, attention kernels
+    backend: dict[str, str] = field(default_factory=dict)  # worker device, dtype, kernels, model type, layer loop
 
     def check_model(self, requested: str | None) -> None:
         """404 unless the request names this model (or none, or its root path)."""

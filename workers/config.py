@@ -1,12 +1,9 @@
 """ModelConfig: the few numbers of a Hugging Face config.json that our paged model needs.
 
 Parsed once from a local model directory (config.json, plus generation_config.json for
-EOS ids when present). Covers the Llama family as Hugging Face writes it:
-
-    model_type   attention bias                      notes
-    llama        `attention_bias` (q, k, v and o)    SmolLM2 is a llama
-    mistral      none                                 `sliding_window` caps max_model_len
-    qwen2        q, k, v always (o never)             `use_sliding_window` must be false
+EOS ids when present). The shape numbers are common to every family; what a family changes
+in the layer comes from its entry in workers/families.py (llama, mistral, qwen2, qwen3,
+smollm3, granite).
 
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
@@ -20,7 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from workers.families import FAMILIES, FamilyError
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -39,7 +38,7 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model_type: str  # "llama", "mistral" or "qwen2"
+    model_type: str  # a key of workers.families.FAMILIES
     vocab_size: int  # rows of the embedding and of lm_head
     hidden_size: int  # model width
     intermediate_size: int  # MLP width
@@ -58,6 +57,15 @@ class ModelConfig:
     sliding_window: int | None  # attention window in tokens, None when attention is full
     eos_token_ids: tuple[int, ...]  # every id that ends generation, config + generation_config
     bos_token_id: int | None
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer (SmolLM3)
+    embedding_multiplier: float = 1.0  # Granite's multipliers (workers/families.py); 1: none
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    logits_scale: float = 1.0
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @property
     def max_model_len(self) -> int:
@@ -94,6 +102,11 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
+        quantization = raw.get("quantization_config")
+        if quantization is not None:
+            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+            raise ModelConfigError(f"quantized checkpoints ({method!r}) are not supported yet; serve the unquantized "
+                                   "weights (docs/models.md)")
         missing = [
             key
             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -110,7 +123,10 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
         rope_theta, rope_scaling = _parse_rope(raw)
-        qkv_bias, o_bias = _attention_biases(model_type, raw)
+        try:
+            traits = FAMILIES[model_type](raw)
+        except FamilyError as error:
+            raise ModelConfigError(str(error)) from None
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -124,13 +140,19 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
+            qkv_bias=traits.qkv_bias,
+            o_bias=traits.o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            sliding_window=_sliding_window(model_type, raw),
+            sliding_window=traits.sliding_window,
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
+            qk_norm=traits.qk_norm,
+            rope_layers=traits.rope_layers,
+            embedding_multiplier=traits.embedding_multiplier,
+            residual_multiplier=traits.residual_multiplier,
+            attention_scale=traits.attention_scale,
+            logits_scale=traits.logits_scale,
         )
 
 
@@ -165,26 +187,6 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling]:
     if rope_type == "llama3" and scaling.original_max_position_embeddings is None:
         raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings")
     return theta, scaling
-
-
-def _attention_biases(model_type: str, raw: dict) -> tuple[bool, bool]:
-    if model_type == "qwen2":
-        return True, False
-    if model_type == "mistral":
-        return False, False
-    bias = bool(raw.get("attention_bias", False))
-    return bias, bias
-
-
-def _sliding_window(model_type: str, raw: dict) -> int | None:
-    window = raw.get("sliding_window")
-    if model_type == "qwen2":
-        if raw.get("use_sliding_window", False):
-            raise ModelConfigError("qwen2 with use_sliding_window=true is not supported")
-        return None
-    if model_type == "mistral" and window is not None:
-        return int(window)
-    return None
 
 
 def _eos_token_ids(raw: dict, generation: dict) -> tuple[int, ...]:

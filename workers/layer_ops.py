@@ -2,6 +2,7 @@
 
     ops = select_layer_ops(None, device, dtype)   # "native" on CPU where the C kernels build, else "torch"
     residual, normed = ops.add_rms_norm(residual, delta, weight, eps)   # residual + delta, then RMSNorm
+    ops.head_rms_norm(qkv, q_norm, k_norm, num_heads, num_kv_heads, eps)  # Qwen3's per-head norms, in place
     q, k, v = ops.rope(qkv, positions, rope, num_heads, num_kv_heads)   # q and k rotated; v as is
     act = ops.silu_mul(gate_up)
 
@@ -23,8 +24,26 @@ from workers.kernels.native import DTYPE_CODES, check_status, native_available, 
 from workers.rope import RotaryEmbedding, apply_rotary
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v views of fused qkv rows, [num_tokens, heads, head_dim] each (a layer without RoPE)."""
+    num_tokens, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    return (qkv[:, :q_width].view(num_tokens, num_heads, head_dim),
+            qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim),
+            qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim))
+
+
 class TorchOps:
     name = "torch"
+
+    def head_rms_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
+                      num_kv_heads: int, eps: float) -> None:
+        """Each query and key head of the fused qkv rows RMS-normalized over its head_dim and
+        times q_weight or k_weight ([head_dim]), IN PLACE (Qwen3's q_norm and k_norm)."""
+        head_dim = q_weight.shape[0]
+        q, k, _ = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        q.copy_(F.rms_norm(q, (head_dim,), q_weight, eps))
+        k.copy_(F.rms_norm(k, (head_dim,), k_weight, eps))
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +62,8 @@ class TorchOps:
         qk = apply_rotary(qk, cos, sin)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:], v
+
+    split_qkv = staticmethod(split_qkv)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -75,10 +96,18 @@ class NativeOps:
             qkv.data_ptr(), positions.data_ptr(), rope.cos_f32.data_ptr(), rope.signed_sin_f32.data_ptr(),
             num_tokens, num_heads, num_kv_heads, head_dim, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
         ), "rayllm_rope")
-        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-        return (qkv[:, :q_width].view(num_tokens, num_heads, head_dim),
-                qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim),
-                qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim))
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+
+    split_qkv = staticmethod(split_qkv)
+
+    def head_rms_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
+                      num_kv_heads: int, eps: float) -> None:
+        """TorchOps.head_rms_norm in one pass over the rows (csrc/layer_ops.c), in place."""
+        assert qkv.is_contiguous() and qkv.dtype in DTYPE_CODES and q_weight.dtype == k_weight.dtype == qkv.dtype
+        check_status(self.library.rayllm_head_rms_norm(
+            qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
+            q_weight.shape[0], eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+        ), "rayllm_head_rms_norm")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         assert gate_up.is_contiguous()

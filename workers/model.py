@@ -1,9 +1,13 @@
-"""Our paged Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2): plain functions over plain tensors.
+"""Our paged decoder for the Llama-shaped families (workers/families.py): plain functions over plain tensors.
 
 Not transformers' forward. Per layer:
 
     x = h + o_proj(paged_attention(rope(q), rope(k), v))      with q, k, v = split(qkv_proj(rms_norm(h)))
     h = x + down_proj(silu(gate) * up)                         with gate, up = split(gate_up_proj(rms_norm(x)))
+
+and what a family changes (ModelConfig's traits): per-head RMSNorms of q and k before RoPE
+(Qwen3), layers without RoPE (SmolLM3), an embedding multiplier, a residual multiplier (folded
+into the o_proj and down_proj weights at load), an attention scale and a logits scale (Granite).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
@@ -66,6 +70,9 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
+    k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
+    use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
@@ -85,7 +92,7 @@ class PagedLlamaModel:
         self.linear_backend = linear
         self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
         self.ops = ops
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale if config.attention_scale is not None else config.head_dim**-0.5
         # the same layers in one C call, for steps whose every product has a C kernel; None: Python only
         self.native_forward = NativeForward.for_model(self)
 
@@ -106,7 +113,7 @@ class PagedLlamaModel:
             return native(input_ids, positions, metadata, kv_caches)  # the loop below, in C
         eps = self.config.rms_norm_eps
         step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
-        residual, delta = F.embedding(input_ids, self.embed), None
+        residual, delta = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
             delta = self._attention(layer, x, positions, step, kv_cache)
@@ -115,17 +122,31 @@ class PagedLlamaModel:
                                 layer.down, layer.down_bias)
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> the residual stream's start [num_tokens, hidden] (times the family's multiplier)."""
+        embedded = F.embedding(input_ids, self.embed)
+        multiplier = self.config.embedding_multiplier
+        return embedded if multiplier == 1.0 else embedded * multiplier
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab]; call it on sampling rows only."""
-        return self.linear_backend.logits(hidden, self.lm_head)
+        logits = self.linear_backend.logits(hidden, self.lm_head)
+        scale = self.config.logits_scale
+        return logits if scale == 1.0 else logits.mul_(scale)
 
     def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, step,
                    kv_cache: KVCache) -> torch.Tensor:
         """o_proj(attention) of the normed hidden states x; writes this step's k/v into the pool."""
         config = self.config
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = self.ops.rope(qkv, positions, self.rope, config.num_heads, config.num_kv_heads)
+        if layer.q_norm is not None:
+            self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
+                                   config.rms_norm_eps)
+        if layer.use_rope:
+            q, k, v = self.ops.rope(qkv, positions, self.rope, config.num_heads, config.num_kv_heads)
+        else:
+            q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache)
         return self.linear(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias)
@@ -176,6 +197,13 @@ class _WeightReader:
     def discard(self, name: str) -> None:
         self.tensors.pop(name, None)
 
+    def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An o_proj or down_proj tensor times the family's residual multiplier (Granite), so
+        that the layer's residual adds need no multiply of their own."""
+        tensor = self.take(name, shape)
+        multiplier = self.config.residual_multiplier
+        return tensor if multiplier == 1.0 else (tensor.float() * multiplier).to(tensor.dtype)
+
     def layer(self, index: int) -> LayerWeights:
         c = self.config
         prefix = f"model.layers.{index}."
@@ -187,8 +215,8 @@ class _WeightReader:
             input_norm=self.take(prefix + "input_layernorm.weight", (c.hidden_size,)),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
             qkv_bias=self.take_fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]) if c.qkv_bias else None,
-            o=self.pack(self.take(attn + "o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))),
-            o_bias=self.take(attn + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
+            o=self.pack(self.take_residual_branch(attn + "o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))),
+            o_bias=self.take_residual_branch(attn + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
             post_norm=self.take(prefix + "post_attention_layernorm.weight", (c.hidden_size,)),
             gate_up=self.pack(
                 self.take_fused([n + ".weight" for n in gate_up_names], [(c.intermediate_size, c.hidden_size)] * 2)
@@ -196,8 +224,11 @@ class _WeightReader:
             gate_up_bias=(
                 self.take_fused([n + ".bias" for n in gate_up_names], [(c.intermediate_size,)] * 2) if c.mlp_bias else None
             ),
-            down=self.pack(self.take(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
-            down_bias=self.take(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
+            down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
+            down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
+            q_norm=self.take(attn + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+            k_norm=self.take(attn + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+            use_rope=c.uses_rope(index),
         )
 
     def check_all_used(self) -> None:

@@ -101,6 +101,10 @@ class ModelInfo:
     dtype: str = "float32"  # weights and KV dtype
     attention_backend: str = "torch"  # resolved attention kernels: "cpu" (our C kernel), "torch" (reference) or "triton"
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (none on CPU)
+    model_type: str = "llama"  # the checkpoint's family (workers/families.py)
+    layer_loop: str = "python"  # "c": our C layer loop for steps its products take; "python": the Python loop
+    layer_ops: str = "torch"  # the steps between the products: "native" (our C kernels) or "torch"
+    linear_backend: str = "torch"  # the matrix products: "native", "onednn" or "torch"
 
 
 @dataclass(slots=True)
@@ -225,6 +229,10 @@ class ModelRunner:
             dtype=self.dtype_name,
             attention_backend=self.attention_backend,
             cuda_graph_batch_sizes=self.decode_graphs.batch_sizes if self.decode_graphs is not None else (),
+            model_type=self.model_config.model_type,
+            layer_loop="c" if self.model.native_forward is not None else "python",
+            layer_ops=self.model.ops.name,
+            linear_backend=self.model.linear_backend.name,
         )
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:

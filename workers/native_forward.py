@@ -69,8 +69,8 @@ class NativeForward:
                 LayerArgs(
                     _ptr(layer.input_norm), _ptr(layer.post_norm), _ptr(operand(layer.qkv)), _ptr(operand(layer.o)),
                     _ptr(operand(layer.gate_up)), _ptr(operand(layer.down)), _ptr(layer.qkv_bias),
-                    _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias), k_cache.data_ptr(),
-                    v_cache.data_ptr(),
+                    _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias), _ptr(layer.q_norm),
+                    _ptr(layer.k_norm), k_cache.data_ptr(), v_cache.data_ptr(), int(layer.use_rope),
                 )
                 for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True)
             ))
@@ -86,7 +86,7 @@ class NativeForward:
         block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
         assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
         assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype)
-        residual = F.embedding(input_ids, model.embed)
+        residual = model.embed_tokens(input_ids)
         scratch = {
             name: torch.empty(num_tokens, width, dtype=dtype)
             for name, width in (("out", c.hidden_size), ("x", c.hidden_size),

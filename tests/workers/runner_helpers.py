@@ -14,6 +14,7 @@ from workers.simple_driver import SimpleDriver
 # fp32 batching can flip a near-tie: a differing greedy token is accepted only where
 # the reference's top-2 logit gap was below this
 NEAR_TIE_EPSILON = 1e-3
+LOGPROB_TOLERANCE = 1e-3  # our logprobs against log_softmax of HF's logits
 
 
 def make_runner(model_dir: Path, **overrides) -> ModelRunner:
@@ -87,3 +88,28 @@ def prompts_of_lengths(lengths: list[int], vocab_size: int, seed: int = 0) -> li
     """Random prompts (special ids 0-2 excluded) of the given lengths."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+def assert_logprobs_match_hf(request, oracle: HfOracle, top_k: int) -> None:
+    """A finished request's logprobs (sampled token and its top_k) equal log_softmax of HF's logits."""
+    full = request.prompt_token_ids + request.output_token_ids
+    hf_logprobs = torch.log_softmax(oracle.logits(full).float(), dim=-1)
+    start = len(request.prompt_token_ids) - 1
+    assert len(request.logprobs) == len(request.output_token_ids)
+    for step, token_logprobs in enumerate(request.logprobs):
+        expected = hf_logprobs[start + step]
+        assert token_logprobs.token_id == request.output_token_ids[step]
+        assert abs(token_logprobs.logprob - float(expected[token_logprobs.token_id])) < LOGPROB_TOLERANCE
+        top_ids = [token_id for token_id, _ in token_logprobs.top]
+        top_values = torch.tensor([value for _, value in token_logprobs.top])
+        assert len(top_ids) == top_k
+        torch.testing.assert_close(top_values, expected[top_ids], atol=LOGPROB_TOLERANCE, rtol=0)
+        torch.testing.assert_close(top_values, expected.topk(top_k).values, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def run_with_logprobs(runner, prompts, params_list) -> list:
+    """The finished requests of prompts run together with small steps (chunked prompts beside decodes)."""
+    driver = SimpleDriver(runner, token_budget=24)  # forces chunked prefills next to decodes
+    for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+        driver.add_request(f"r{index}", prompt, params)
+    return list(driver.run().values())

@@ -86,3 +86,18 @@ def test_inverse_frequencies_match_transformers(rope):
         expected = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")[0]
     actual = inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling)
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
+
+
+def test_families_and_refusals_say_what_they_are():
+    qwen3 = ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", head_dim=128))
+    assert qwen3.qk_norm and qwen3.head_dim == 128 and qwen3.rope_layers is None
+    smol = ModelConfig.from_dict(dict(LLAMA, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1]))
+    assert [smol.uses_rope(layer) for layer in range(4)] == [True, True, False, True]
+    with pytest.raises(ModelConfigError, match="no_rope_layers has 2 entries for 4 layers"):
+        ModelConfig.from_dict(dict(LLAMA, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0]))
+    with pytest.raises(ModelConfigError, match="qwen3 with use_sliding_window"):
+        ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", use_sliding_window=True, sliding_window=128))
+    with pytest.raises(ModelConfigError, match="model_type 'gemma2' is not supported"):
+        ModelConfig.from_dict(dict(LLAMA, model_type="gemma2"))
+    with pytest.raises(ModelConfigError, match="quantized checkpoints \\('awq'\\)"):
+        ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "awq", "bits": 4}))

@@ -166,9 +166,12 @@ class AttentionArgs(ctypes.Structure):
 class LayerArgs(ctypes.Structure):
     """Mirror of LayerArgs in csrc/forward.c: one decoder layer's weights and KV pool."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
-        "k_cache", "v_cache")]
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in (
+            "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
+            "q_norm", "k_norm", "k_cache", "v_cache")),
+        ("use_rope", ctypes.c_int32),
+    ]
 
 
 class ForwardArgs(ctypes.Structure):
@@ -216,6 +219,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32],
     # qkv, positions, cos, sin, num_tokens, num_heads, num_kv_heads, head_dim, dtype, num_threads
     "rayllm_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    # qkv, q_weight, k_weight, num_rows, num_heads, num_kv_heads, head_dim, eps, dtype, num_threads
+    "rayllm_head_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
     # gate_up, out, num_rows, width, dtype, num_threads
     "rayllm_silu_mul": [_P, _P, _I64, _I64, _I32, _I32],
     # x, out, num_rows, width, num_threads

@@ -4,12 +4,13 @@
  * conversions, a fresh output tensor per op) are gone. Per layer:
  *
  *     residual, x = add_rms_norm(residual, delta, input_norm)     (no delta before layer 0)
- *     qkv = linear(x, qkv_weight);  rope(qkv);  write_kv(k, v);  attended = attention(q)
+ *     qkv = linear(x, qkv_weight);  [head_rms_norm(qkv)];  [rope(qkv)];  write_kv(k, v);  attended = attention(q)
  *     delta = linear(attended, o_weight)
  *     residual, x = add_rms_norm(residual, delta, post_norm)
  *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight)
  *
- * and after the last layer out = rms_norm(residual + delta) * final_norm. The products are
+ * (the per-head norms where the layer has them, RoPE unless the layer has none) and after the
+ * last layer out = rms_norm(residual + delta) * final_norm. The products are
  * ours only: the panel GEMM (fp32 on AVX2 or AVX-512 CPUs, bf16 on AVX512_BF16 CPUs, each up
  * to its row limit in workers/linear.py) or the GEMV (a few rows); the Python side
  * (workers/native_forward.py) calls this only for steps whose every product one of them
@@ -26,7 +27,9 @@ typedef struct {
     const void *input_norm, *post_norm;         /* [hidden] */
     const void *qkv, *o, *gate_up, *down;       /* panels of the dtype (LINEAR_PANELS) or row-major [out, in] (LINEAR_GEMV) */
     const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [out] or NULL */
+    const void *q_norm, *k_norm;                /* [head_dim] each, or NULL: no per-head norms (Qwen3 has them) */
     void *k_cache, *v_cache;                    /* this layer's pool (cpu_attention.allocate_kv_cache) */
+    int32_t use_rope;                           /* 0: the layer has no RoPE (SmolLM3's NoPE layers) */
 } LayerArgs;
 
 typedef struct {
@@ -79,7 +82,11 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);
         if (!status) status = linear(a, a->x, layer->qkv, layer->qkv_bias, a->qkv, qkv_width, hidden);
-        if (!status) status = rayllm_rope(a->qkv, a->positions, a->cos, a->sin, T, H, KV, D, a->dtype, a->num_threads);
+        if (!status && layer->q_norm)
+            status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, a->eps, a->dtype,
+                                          a->num_threads);
+        if (!status && layer->use_rope)
+            status = rayllm_rope(a->qkv, a->positions, a->cos, a->sin, T, H, KV, D, a->dtype, a->num_threads);
         if (!status)
             status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
                                      a->slot_mapping, T, KV, D, meta->block_size, a->dtype, a->num_threads);

@@ -211,6 +211,35 @@ int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t wi
     return 0;
 }
 
+/* Qwen3's q_norm and k_norm: in each row of qkv [num_rows, (H + 2 KV) D], the H query heads and
+ * then the KV key heads are each RMS-normalized over their D values and multiplied by q_weight
+ * or k_weight ([D]), in place; v is untouched. */
+typedef struct {
+    void *qkv;
+    const void *q_weight, *k_weight;
+    int64_t num_heads, num_kv_heads, head_dim;
+    float eps;
+    int32_t dtype;
+} HeadNormJob;
+
+static void head_norm_row(const void *context, int64_t t) {
+    const HeadNormJob *j = context;
+    const int64_t elem = j->dtype == DTYPE_F32 ? 4 : 2, heads = j->num_heads + j->num_kv_heads;
+    char *row = (char *)j->qkv + t * (heads + j->num_kv_heads) * j->head_dim * elem;
+    for (int64_t h = 0; h < heads; h++) {
+        char *head = row + h * j->head_dim * elem;
+        add_rms_norm_row(head, NULL, h < j->num_heads ? j->q_weight : j->k_weight, head, j->head_dim, j->eps, j->dtype);
+    }
+}
+
+int rayllm_head_rms_norm(void *qkv, const void *q_weight, const void *k_weight, int64_t num_rows, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, float eps, int32_t dtype, int32_t num_threads) {
+    if (head_dim < 1 || head_dim > MAX_WIDTH) return 2;
+    const HeadNormJob job = {qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps, dtype};
+    for_each_row(head_norm_row, &job, num_rows, num_threads);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- greedy sampling */
 
 /* out[r] = the index of row r's largest value, the first one on ties; a row holding NaN gets its

@@ -1,0 +1,90 @@
+"""The families beyond Llama (workers/families.py), each a tiny random checkpoint built with
+transformers' own config and model classes and loaded by our loader: greedy tokens and
+logprobs equal transformers' on the torch reference path (the Python layer loop over torch ops
+and products, as on a GPU) and on our C layer loop; and the C loop equals the Python loop over
+our kernels bit for bit, step by step."""
+
+from __future__ import annotations
+
+import pytest
+from runner_helpers import (HfOracle, assert_greedy_matches, assert_logprobs_match_hf, greedy, make_runner,
+                            prompts_of_lengths, run_requests, run_with_logprobs)
+from test_native_forward import compare_every_step
+from tiny_model import build_tiny_model_dir
+
+from scheduler.sampling_params import SamplingParams
+from workers.config import ModelConfig
+from workers.kernels.native import native_available
+
+FAMILIES = {
+    # per-head q/k norms (a head_dim that is not hidden / heads), and again with attention biases
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+    "qwen3-bias": dict(model_type="qwen3", attention_bias=True),
+    # layers 1 and 3 of 4 without RoPE (transformers' default interval, here 2)
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
+    "granite": dict(model_type="granite", embedding_multiplier=4.0, residual_multiplier=0.4,
+                    attention_multiplier=0.09, logits_scaling=3.0),
+}
+PATHS = {
+    "torch": dict(attention_backend="torch", layer_ops="torch", linear_backend="torch"),
+    "c-loop": dict(attention_backend="cpu"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory):
+    """The checkpoint directory, named as its FAMILIES key."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("families") / request.param, **FAMILIES[request.param])
+
+
+def family_runner(model_dir, path: str, **overrides):
+    if path == "c-loop" and not native_available():
+        pytest.skip("the C kernels do not build here")
+    runner = make_runner(model_dir, **PATHS[path], **overrides)
+    assert (runner.model.native_forward is not None) == (path == "c-loop")
+    return runner
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_greedy_tokens_equal_transformers(family_dir, path):
+    runner = family_runner(family_dir, path)
+    oracle = HfOracle(family_dir)
+    prompts = prompts_of_lengths([3, 17, 40], runner.model_info.vocab_size, seed=1)
+    outputs = run_requests(runner, prompts, greedy(12), token_budget=16)  # chunked prompts beside decodes
+    for prompt, output in zip(prompts, outputs):
+        assert_greedy_matches(output, oracle.greedy(prompt, 12))
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_logprobs_equal_transformers(family_dir, path):
+    runner = family_runner(family_dir, path)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=4),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, logprobs=4)]
+    oracle = HfOracle(family_dir)
+    for request in run_with_logprobs(runner, prompts_of_lengths([21, 5], runner.model_info.vocab_size, seed=2), params):
+        assert_logprobs_match_hf(request, oracle, 4)
+
+
+def test_c_loop_equals_the_python_loop(family_dir):
+    runner = family_runner(family_dir, "c-loop")
+    compared = compare_every_step(runner)
+    run_requests(runner, prompts_of_lengths([2, 9, 30], runner.model_info.vocab_size), greedy(8), token_budget=16)
+    assert len(compared) >= 8
+
+
+def test_traits_read_from_the_config(family_dir):
+    config = ModelConfig.from_model_dir(family_dir)
+    traits = FAMILIES[family_dir.name]
+    assert config.model_type == traits["model_type"]
+    assert config.qk_norm == (config.model_type == "qwen3")
+    if config.model_type == "smollm3":
+        assert config.rope_layers == (True, False, True, False)
+    if config.model_type == "granite":
+        assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale) == (4.0, 0.4, 0.09)
+        assert config.logits_scale == pytest.approx(1 / 3)
+
+
+def test_model_info_names_the_family_and_the_layer_loop(family_dir):
+    info = family_runner(family_dir, "torch").model_info
+    assert info.model_type == FAMILIES[family_dir.name]["model_type"]
+    assert (info.layer_loop, info.layer_ops, info.linear_backend) == ("python", "torch", "torch")

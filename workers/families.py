@@ -1,0 +1,102 @@
+"""The model families we load, each as what it changes in the one decoder layer we run.
+
+Every family is a Llama-shaped decoder (embedding, layers of attention then a gated-SiLU MLP,
+pre-norms with RMSNorm, a final norm, an lm_head). A family is a function from its
+config.json (a dict) to FamilyTraits: the handful of switches and numbers by which it differs.
+ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C layer loop
+(workers/kernels/csrc/forward.c) and the GPU path all act on the same traits.
+
+    model_type  what differs from llama
+    llama       q, k, v and o biases when `attention_bias`
+    mistral     no biases; `sliding_window` caps the context we serve
+    qwen2       q, k, v biases always, o never; a sliding window is refused
+    qwen3       an RMSNorm over each head's query and key before RoPE (q_norm, k_norm); biases
+                when `attention_bias`
+    smollm3     some layers have no RoPE (`no_rope_layers`: 1 keeps RoPE, 0 drops it)
+    granite     multipliers: embeddings x embedding_multiplier, each residual branch x
+                residual_multiplier, attention scores x attention_multiplier (the scale),
+                logits / logits_scaling
+
+transformers' modelling files are the reference for each (tests build tiny random
+checkpoints with transformers' own classes and compare greedy tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class FamilyError(ValueError):
+    """A config.json of a known family with a setting we do not serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyTraits:
+    qkv_bias: bool  # q, k and v projections carry a bias
+    o_bias: bool  # the output projection carries a bias
+    sliding_window: int | None = None  # one window for every layer (caps the served context); None: full
+    qk_norm: bool = False  # RMSNorm over each query and key head (weights [head_dim]) before RoPE
+    rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
+    embedding_multiplier: float = 1.0  # embeddings are scaled by it
+    residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
+    attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
+    logits_scale: float = 1.0  # logits are multiplied by it
+
+
+def _llama(raw: dict) -> FamilyTraits:
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias)
+
+
+def _mistral(raw: dict) -> FamilyTraits:
+    window = raw.get("sliding_window")
+    return FamilyTraits(qkv_bias=False, o_bias=False, sliding_window=None if window is None else int(window))
+
+
+def _qwen2(raw: dict) -> FamilyTraits:
+    if raw.get("use_sliding_window", False):
+        raise FamilyError("qwen2 with use_sliding_window=true is not supported")
+    return FamilyTraits(qkv_bias=True, o_bias=False)
+
+
+def _qwen3(raw: dict) -> FamilyTraits:
+    if raw.get("use_sliding_window", False):
+        raise FamilyError("qwen3 with use_sliding_window=true is not supported")
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def _smollm3(raw: dict) -> FamilyTraits:
+    if raw.get("use_sliding_window", False):
+        raise FamilyError("smollm3 with use_sliding_window=true is not supported")
+    num_layers = int(raw["num_hidden_layers"])
+    flags = raw.get("no_rope_layers")
+    if flags is None:  # transformers' default: every no_rope_layer_interval-th layer has no RoPE
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((layer + 1) % interval != 0) for layer in range(num_layers)]
+    if len(flags) != num_layers:
+        raise FamilyError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, rope_layers=tuple(bool(flag) for flag in flags))
+
+
+def _granite(raw: dict) -> FamilyTraits:
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(
+        qkv_bias=bias, o_bias=bias,
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        attention_scale=float(raw.get("attention_multiplier", 1.0)),
+        logits_scale=1.0 / float(raw.get("logits_scaling", 1.0)),
+    )
+
+
+FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "smollm3": _smollm3,
+    "granite": _granite,
+}
