@@ -2,25 +2,29 @@
 
 Parsed once from a local model directory (config.json, plus generation_config.json for
 EOS ids when present). The shape numbers are common to every family; what a family changes
-in the layer comes from its entry in workers/families.py (llama, mistral, qwen2, qwen3,
-smollm3, granite).
+in the layer comes from its entry in workers/families.py.
 
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
-"llama3", and "dynamic" (NTK), which equals the default inside the original context
-length, so for "dynamic" the usable context is capped at max_position_embeddings.
+"llama3", "dynamic" (NTK), which equals the default inside the original context
+length, so for "dynamic" the usable context is capped at max_position_embeddings, and
+"longrope" (Phi-3): short_factor for positions inside original_max_position_embeddings,
+long_factor past it (workers/rope.py). `partial_rotary_factor` (top level or inside the
+rope dict) rotates only the first part of each head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from workers.families import FAMILIES, FamilyError
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 
 
 class ModelConfigError(ValueError):
@@ -33,7 +37,10 @@ class RopeScaling:
     factor: float = 1.0  # position (linear) or wavelength (llama3) scale factor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3 / dynamic: pretraining context
+    original_max_position_embeddings: int | None = None  # llama3 / dynamic / longrope: pretraining context
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors inside the original context
+    long_factor: tuple[float, ...] = ()  # longrope: the same past it
+    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +64,20 @@ class ModelConfig:
     sliding_window: int | None  # attention window in tokens, None when attention is full
     eos_token_ids: tuple[int, ...]  # every id that ends generation, config + generation_config
     bos_token_id: int | None
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    qk_norm: str | None = None  # q/k RMSNorms before RoPE: "head" (Qwen3) or "projection" (OLMo 2); None: none
+    norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output (OLMo 2)
+    fused_projections: bool = False  # the checkpoint's qkv_proj and gate_up_proj (Phi-3)
+    partial_rotary_factor: float = 1.0  # the rotated share of each head (Phi-3)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer (SmolLM3)
     embedding_multiplier: float = 1.0  # Granite's multipliers (workers/families.py); 1: none
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_scale: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's values RoPE rotates (the first ones); head_dim unless partial."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
@@ -122,7 +137,7 @@ class ModelConfig:
             raise ModelConfigError(f"{num_heads} heads are not a multiple of {num_kv_heads} kv heads")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-        rope_theta, rope_scaling = _parse_rope(raw)
+        rope_theta, rope_scaling, partial_rotary_factor = _parse_rope(raw)
         try:
             traits = FAMILIES[model_type](raw)
         except FamilyError as error:
@@ -148,6 +163,9 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             qk_norm=traits.qk_norm,
+            norms=traits.norms,
+            fused_projections=traits.fused_projections,
+            partial_rotary_factor=partial_rotary_factor,
             rope_layers=traits.rope_layers,
             embedding_multiplier=traits.embedding_multiplier,
             residual_multiplier=traits.residual_multiplier,
@@ -165,28 +183,51 @@ def _read_json(path: Path, what: str) -> dict:
         raise ModelConfigError(f"{path} is not readable JSON ({what}): {error}") from None
 
 
-def _parse_rope(raw: dict) -> tuple[float, RopeScaling]:
+def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float]:
+    """(theta, scaling, partial_rotary_factor) from either spelling of a config's RoPE keys."""
     # transformers >= 5 writes rope_parameters = {"rope_theta": ..., "rope_type": ..., ...};
     # older configs write rope_theta and rope_scaling (which uses "type" or "rope_type").
     params = dict(raw.get("rope_parameters") or {})
     params.update(raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn") and raw.get("model_type") == "phi3":
+        rope_type = "longrope"  # Phi-3's older names for it (transformers renames them the same way)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope scaling {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
         )
-    original = params.get("original_max_position_embeddings")
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings")
+                          if rope_type == "longrope" else None)
     scaling = RopeScaling(
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(params.get("factor") or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=None if original is None else int(original),
     )
     if rope_type == "llama3" and scaling.original_max_position_embeddings is None:
         raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings")
-    return theta, scaling
+    if rope_type == "longrope":
+        scaling = _longrope(raw, params, scaling)
+    return theta, scaling, partial
+
+
+def _longrope(raw: dict, params: dict, scaling: RopeScaling) -> RopeScaling:
+    """longrope's factors, and its attention factor as transformers derives it when absent."""
+    original = scaling.original_max_position_embeddings
+    if original is None or "short_factor" not in params or "long_factor" not in params:
+        raise ModelConfigError("longrope scaling needs short_factor, long_factor and original_max_position_embeddings")
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dataclasses.replace(scaling, factor=float(factor), short_factor=tuple(map(float, params["short_factor"])),
+                               long_factor=tuple(map(float, params["long_factor"])),
+                               attention_factor=float(attention_factor))
 
 
 def _eos_token_ids(raw: dict, generation: dict) -> tuple[int, ...]:

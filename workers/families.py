@@ -16,6 +16,12 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     granite     multipliers: embeddings x embedding_multiplier, each residual branch x
                 residual_multiplier, attention scores x attention_multiplier (the scale),
                 logits / logits_scaling
+    olmo2       norms after each branch instead of before it (post_attention_layernorm on the
+                attention's output, post_feedforward_layernorm on the MLP's), and RMSNorms over
+                the whole query and key projections before RoPE
+    phi3        q, k and v in one checkpoint tensor (qkv_proj), gate and up in another
+                (gate_up_proj); partial rotary (partial_rotary_factor) and longrope scaling are
+                read by workers/config.py for every family; `sliding_window` caps the context
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -36,7 +42,10 @@ class FamilyTraits:
     qkv_bias: bool  # q, k and v projections carry a bias
     o_bias: bool  # the output projection carries a bias
     sliding_window: int | None = None  # one window for every layer (caps the served context); None: full
-    qk_norm: bool = False  # RMSNorm over each query and key head (weights [head_dim]) before RoPE
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (each head, weights [head_dim]) or
+    #                             "projection" (the whole q and the whole k, weights [heads * head_dim])
+    norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output instead (OLMo 2)
+    fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
@@ -64,7 +73,7 @@ def _qwen3(raw: dict) -> FamilyTraits:
     if raw.get("use_sliding_window", False):
         raise FamilyError("qwen3 with use_sliding_window=true is not supported")
     bias = bool(raw.get("attention_bias", False))
-    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head")
 
 
 def _smollm3(raw: dict) -> FamilyTraits:
@@ -92,6 +101,17 @@ def _granite(raw: dict) -> FamilyTraits:
     )
 
 
+def _olmo2(raw: dict) -> FamilyTraits:
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="projection", norms="post")
+
+
+def _phi3(raw: dict) -> FamilyTraits:
+    window = raw.get("sliding_window")
+    return FamilyTraits(qkv_bias=False, o_bias=False, sliding_window=None if window is None else int(window),
+                        fused_projections=True)
+
+
 FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -99,4 +119,6 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "qwen3": _qwen3,
     "smollm3": _smollm3,
     "granite": _granite,
+    "olmo2": _olmo2,
+    "phi3": _phi3,
 }

@@ -2,7 +2,9 @@
 
     ops = select_layer_ops(None, device, dtype)   # "native" on CPU where the C kernels build, else "torch"
     residual, normed = ops.add_rms_norm(residual, delta, weight, eps)   # residual + delta, then RMSNorm
-    ops.head_rms_norm(qkv, q_norm, k_norm, num_heads, num_kv_heads, eps)  # Qwen3's per-head norms, in place
+    residual, residual = ops.add_rms_norm(residual, delta, None, eps)   # the add alone (OLMo 2's unnormed branches)
+    normed = ops.rms_norm(delta, weight, eps)                             # a branch's output normed (may be in place)
+    ops.head_rms_norm(qkv, q_norm, k_norm, num_heads, num_kv_heads, eps, whole)  # q/k norms, in place
     q, k, v = ops.rope(qkv, positions, rope, num_heads, num_kv_heads)   # q and k rotated; v as is
     act = ops.silu_mul(gate_up)
 
@@ -37,29 +39,40 @@ class TorchOps:
     name = "torch"
 
     def head_rms_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
-                      num_kv_heads: int, eps: float) -> None:
-        """Each query and key head of the fused qkv rows RMS-normalized over its head_dim and
-        times q_weight or k_weight ([head_dim]), IN PLACE (Qwen3's q_norm and k_norm)."""
-        head_dim = q_weight.shape[0]
+                      num_kv_heads: int, eps: float, whole: bool = False) -> None:
+        """q and k of the fused qkv rows RMS-normalized and times q_weight and k_weight, IN PLACE:
+        each head over its head_dim (Qwen3; weights [head_dim]), or whole: all of q and all of k
+        (OLMo 2; weights [num_heads * head_dim] and [num_kv_heads * head_dim])."""
+        q_width, k_width = q_weight.shape[0], k_weight.shape[0]
+        head_dim = q_width // num_heads if whole else q_width
         q, k, _ = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-        q.copy_(F.rms_norm(q, (head_dim,), q_weight, eps))
-        k.copy_(F.rms_norm(k, (head_dim,), k_weight, eps))
+        if whole:
+            q, k = q.flatten(1), k.flatten(1)
+        q.copy_(F.rms_norm(q, (q_width,), q_weight, eps))
+        k.copy_(F.rms_norm(k, (k_width,), k_weight, eps))
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + delta, rms_norm(residual + delta) * weight); delta None: no add."""
+        """(residual + delta, rms_norm(residual + delta) * weight); delta None: no add; weight
+        None: no norm, (sum, sum)."""
         if delta is not None:
             residual = residual + delta
-        return residual, F.rms_norm(residual, weight.shape, weight, eps)
+        return residual, residual if weight is None else F.rms_norm(residual, weight.shape, weight, eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, eps)
 
     def rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
              num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rotated q, rotated k, v), [num_tokens, heads, head_dim] each, from the fused qkv rows."""
-        num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
+        num_tokens, head_dim, rotary_dim = qkv.shape[0], rope.head_dim, rope.rotary_dim
         cos, sin = rope.cos_sin(positions)
         # q and k are contiguous within each row of qkv: rotate both with one call
         qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
-        qk = apply_rotary(qk, cos, sin)
+        if rotary_dim == head_dim:
+            qk = apply_rotary(qk, cos, sin)
+        else:  # partial rotary: the rest of each head passes through
+            qk = torch.cat((apply_rotary(qk[..., :rotary_dim], cos, sin), qk[..., rotary_dim:]), dim=-1)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:], v
 
@@ -76,37 +89,51 @@ class NativeOps:
     def __init__(self) -> None:
         self.library = native_library()
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adds delta into residual IN PLACE, and returns (residual, its RMSNorm times weight)."""
+        """Adds delta into residual IN PLACE, and returns (residual, its RMSNorm times weight);
+        weight None: (residual, residual), the add alone."""
         assert residual.is_contiguous() and (delta is None or delta.is_contiguous()) and residual.dtype in DTYPE_CODES
-        out = torch.empty_like(residual)
-        check_status(self.library.rayllm_add_rms_norm(
-            residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-            residual.shape[0], residual.shape[1], eps, DTYPE_CODES[residual.dtype], torch.get_num_threads(),
-        ), "rayllm_add_rms_norm")
+        out = residual if weight is None else torch.empty_like(residual)
+        self._norm(residual, delta, weight, out, eps)
         return residual, out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x's RMSNorm times weight, IN PLACE (x is a branch's output, read by nothing else)."""
+        assert x.is_contiguous() and x.dtype in DTYPE_CODES
+        self._norm(x, None, weight, x, eps)
+        return x
+
+    def _norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
+              out: torch.Tensor, eps: float) -> None:
+        check_status(self.library.rayllm_add_rms_norm(
+            residual.data_ptr(), None if delta is None else delta.data_ptr(),
+            None if weight is None else weight.data_ptr(), out.data_ptr(), residual.shape[0], residual.shape[1], eps,
+            DTYPE_CODES[residual.dtype], torch.get_num_threads(),
+        ), "rayllm_add_rms_norm")
 
     def rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
              num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotates q and k inside qkv IN PLACE; returns the q, k and v views."""
-        num_tokens, head_dim = qkv.shape[0], rope.cos.shape[1]
+        num_tokens, head_dim = qkv.shape[0], rope.head_dim
         assert qkv.is_contiguous() and positions.dtype == torch.int64
         check_status(self.library.rayllm_rope(
             qkv.data_ptr(), positions.data_ptr(), rope.cos_f32.data_ptr(), rope.signed_sin_f32.data_ptr(),
-            num_tokens, num_heads, num_kv_heads, head_dim, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+            num_tokens, num_heads, num_kv_heads, head_dim, rope.rotary_dim, DTYPE_CODES[qkv.dtype],
+            torch.get_num_threads(),
         ), "rayllm_rope")
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     split_qkv = staticmethod(split_qkv)
 
     def head_rms_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
-                      num_kv_heads: int, eps: float) -> None:
+                      num_kv_heads: int, eps: float, whole: bool = False) -> None:
         """TorchOps.head_rms_norm in one pass over the rows (csrc/layer_ops.c), in place."""
         assert qkv.is_contiguous() and qkv.dtype in DTYPE_CODES and q_weight.dtype == k_weight.dtype == qkv.dtype
+        head_dim = q_weight.shape[0] // num_heads if whole else q_weight.shape[0]
         check_status(self.library.rayllm_head_rms_norm(
             qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
-            q_weight.shape[0], eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+            head_dim, int(whole), eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
         ), "rayllm_head_rms_norm")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

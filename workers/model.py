@@ -5,9 +5,11 @@ Not transformers' forward. Per layer:
     x = h + o_proj(paged_attention(rope(q), rope(k), v))      with q, k, v = split(qkv_proj(rms_norm(h)))
     h = x + down_proj(silu(gate) * up)                         with gate, up = split(gate_up_proj(rms_norm(x)))
 
-and what a family changes (ModelConfig's traits): per-head RMSNorms of q and k before RoPE
-(Qwen3), layers without RoPE (SmolLM3), an embedding multiplier, a residual multiplier (folded
-into the o_proj and down_proj weights at load), an attention scale and a logits scale (Granite).
+and what a family changes (ModelConfig's traits): RMSNorms of q and k before RoPE, per head
+(Qwen3) or over the whole projection (OLMo 2), layers without RoPE (SmolLM3), partial rotary
+(Phi-3), norms on each branch's output instead of its input (OLMo 2), an embedding
+multiplier, a residual multiplier (folded into the o_proj and down_proj weights at load), an
+attention scale and a logits scale (Granite).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
@@ -23,6 +25,10 @@ torch elsewhere. Each layer's residual add is folded into the next RMSNorm:
     delta = o_proj(attention(...))
     residual, x = add_rms_norm(residual, delta, post_norm)
     delta = down_proj(silu_mul(gate_up_proj(x)))
+
+A family with norms after its branches (OLMo 2) has no input_norm or post_norm: the add then
+runs alone and the branch reads the residual stream; each branch's output is normed instead
+(attn_out_norm, mlp_out_norm) before it is added.
 """
 
 from __future__ import annotations
@@ -60,18 +66,21 @@ class AttentionMetadata:
 class LayerWeights:
     """Projection weights are in the linear backend's packed form (opaque for oneDNN)."""
 
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]; None: attention reads the residual stream unnormed (OLMo 2)
     qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
     o: torch.Tensor  # [hidden, num_heads * head_dim]
     o_bias: torch.Tensor | None  # [hidden]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor | None  # [hidden]; None: the MLP reads the residual stream unnormed (OLMo 2)
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
+    qk_norm_whole: bool = False  # q_norm [heads * head_dim] and k_norm span the whole projection (OLMo 2)
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention's output (OLMo 2)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP's output (OLMo 2)
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
 
 
@@ -117,9 +126,13 @@ class PagedLlamaModel:
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
             delta = self._attention(layer, x, positions, step, kv_cache)
+            if layer.attn_out_norm is not None:
+                delta = self.ops.rms_norm(delta, layer.attn_out_norm, eps)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
             delta = self.linear(self.ops.silu_mul(self.linear(x, layer.gate_up, layer.gate_up_bias)),
                                 layer.down, layer.down_bias)
+            if layer.mlp_out_norm is not None:
+                delta = self.ops.rms_norm(delta, layer.mlp_out_norm, eps)
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -142,7 +155,7 @@ class PagedLlamaModel:
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
             self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
-                                   config.rms_norm_eps)
+                                   config.rms_norm_eps, layer.qk_norm_whole)
         if layer.use_rope:
             q, k, v = self.ops.rope(qkv, positions, self.rope, config.num_heads, config.num_kv_heads)
         else:
@@ -171,6 +184,17 @@ class PagedLlamaModel:
         weights.check_all_used()
         rope = RotaryEmbedding(config, max_positions, embed.dtype, device)
         return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps())
+
+
+# Each layer norm's checkpoint name, by where a family puts its norms (ModelConfig.norms).
+# Beware: OLMo 2's post_attention_layernorm norms the attention's output; Llama's of that name
+# is the MLP's input norm.
+_NORM_NAMES: dict[str, dict[str, str | None]] = {
+    "pre": dict(input_norm="input_layernorm", post_norm="post_attention_layernorm", attn_out_norm=None,
+                mlp_out_norm=None),
+    "post": dict(input_norm=None, post_norm=None, attn_out_norm="post_attention_layernorm",
+                 mlp_out_norm="post_feedforward_layernorm"),
+}
 
 
 class _WeightReader:
@@ -211,25 +235,39 @@ class _WeightReader:
         qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         qkv_names = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
+        if c.fused_projections:  # Phi-3: the checkpoint already holds them as we run them
+            qkv_rows, qkv_names = [sum(qkv_rows)], [attn + "qkv_proj"]
+            gate_up_rows, gate_up_names = [2 * c.intermediate_size], [mlp + "gate_up_proj"]
+        else:
+            gate_up_rows = [c.intermediate_size] * 2
+        norms = _NORM_NAMES[c.norms]
+        q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+                                      if c.qk_norm == "projection" else (c.head_dim, c.head_dim))
         return LayerWeights(
-            input_norm=self.take(prefix + "input_layernorm.weight", (c.hidden_size,)),
+            input_norm=self.take_norm(prefix, norms["input_norm"]),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
             qkv_bias=self.take_fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]) if c.qkv_bias else None,
             o=self.pack(self.take_residual_branch(attn + "o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))),
             o_bias=self.take_residual_branch(attn + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
-            post_norm=self.take(prefix + "post_attention_layernorm.weight", (c.hidden_size,)),
+            post_norm=self.take_norm(prefix, norms["post_norm"]),
             gate_up=self.pack(
-                self.take_fused([n + ".weight" for n in gate_up_names], [(c.intermediate_size, c.hidden_size)] * 2)
+                self.take_fused([n + ".weight" for n in gate_up_names], [(r, c.hidden_size) for r in gate_up_rows])
             ),
             gate_up_bias=(
-                self.take_fused([n + ".bias" for n in gate_up_names], [(c.intermediate_size,)] * 2) if c.mlp_bias else None
+                self.take_fused([n + ".bias" for n in gate_up_names], [(r,) for r in gate_up_rows]) if c.mlp_bias else None
             ),
             down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
             down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
-            q_norm=self.take(attn + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-            k_norm=self.take(attn + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+            q_norm=self.take(attn + "q_norm.weight", (q_norm_width,)) if c.qk_norm else None,
+            k_norm=self.take(attn + "k_norm.weight", (k_norm_width,)) if c.qk_norm else None,
+            qk_norm_whole=c.qk_norm == "projection",
+            attn_out_norm=self.take_norm(prefix, norms["attn_out_norm"]),
+            mlp_out_norm=self.take_norm(prefix, norms["mlp_out_norm"]),
             use_rope=c.uses_rope(index),
         )
+
+    def take_norm(self, prefix: str, name: str | None) -> torch.Tensor | None:
+        return None if name is None else self.take(prefix + name + ".weight", (self.config.hidden_size,))
 
     def check_all_used(self) -> None:
         leftover = sorted(name for name in self.tensors if "rotary_emb.inv_freq" not in name)

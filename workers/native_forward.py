@@ -70,7 +70,8 @@ class NativeForward:
                     _ptr(layer.input_norm), _ptr(layer.post_norm), _ptr(operand(layer.qkv)), _ptr(operand(layer.o)),
                     _ptr(operand(layer.gate_up)), _ptr(operand(layer.down)), _ptr(layer.qkv_bias),
                     _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias), _ptr(layer.q_norm),
-                    _ptr(layer.k_norm), k_cache.data_ptr(), v_cache.data_ptr(), int(layer.use_rope),
+                    _ptr(layer.k_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), k_cache.data_ptr(),
+                    v_cache.data_ptr(), int(layer.use_rope), int(layer.qk_norm_whole),
                 )
                 for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True)
             ))
@@ -103,7 +104,7 @@ class NativeForward:
             positions=positions.data_ptr(), slot_mapping=step.slots, cos=model.rope.cos_f32.data_ptr(),
             sin=model.rope.signed_sin_f32.data_ptr(), attention=attention, num_tokens=num_tokens,
             num_layers=len(model.layers), hidden=c.hidden_size, intermediate=c.intermediate_size,
-            eps=c.rms_norm_eps, dtype=DTYPE_CODES[dtype], linear=self.linear_kind,
+            rotary_dim=model.rope.rotary_dim, eps=c.rms_norm_eps, dtype=DTYPE_CODES[dtype], linear=self.linear_kind,
             num_threads=torch.get_num_threads(),
         )
         check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")

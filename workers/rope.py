@@ -2,7 +2,15 @@
 
 Matches Hugging Face's Llama convention: the head is split in two halves (x1, x2) that rotate
 together ("rotate_half"), not interleaved pairs. cos/sin are computed in fp32 once for every
-position up to max_positions, then gathered by position each step.
+position up to max_positions, then gathered by position each step. With partial rotary
+(Phi-3) only the first rotary_dim values of a head rotate, in two halves of rotary_dim / 2.
+
+longrope (Phi-3) keeps two sets of frequencies: short_factor's inside the original context and
+long_factor's past it. transformers recomputes every position with long_factor once a sequence
+grows past the original context; a paged cache cannot rewrite the keys it holds, so here each
+position's row of the table is chosen by the position itself: rows below
+original_max_position_embeddings use short_factor, rows from it on use long_factor. Inside the
+original context the two agree exactly.
 """
 
 from __future__ import annotations
@@ -14,9 +22,15 @@ import torch
 from workers.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, as Hugging Face computes them for each rope_type."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
+    """[rotary_dim // 2] fp32 inverse frequencies, as Hugging Face computes them for each rope_type
+    (long: longrope's frequencies past the original context)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if scaling.rope_type == "longrope":
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        if factors.shape != exponents.shape:
+            raise ValueError(f"longrope factors have {factors.numel()} entries for a rotary_dim of {rotary_dim}")
+        return 1.0 / (factors * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
@@ -42,21 +56,26 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.T
 
 
 class RotaryEmbedding:
-    """cos/sin tables [max_positions, head_dim // 2] and their application to q and k."""
+    """cos/sin tables [max_positions, rotary_dim] and their application to q and k."""
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: str | torch.device):
-        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        scaling, rotary_dim = config.rope_scaling, config.rotary_dim
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        cos, sin = freqs.cos(), freqs.sin()
+        freqs = positions[:, None] * inverse_frequencies(rotary_dim, config.rope_theta, scaling)[None, :]
+        if scaling.rope_type == "longrope" and max_positions > scaling.original_max_position_embeddings:
+            start = scaling.original_max_position_embeddings
+            long = inverse_frequencies(rotary_dim, config.rope_theta, scaling, long=True)
+            freqs[start:] = positions[start:, None] * long[None, :]
+        cos, sin = freqs.cos() * scaling.attention_factor, freqs.sin() * scaling.attention_factor
         self.max_positions = max_positions
-        self.cos_f32 = torch.cat((cos, cos), dim=-1).to(device=device)  # [max_positions, head_dim] fp32
-        self.signed_sin_f32 = torch.cat((-sin, sin), dim=-1).to(device=device)  # [max_positions, head_dim] fp32
+        self.head_dim, self.rotary_dim = config.head_dim, rotary_dim
+        self.cos_f32 = torch.cat((cos, cos), dim=-1).to(device=device)  # [max_positions, rotary_dim] fp32
+        self.signed_sin_f32 = torch.cat((-sin, sin), dim=-1).to(device=device)  # [max_positions, rotary_dim] fp32
         self.cos = self.cos_f32.to(dtype)  # the same tables in the model's dtype (the torch path)
         self.signed_sin = self.signed_sin_f32.to(dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin, [num_tokens, 1, head_dim] each, ready to broadcast over heads."""
+        """cos and signed sin, [num_tokens, 1, rotary_dim] each, ready to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 

@@ -7,6 +7,7 @@ our kernels bit for bit, step by step."""
 from __future__ import annotations
 
 import pytest
+import torch
 from runner_helpers import (HfOracle, assert_greedy_matches, assert_logprobs_match_hf, greedy, make_runner,
                             prompts_of_lengths, run_requests, run_with_logprobs)
 from test_native_forward import compare_every_step
@@ -24,6 +25,13 @@ FAMILIES = {
     "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
     "granite": dict(model_type="granite", embedding_multiplier=4.0, residual_multiplier=0.4,
                     attention_multiplier=0.09, logits_scaling=3.0),
+    # norms after each branch, q/k norms over the whole projection
+    "olmo2": dict(model_type="olmo2"),
+    # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
+    # (the attention factor scales cos and sin everywhere)
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                      short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.0, 3.0, 4.5])),
 }
 PATHS = {
     "torch": dict(attention_backend="torch", layer_ops="torch", linear_backend="torch"),
@@ -76,7 +84,11 @@ def test_traits_read_from_the_config(family_dir):
     config = ModelConfig.from_model_dir(family_dir)
     traits = FAMILIES[family_dir.name]
     assert config.model_type == traits["model_type"]
-    assert config.qk_norm == (config.model_type == "qwen3")
+    assert config.qk_norm == {"qwen3": "head", "olmo2": "projection"}.get(config.model_type)
+    assert config.norms == ("post" if config.model_type == "olmo2" else "pre")
+    if config.model_type == "phi3":
+        assert config.fused_projections and config.rotary_dim == config.head_dim // 2
+        assert config.rope_scaling.rope_type == "longrope" and config.rope_scaling.attention_factor > 1.0
     if config.model_type == "smollm3":
         assert config.rope_layers == (True, False, True, False)
     if config.model_type == "granite":
@@ -88,3 +100,24 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
     info = family_runner(family_dir, "torch").model_info
     assert info.model_type == FAMILIES[family_dir.name]["model_type"]
     assert (info.layer_loop, info.layer_ops, info.linear_backend) == ("python", "torch", "torch")
+
+
+def test_longrope_past_the_original_context_uses_long_factor():
+    """Rows of the RoPE table from original_max_position_embeddings on are long_factor's, as
+    transformers computes them for a sequence past the original context; rows before are
+    short_factor's (what the greedy tests above compare)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from workers.rope import RotaryEmbedding
+
+    overrides = {key: value for key, value in FAMILIES["phi3"].items() if key != "model_type"}
+    hf_config = AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=1024, **overrides)
+    config = ModelConfig.from_dict(hf_config.to_dict())
+    rope = RotaryEmbedding(config, 1024, torch.float32, "cpu")
+    positions = torch.arange(1024, dtype=torch.float32)[:, None]
+    for seq_len, rows in ((None, slice(0, 512)), (513, slice(512, 1024))):
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=seq_len)
+        expected = (positions[rows] * inv_freq[None, :]).cos() * attention_factor
+        torch.testing.assert_close(rope.cos_f32[rows, : config.rotary_dim // 2], expected)

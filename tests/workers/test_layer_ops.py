@@ -44,10 +44,51 @@ def test_add_rms_norm(ops, dtype, with_delta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_rope(ops, dtype):
+def test_the_add_alone_and_a_norm_in_place(ops, dtype):
+    """OLMo 2's layers: the residual add without a norm, and a branch's output normed in place."""
+    reference, native = ops
+    residual, delta = torch.randn(70, 96).to(dtype), torch.randn(70, 96).to(dtype)
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    expected_sum, expected_same = reference.add_rms_norm(residual.clone(), delta, None, 1e-5)
+    in_place = residual.clone()
+    new_residual, same = native.add_rms_norm(in_place, delta, None, 1e-5)
+    assert new_residual.data_ptr() == same.data_ptr() == in_place.data_ptr() and expected_same is expected_sum
+    torch.testing.assert_close(new_residual, expected_sum, **TOLERANCE[dtype])
+    expected = reference.rms_norm(delta, weight, 1e-5)
+    normed = native.rms_norm(delta.clone(), weight, 1e-5)
+    torch.testing.assert_close(normed, expected, **TOLERANCE[dtype])
+    assert not torch.allclose(expected.float(), delta.float(), atol=1e-2)  # the norm did something
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("whole", [False, True], ids=["per-head", "whole-projection"])
+def test_qk_norms(ops, dtype, whole):
+    reference, native = ops
+    num_heads, num_kv_heads, head_dim, num_tokens = 6, 2, 16, 70
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    widths = (num_heads * head_dim, num_kv_heads * head_dim) if whole else (head_dim, head_dim)
+    q_weight, k_weight = ((torch.rand(width) + 0.5).to(dtype) for width in widths)
+    expected, got = qkv.clone(), qkv.clone()
+    reference.head_rms_norm(expected, q_weight, k_weight, num_heads, num_kv_heads, 1e-6, whole)
+    native.head_rms_norm(got, q_weight, k_weight, num_heads, num_kv_heads, 1e-6, whole)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    q = qkv[:, : num_heads * head_dim].float()  # the reference itself, written out
+    if whole:
+        normed_q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * q_weight.float()
+    else:
+        heads = q.view(num_tokens, num_heads, head_dim)
+        normed_q = (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * q_weight.float()).flatten(1)
+    torch.testing.assert_close(expected[:, : num_heads * head_dim].float(), normed_q, **TOLERANCE[dtype])
+    assert torch.equal(got[:, -num_kv_heads * head_dim:], qkv[:, -num_kv_heads * head_dim:])  # v as is
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary_dim", [32, 12], ids=["full", "partial"])
+def test_rope(ops, dtype, rotary_dim):
     reference, native = ops
     num_heads, num_kv_heads, head_dim, num_tokens = 6, 2, 32, 9
-    config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=RopeScaling("default"))
+    config = SimpleNamespace(head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=10000.0,
+                             rope_scaling=RopeScaling("default"))
     rope = RotaryEmbedding(config, 64, dtype, "cpu")
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
     positions = torch.tensor([0, 1, 2, 5, 17, 3, 4, 63, 40])
@@ -58,6 +99,9 @@ def test_rope(ops, dtype):
         assert ours.shape == theirs.shape and ours.data_ptr() >= in_place.data_ptr()  # views into qkv
         torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype])
     assert torch.equal(got[2], qkv[:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim))  # v as is
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    assert torch.equal(got[0][..., rotary_dim:], q[..., rotary_dim:])  # past rotary_dim: as is
+    assert not torch.allclose(got[0][1:, :, :rotary_dim].float(), q[1:, :, :rotary_dim].float(), atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

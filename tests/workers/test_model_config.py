@@ -90,7 +90,7 @@ def test_inverse_frequencies_match_transformers(rope):
 
 def test_families_and_refusals_say_what_they_are():
     qwen3 = ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", head_dim=128))
-    assert qwen3.qk_norm and qwen3.head_dim == 128 and qwen3.rope_layers is None
+    assert qwen3.qk_norm == "head" and qwen3.head_dim == 128 and qwen3.rope_layers is None
     smol = ModelConfig.from_dict(dict(LLAMA, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1]))
     assert [smol.uses_rope(layer) for layer in range(4)] == [True, True, False, True]
     with pytest.raises(ModelConfigError, match="no_rope_layers has 2 entries for 4 layers"):

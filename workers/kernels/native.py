@@ -169,8 +169,9 @@ class LayerArgs(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in (
             "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
-            "q_norm", "k_norm", "k_cache", "v_cache")),
+            "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "k_cache", "v_cache")),
         ("use_rope", ctypes.c_int32),
+        ("qk_norm_whole", ctypes.c_int32),
     ]
 
 
@@ -187,6 +188,7 @@ class ForwardArgs(ctypes.Structure):
         ("num_layers", ctypes.c_int64),
         ("hidden", ctypes.c_int64),
         ("intermediate", ctypes.c_int64),
+        ("rotary_dim", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("dtype", ctypes.c_int32),
         ("linear", ctypes.c_int32),
@@ -217,10 +219,10 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_write_kv": [_P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I32],
     # residual, delta, weight, out, num_rows, hidden, eps, dtype, num_threads
     "rayllm_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32],
-    # qkv, positions, cos, sin, num_tokens, num_heads, num_kv_heads, head_dim, dtype, num_threads
-    "rayllm_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
-    # qkv, q_weight, k_weight, num_rows, num_heads, num_kv_heads, head_dim, eps, dtype, num_threads
-    "rayllm_head_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
+    # qkv, positions, cos, sin, num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, dtype, num_threads
+    "rayllm_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _I32],
+    # qkv, q_weight, k_weight, num_rows, num_heads, num_kv_heads, head_dim, whole, eps, dtype, num_threads
+    "rayllm_head_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32, _F32, _I32, _I32],
     # gate_up, out, num_rows, width, dtype, num_threads
     "rayllm_silu_mul": [_P, _P, _I64, _I64, _I32, _I32],
     # x, out, num_rows, width, num_threads

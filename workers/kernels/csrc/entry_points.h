@@ -31,9 +31,11 @@ int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_st
 int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
                         int64_t hidden, float eps, int32_t dtype, int32_t num_threads);
 int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const float *sin, int64_t num_tokens,
-                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int32_t dtype, int32_t num_threads);
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, int32_t dtype,
+                int32_t num_threads);
 int rayllm_head_rms_norm(void *qkv, const void *q_weight, const void *k_weight, int64_t num_rows, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, float eps, int32_t dtype, int32_t num_threads);
+                         int64_t num_kv_heads, int64_t head_dim, int32_t whole, float eps, int32_t dtype,
+                         int32_t num_threads);
 int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t dtype,
                     int32_t num_threads);
 int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64_t num_rows, int64_t N, int64_t K,

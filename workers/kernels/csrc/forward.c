@@ -4,13 +4,15 @@
  * conversions, a fresh output tensor per op) are gone. Per layer:
  *
  *     residual, x = add_rms_norm(residual, delta, input_norm)     (no delta before layer 0)
- *     qkv = linear(x, qkv_weight);  [head_rms_norm(qkv)];  [rope(qkv)];  write_kv(k, v);  attended = attention(q)
- *     delta = linear(attended, o_weight)
+ *     qkv = linear(x, qkv_weight);  [q/k norms(qkv)];  [rope(qkv)];  write_kv(k, v);  attended = attention(q)
+ *     delta = linear(attended, o_weight);  [delta = rms_norm(delta, attn_out_norm)]
  *     residual, x = add_rms_norm(residual, delta, post_norm)
- *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight)
+ *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight);  [delta = rms_norm(delta, mlp_out_norm)]
  *
- * (the per-head norms where the layer has them, RoPE unless the layer has none) and after the
- * last layer out = rms_norm(residual + delta) * final_norm. The products are
+ * (the q/k norms where the layer has them, RoPE unless the layer has none, the norms of a
+ * branch's output where the family has them; a NULL input_norm or post_norm means the branch
+ * reads the residual stream unnormed: OLMo 2) and after the last layer
+ * out = rms_norm(residual + delta) * final_norm. The products are
  * ours only: the panel GEMM (fp32 on AVX2 or AVX-512 CPUs, bf16 on AVX512_BF16 CPUs, each up
  * to its row limit in workers/linear.py) or the GEMV (a few rows); the Python side
  * (workers/native_forward.py) calls this only for steps whose every product one of them
@@ -24,12 +26,14 @@
 enum { LINEAR_PANELS = 0, LINEAR_GEMV = 1 };
 
 typedef struct {
-    const void *input_norm, *post_norm;         /* [hidden] */
+    const void *input_norm, *post_norm;         /* [hidden], or NULL: the branch reads the residual unnormed */
     const void *qkv, *o, *gate_up, *down;       /* panels of the dtype (LINEAR_PANELS) or row-major [out, in] (LINEAR_GEMV) */
     const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [out] or NULL */
-    const void *q_norm, *k_norm;                /* [head_dim] each, or NULL: no per-head norms (Qwen3 has them) */
+    const void *q_norm, *k_norm;                /* [head_dim] each (per head), [H head_dim] and [KV head_dim] (whole), or NULL */
+    const void *attn_out_norm, *mlp_out_norm;   /* [hidden]: norms of each branch's output (OLMo 2), or NULL */
     void *k_cache, *v_cache;                    /* this layer's pool (cpu_attention.allocate_kv_cache) */
     int32_t use_rope;                           /* 0: the layer has no RoPE (SmolLM3's NoPE layers) */
+    int32_t qk_norm_whole;                      /* 1: q_norm and k_norm span the whole projection (OLMo 2) */
 } LayerArgs;
 
 typedef struct {
@@ -46,7 +50,7 @@ typedef struct {
     const int64_t *positions, *slot_mapping; /* [num_tokens] */
     const float *cos, *sin;  /* rope tables (rayllm_rope) */
     AttentionArgs attention; /* the step's metadata, scale, heads, block geometry and threads; q, out and pools set here */
-    int64_t num_tokens, num_layers, hidden, intermediate;
+    int64_t num_tokens, num_layers, hidden, intermediate, rotary_dim; /* rotary_dim: the rotated part of a head */
     float eps;
     int32_t dtype, linear, num_threads;
 } ForwardArgs;
@@ -79,25 +83,34 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         const LayerArgs *layer = a->layers + l;
         attention.k_cache = layer->k_cache;
         attention.v_cache = layer->v_cache;
+        const void *x = layer->input_norm ? a->x : a->residual; /* no norm: the branch reads the stream */
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);
-        if (!status) status = linear(a, a->x, layer->qkv, layer->qkv_bias, a->qkv, qkv_width, hidden);
+        if (!status) status = linear(a, x, layer->qkv, layer->qkv_bias, a->qkv, qkv_width, hidden);
         if (!status && layer->q_norm)
-            status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, a->eps, a->dtype,
-                                          a->num_threads);
+            status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, layer->qk_norm_whole,
+                                          a->eps, a->dtype, a->num_threads);
         if (!status && layer->use_rope)
-            status = rayllm_rope(a->qkv, a->positions, a->cos, a->sin, T, H, KV, D, a->dtype, a->num_threads);
+            status = rayllm_rope(a->qkv, a->positions, a->cos, a->sin, T, H, KV, D, a->rotary_dim, a->dtype,
+                                 a->num_threads);
         if (!status)
             status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
                                      a->slot_mapping, T, KV, D, meta->block_size, a->dtype, a->num_threads);
         if (!status) status = rayllm_paged_attention(&attention);
         if (!status) status = linear(a, a->attended, layer->o, layer->o_bias, a->delta, hidden, H * D);
+        if (!status && layer->attn_out_norm)
+            status = rayllm_add_rms_norm(a->delta, NULL, layer->attn_out_norm, a->delta, T, hidden, a->eps, a->dtype,
+                                         a->num_threads);
+        x = layer->post_norm ? a->x : a->residual;
         if (!status)
             status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
-        if (!status) status = linear(a, a->x, layer->gate_up, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
+        if (!status) status = linear(a, x, layer->gate_up, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
         if (!status) status = rayllm_silu_mul(a->gate_up, a->act, T, inter, a->dtype, a->num_threads);
         if (!status) status = linear(a, a->act, layer->down, layer->down_bias, a->delta, hidden, inter);
+        if (!status && layer->mlp_out_norm)
+            status = rayllm_add_rms_norm(a->delta, NULL, layer->mlp_out_norm, a->delta, T, hidden, a->eps, a->dtype,
+                                         a->num_threads);
         if (status) return (int)(1000 * (l + 1)) + status;
     }
     return rayllm_add_rms_norm(a->residual, a->num_layers ? a->delta : NULL, a->final_norm, a->out, T, hidden, a->eps,

@@ -26,6 +26,14 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
                              float eps, int dtype) {
     const int bf16 = dtype == DTYPE_BF16;
     const int64_t elem = bf16 ? 2 : 4;
+    if (!weight) { /* the add alone: a layer whose branch reads the residual stream unnormed (OLMo 2) */
+        if (delta)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float sum = load_element(residual, i, dtype) + load_element(delta, i, dtype);
+                store_element(residual, i, bf16 ? bf16_to_f32(f32_to_bf16(sum)) : sum, dtype);
+            }
+        return;
+    }
     float sum_squares = 0.0f;
     int64_t i = 0;
 #ifdef __AVX512F__
@@ -110,7 +118,8 @@ static void for_each_row(void (*row)(const void *, int64_t), const void *job, in
     rayllm_parallel_for((num_rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, threads, rows_item, &rows);
 }
 
-/* residual[t] += delta[t] (when delta is not NULL); out[t] = residual[t] / rms(residual[t]) * weight.
+/* residual[t] += delta[t] (when delta is not NULL); out[t] = residual[t] / rms(residual[t]) * weight,
+ * or, when weight is NULL, the add alone (out is not written). out may be residual (a norm in place).
  * In bf16 the sum is rounded to bf16 before it is normalised, as a bf16 model computes it. */
 typedef struct {
     void *residual, *out;
@@ -138,19 +147,19 @@ typedef struct {
     void *qkv;
     const int64_t *positions;
     const float *cos, *sin;
-    int64_t num_heads, num_kv_heads, head_dim;
+    int64_t num_heads, num_kv_heads, head_dim, rotary_dim;
     int32_t dtype;
 } RopeJob;
 
 static void rope_row(const void *context, int64_t t) {
     const RopeJob *j = context;
-    const int64_t D = j->head_dim, row_width = (j->num_heads + 2 * j->num_kv_heads) * D, half = D / 2;
-    const float *c = j->cos + j->positions[t] * D, *s = j->sin + j->positions[t] * D;
+    const int64_t D = j->head_dim, R = j->rotary_dim, row_width = (j->num_heads + 2 * j->num_kv_heads) * D, half = R / 2;
+    const float *c = j->cos + j->positions[t] * R, *s = j->sin + j->positions[t] * R;
     for (int64_t h = 0; h < j->num_heads + j->num_kv_heads; h++) { /* q heads, then k heads */
         const int64_t at = t * row_width + h * D;
         float x[1024];
-        for (int64_t i = 0; i < D; i++) x[i] = load_element(j->qkv, at + i, j->dtype);
-        for (int64_t i = 0; i < D; i++) {
+        for (int64_t i = 0; i < R; i++) x[i] = load_element(j->qkv, at + i, j->dtype);
+        for (int64_t i = 0; i < R; i++) {
             const float swapped = i < half ? x[i + half] : x[i - half];
             store_element(j->qkv, at + i, x[i] * c[i] + swapped * s[i], j->dtype);
         }
@@ -158,13 +167,15 @@ static void rope_row(const void *context, int64_t t) {
 }
 
 /* qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows (q heads, then k, then v);
- * cos, sin: [max_positions, head_dim] fp32 tables (cos repeated over both halves, sin signed:
- * -sin for the first half, +sin for the second), so rotated x = x * cos + swap_halves(x) * sin.
- * q and k are rotated in place (v is left alone). */
+ * cos, sin: [max_positions, rotary_dim] fp32 tables (cos repeated over both halves, sin signed:
+ * -sin for the first half, +sin for the second), so rotated x = x * cos + swap_halves(x) * sin
+ * over the first rotary_dim values of each head; the rest pass through (partial rotary: Phi-3,
+ * rotary_dim < head_dim). q and k are rotated in place (v is left alone). */
 int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const float *sin, int64_t num_tokens,
-                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int32_t dtype, int32_t num_threads) {
-    if (head_dim > 1024 || head_dim % 2) return 1;
-    const RopeJob job = {qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, dtype};
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, int32_t dtype,
+                int32_t num_threads) {
+    if (head_dim > 1024 || rotary_dim % 2 || rotary_dim < 2 || rotary_dim > head_dim) return 1;
+    const RopeJob job = {qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim, dtype};
     for_each_row(rope_row, &job, num_tokens, num_threads);
     return 0;
 }
@@ -211,31 +222,40 @@ int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t wi
     return 0;
 }
 
-/* Qwen3's q_norm and k_norm: in each row of qkv [num_rows, (H + 2 KV) D], the H query heads and
- * then the KV key heads are each RMS-normalized over their D values and multiplied by q_weight
- * or k_weight ([D]), in place; v is untouched. */
+/* q_norm and k_norm: in each row of qkv [num_rows, (H + 2 KV) D], RMS-normalized in place, times
+ * q_weight or k_weight; v is untouched. Per head (Qwen3, whole = 0): each of the H query heads
+ * and then the KV key heads over its D values, weights [D]. Over the whole projection (OLMo 2,
+ * whole = 1): the H D query values as one, weights [H D], and the KV D key values as one,
+ * weights [KV D]. */
 typedef struct {
     void *qkv;
     const void *q_weight, *k_weight;
     int64_t num_heads, num_kv_heads, head_dim;
     float eps;
-    int32_t dtype;
+    int32_t dtype, whole;
 } HeadNormJob;
 
 static void head_norm_row(const void *context, int64_t t) {
     const HeadNormJob *j = context;
-    const int64_t elem = j->dtype == DTYPE_F32 ? 4 : 2, heads = j->num_heads + j->num_kv_heads;
-    char *row = (char *)j->qkv + t * (heads + j->num_kv_heads) * j->head_dim * elem;
+    const int64_t elem = j->dtype == DTYPE_F32 ? 4 : 2, heads = j->num_heads + j->num_kv_heads, D = j->head_dim;
+    char *row = (char *)j->qkv + t * (heads + j->num_kv_heads) * D * elem;
+    if (j->whole) {
+        add_rms_norm_row(row, NULL, j->q_weight, row, j->num_heads * D, j->eps, j->dtype);
+        char *k = row + j->num_heads * D * elem;
+        add_rms_norm_row(k, NULL, j->k_weight, k, j->num_kv_heads * D, j->eps, j->dtype);
+        return;
+    }
     for (int64_t h = 0; h < heads; h++) {
-        char *head = row + h * j->head_dim * elem;
-        add_rms_norm_row(head, NULL, h < j->num_heads ? j->q_weight : j->k_weight, head, j->head_dim, j->eps, j->dtype);
+        char *head = row + h * D * elem;
+        add_rms_norm_row(head, NULL, h < j->num_heads ? j->q_weight : j->k_weight, head, D, j->eps, j->dtype);
     }
 }
 
 int rayllm_head_rms_norm(void *qkv, const void *q_weight, const void *k_weight, int64_t num_rows, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, float eps, int32_t dtype, int32_t num_threads) {
+                         int64_t num_kv_heads, int64_t head_dim, int32_t whole, float eps, int32_t dtype,
+                         int32_t num_threads) {
     if (head_dim < 1 || head_dim > MAX_WIDTH) return 2;
-    const HeadNormJob job = {qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps, dtype};
+    const HeadNormJob job = {qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps, dtype, whole != 0};
     for_each_row(head_norm_row, &job, num_rows, num_threads);
     return 0;
 }
