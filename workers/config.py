@@ -24,6 +24,8 @@ from pathlib import Path
 from workers.families import FAMILIES, FamilyError
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# config.json's activation names -> ours (gated MLPs: act(gate) * up)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 
 
@@ -68,6 +70,7 @@ class ModelConfig:
     norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output (OLMo 2)
     fused_projections: bool = False  # the checkpoint's qkv_proj and gate_up_proj (Phi-3)
     partial_rotary_factor: float = 1.0  # the rotated share of each head (Phi-3)
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (Gemma)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer (SmolLM3)
     embedding_multiplier: float = 1.0  # Granite's multipliers (workers/families.py); 1: none
     residual_multiplier: float = 1.0
@@ -135,8 +138,10 @@ class ModelConfig:
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads != 0:
             raise ModelConfigError(f"{num_heads} heads are not a multiple of {num_kv_heads} kv heads")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if activation not in ACTIVATIONS:
+            raise ModelConfigError(f"the MLP activation {activation!r} is not supported; expected one of "
+                                   f"{sorted(ACTIVATIONS)}")
         rope_theta, rope_scaling, partial_rotary_factor = _parse_rope(raw)
         try:
             traits = FAMILIES[model_type](raw)
@@ -166,6 +171,7 @@ class ModelConfig:
             norms=traits.norms,
             fused_projections=traits.fused_projections,
             partial_rotary_factor=partial_rotary_factor,
+            activation=ACTIVATIONS[activation],
             rope_layers=traits.rope_layers,
             embedding_multiplier=traits.embedding_multiplier,
             residual_multiplier=traits.residual_multiplier,

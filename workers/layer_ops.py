@@ -6,7 +6,7 @@
     normed = ops.rms_norm(delta, weight, eps)                             # a branch's output normed (may be in place)
     ops.head_rms_norm(qkv, q_norm, k_norm, num_heads, num_kv_heads, eps, whole)  # q/k norms, in place
     q, k, v = ops.rope(qkv, positions, rope, num_heads, num_kv_heads)   # q and k rotated; v as is
-    act = ops.silu_mul(gate_up)
+    act = ops.gated_mul(gate_up, "silu")                                  # or "gelu_tanh" (Gemma)
 
 TorchOps is plain torch: the reference, and the path on GPUs. NativeOps calls our C kernels
 (workers/kernels/csrc/layer_ops.c): each step is one pass over its rows instead of three to
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
+from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
 from workers.rope import RotaryEmbedding, apply_rotary
 
 
@@ -78,9 +78,10 @@ class TorchOps:
 
     split_qkv = staticmethod(split_qkv)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def gated_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up of [gate, up] rows; act SiLU or GELU's tanh form."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 class NativeOps:
@@ -136,13 +137,14 @@ class NativeOps:
             head_dim, int(whole), eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
         ), "rayllm_head_rms_norm")
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def gated_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         assert gate_up.is_contiguous()
         num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_rows, width, dtype=gate_up.dtype)
-        check_status(self.library.rayllm_silu_mul(
-            gate_up.data_ptr(), out.data_ptr(), num_rows, width, DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
-        ), "rayllm_silu_mul")
+        check_status(self.library.rayllm_gated_mul(
+            gate_up.data_ptr(), out.data_ptr(), num_rows, width, ACTIVATION_CODES[activation],
+            DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
+        ), "rayllm_gated_mul")
         return out
 
 

@@ -24,7 +24,7 @@ torch elsewhere. Each layer's residual add is folded into the next RMSNorm:
     residual, x = add_rms_norm(residual, delta, input_norm)     # delta: the last layer's MLP output
     delta = o_proj(attention(...))
     residual, x = add_rms_norm(residual, delta, post_norm)
-    delta = down_proj(silu_mul(gate_up_proj(x)))
+    delta = down_proj(act_mul(gate_up_proj(x)))            # act: SiLU, or GELU's tanh form (Gemma)
 
 A family with norms after its branches (OLMo 2) has no input_norm or post_norm: the add then
 runs alone and the branch reads the residual stream; each branch's output is normed instead
@@ -120,7 +120,7 @@ class PagedLlamaModel:
         native = self.native_forward
         if native is not None and native.takes(input_ids.shape[0]):
             return native(input_ids, positions, metadata, kv_caches)  # the loop below, in C
-        eps = self.config.rms_norm_eps
+        eps, activation = self.config.rms_norm_eps, self.config.activation
         step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
         residual, delta = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -129,7 +129,7 @@ class PagedLlamaModel:
             if layer.attn_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.attn_out_norm, eps)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
-            delta = self.linear(self.ops.silu_mul(self.linear(x, layer.gate_up, layer.gate_up_bias)),
+            delta = self.linear(self.ops.gated_mul(self.linear(x, layer.gate_up, layer.gate_up_bias), activation),
                                 layer.down, layer.down_bias)
             if layer.mlp_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.mlp_out_norm, eps)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels import cpu_attention
-from workers.kernels.native import DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
+from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
 from workers.layer_ops import NativeOps
 from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
 
@@ -105,7 +105,7 @@ class NativeForward:
             sin=model.rope.signed_sin_f32.data_ptr(), attention=attention, num_tokens=num_tokens,
             num_layers=len(model.layers), hidden=c.hidden_size, intermediate=c.intermediate_size,
             rotary_dim=model.rope.rotary_dim, eps=c.rms_norm_eps, dtype=DTYPE_CODES[dtype], linear=self.linear_kind,
-            num_threads=torch.get_num_threads(),
+            num_threads=torch.get_num_threads(), activation=ACTIVATION_CODES[c.activation],
         )
         check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
         return scratch["out"]

@@ -105,10 +105,14 @@ def test_rope(ops, dtype, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_silu_mul(ops, dtype):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_mul(ops, dtype, activation):
     reference, native = ops
-    gate_up = (3 * torch.randn(5, 2 * 48)).to(dtype)
-    torch.testing.assert_close(native.silu_mul(gate_up), reference.silu_mul(gate_up), **TOLERANCE[dtype])
+    gate_up = (3 * torch.randn(70, 2 * 52)).to(dtype)  # a width past the SIMD bodies' multiples, rows on two threads
+    expected = reference.gated_mul(gate_up, activation)
+    torch.testing.assert_close(native.gated_mul(gate_up, activation), expected, **TOLERANCE[dtype])
+    other = reference.gated_mul(gate_up, "gelu_tanh" if activation == "silu" else "silu")
+    assert not torch.allclose(other.float(), expected.float(), atol=1e-2)  # the activation is the one asked for
 
 
 def test_selection():

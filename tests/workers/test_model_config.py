@@ -48,7 +48,7 @@ def test_qwen2_has_qkv_bias_only_and_mistral_window_caps_length():
     (dict(LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn'"),
     ({"model_type": "llama"}, "missing keys"),
     (dict(LLAMA, num_key_value_heads=3), "not a multiple"),
-    (dict(LLAMA, hidden_act="gelu"), "hidden_act"),
+    (dict(LLAMA, hidden_act="gelu"), "activation 'gelu' is not supported"),
 ])
 def test_unsupported_configs_fail_clearly(raw, message):
     with pytest.raises(ModelConfigError, match=message):

@@ -7,7 +7,7 @@
  *     qkv = linear(x, qkv_weight);  [q/k norms(qkv)];  [rope(qkv)];  write_kv(k, v);  attended = attention(q)
  *     delta = linear(attended, o_weight);  [delta = rms_norm(delta, attn_out_norm)]
  *     residual, x = add_rms_norm(residual, delta, post_norm)
- *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight);  [delta = rms_norm(delta, mlp_out_norm)]
+ *     delta = linear(act_mul(linear(x, gate_up_weight)), down_weight);  [delta = rms_norm(delta, mlp_out_norm)]
  *
  * (the q/k norms where the layer has them, RoPE unless the layer has none, the norms of a
  * branch's output where the family has them; a NULL input_norm or post_norm means the branch
@@ -53,6 +53,7 @@ typedef struct {
     int64_t num_tokens, num_layers, hidden, intermediate, rotary_dim; /* rotary_dim: the rotated part of a head */
     float eps;
     int32_t dtype, linear, num_threads;
+    int32_t activation;      /* the MLP's: ACTIVATION_SILU or ACTIVATION_GELU_TANH (rayllm_gated_mul) */
 } ForwardArgs;
 
 static int linear(const ForwardArgs *a, const void *x, const void *w, const void *bias, void *out, int64_t N,
@@ -106,7 +107,7 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
             status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
         if (!status) status = linear(a, x, layer->gate_up, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
-        if (!status) status = rayllm_silu_mul(a->gate_up, a->act, T, inter, a->dtype, a->num_threads);
+        if (!status) status = rayllm_gated_mul(a->gate_up, a->act, T, inter, a->activation, a->dtype, a->num_threads);
         if (!status) status = linear(a, a->act, layer->down, layer->down_bias, a->delta, hidden, inter);
         if (!status && layer->mlp_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->mlp_out_norm, a->delta, T, hidden, a->eps, a->dtype,

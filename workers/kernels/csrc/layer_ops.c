@@ -184,12 +184,17 @@ typedef struct {
     const void *gate_up;
     void *out;
     int64_t width;
-    int32_t dtype;
-} SiluJob;
+    int32_t dtype, activation;
+} GatedJob;
 
-static void silu_row(const void *context, int64_t t) {
-    const SiluJob *j = context;
-    const int bf16 = j->dtype == DTYPE_BF16;
+/* Both activations are g / (1 + exp(-z)): z = g for SiLU, and for GELU's tanh form
+ * z = 2 sqrt(2 / pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)). */
+#define GELU_K2 1.5957691216057308f /* 2 sqrt(2 / pi) */
+#define GELU_C 0.044715f
+
+static void gated_row(const void *context, int64_t t) {
+    const GatedJob *j = context;
+    const int bf16 = j->dtype == DTYPE_BF16, gelu = j->activation == ACTIVATION_GELU_TANH;
     const int64_t elem = bf16 ? 2 : 4, width = j->width;
     const int32_t dtype = j->dtype;
     const char *gate = (const char *)j->gate_up + t * 2 * width * elem, *up = gate + width * elem;
@@ -198,29 +203,41 @@ static void silu_row(const void *context, int64_t t) {
 #ifdef __AVX512F__
     for (; i + 16 <= width; i += 16) {
         const __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store16(dst + i * elem, _mm512_mul_ps(silu, u), bf16);
+        __m512 z = g;
+        if (gelu)
+            z = _mm512_mul_ps(_mm512_set1_ps(GELU_K2),
+                              _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_C), g), _mm512_mul_ps(g, g), g));
+        const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+        store16(dst + i * elem, _mm512_mul_ps(act, u), bf16);
     }
 #elif defined(RAYLLM_AVX2)
     for (; i + 8 <= width; i += 8) {
         const __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        store8(dst + i * elem, _mm256_mul_ps(silu, u), bf16);
+        __m256 z = g;
+        if (gelu)
+            z = _mm256_mul_ps(_mm256_set1_ps(GELU_K2),
+                              _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_C), g), _mm256_mul_ps(g, g), g));
+        const __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+        store8(dst + i * elem, _mm256_mul_ps(act, u), bf16);
     }
 #endif
     for (; i < width; i++) {
         const float g = load_element(gate, i, dtype), u = load_element(up, i, dtype);
-        store_element(dst, i, g / (1.0f + expf(-g)) * u, dtype);
+        const float z = gelu ? GELU_K2 * (g + GELU_C * g * g * g) : g;
+        store_element(dst, i, g / (1.0f + expf(-z)) * u, dtype);
     }
 }
 
-/* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width]. */
-int rayllm_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t dtype,
-                    int32_t num_threads) {
-    const SiluJob job = {gate_up, out, width, dtype};
-    for_each_row(silu_row, &job, num_rows, num_threads);
+/* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] = act(gate) * up, act
+ * SiLU (ACTIVATION_SILU) or GELU's tanh form (ACTIVATION_GELU_TANH, Gemma). */
+int rayllm_gated_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t activation,
+                     int32_t dtype, int32_t num_threads) {
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return 1;
+    const GatedJob job = {gate_up, out, width, dtype, activation};
+    for_each_row(gated_row, &job, num_rows, num_threads);
     return 0;
 }
+
 
 /* q_norm and k_norm: in each row of qkv [num_rows, (H + 2 KV) D], RMS-normalized in place, times
  * q_weight or k_weight; v is untouched. Per head (Qwen3, whole = 0): each of the H query heads
