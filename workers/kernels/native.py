@@ -160,6 +160,9 @@ class AttentionArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("dtype", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
+        ("window", ctypes.c_int64),  # 0: no sliding window
+        ("softcap", ctypes.c_float),  # 0: no soft-cap
+        ("sinks", ctypes.c_void_p),  # [num_heads] fp32, or None: no sinks
     ]
 
 
