@@ -174,6 +174,9 @@ class LayerArgs(ctypes.Structure):
             "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
             "q_norm", "k_norm", "k_cache", "v_cache")),
         ("use_rope", ctypes.c_int32),
+        ("softcap", ctypes.c_float),  # the layer's attention variants: 0 / None: none
+        ("window", ctypes.c_int64),
+        ("sinks", ctypes.c_void_p),  # [num_heads] fp32
     ]
 
 

@@ -5,6 +5,7 @@
  *
  *     residual, x = add_rms_norm(residual, delta, input_norm)     (no delta before layer 0)
  *     qkv = linear(x, qkv_weight);  [head_rms_norm(qkv)];  [rope(qkv)];  write_kv(k, v);  attended = attention(q)
+ *                                                  (with the layer's window, soft-cap and sinks, where it has them)
  *     delta = linear(attended, o_weight)
  *     residual, x = add_rms_norm(residual, delta, post_norm)
  *     delta = linear(silu_mul(linear(x, gate_up_weight)), down_weight)
@@ -30,6 +31,9 @@ typedef struct {
     const void *q_norm, *k_norm;                /* [head_dim] each, or NULL: no per-head norms (Qwen3 has them) */
     void *k_cache, *v_cache;                    /* this layer's pool (cpu_attention.allocate_kv_cache) */
     int32_t use_rope;                           /* 0: the layer has no RoPE (SmolLM3's NoPE layers) */
+    float softcap;                              /* the layer's attention variants (AttentionArgs): 0: none */
+    int64_t window;                             /* 0: none */
+    const float *sinks;                         /* [num_heads] fp32, or NULL: none */
 } LayerArgs;
 
 typedef struct {
@@ -79,6 +83,9 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         const LayerArgs *layer = a->layers + l;
         attention.k_cache = layer->k_cache;
         attention.v_cache = layer->v_cache;
+        attention.window = layer->window;
+        attention.softcap = layer->softcap;
+        attention.sinks = layer->sinks;
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);
         if (!status) status = linear(a, a->x, layer->qkv, layer->qkv_bias, a->qkv, qkv_width, hidden);
