@@ -27,6 +27,53 @@ MIXED_SPECS: list[tuple[int, int]] = [(0, 19), (21, 7), (37, 1), (0, 1), (3, 1),
 DECODE_SPECS: list[tuple[int, int]] = [(1, 1), (15, 1), (16, 1), (33, 1), (70, 1)]
 PREFILL_SPECS: list[tuple[int, int]] = [(0, 33), (0, 5), (0, 64)]
 
+# For the attention variants (window, softcap, sinks), with block_size 16: prompts longer than
+# the windows below, chunks after cached keys (one window starting mid-block, one chunk starting
+# on a block boundary), decodes far past their window, at position 0 and on a block's last slot.
+WINDOW_SPECS: list[tuple[int, int]] = [(0, 45), (37, 20), (70, 1), (15, 1), (16, 1), (0, 1), (31, 17), (100, 33),
+                                       (48, 16)]
+
+# name -> a layer's variants (naive_attention's keywords); sinks=True: make_sinks per case
+VARIANTS: dict[str, dict] = {
+    "window1": dict(window=1),  # a query sees only its own key
+    "window7": dict(window=7),  # not a multiple of any block size
+    "window16": dict(window=16),  # exactly a block
+    "window40": dict(window=40),  # several blocks
+    "softcap": dict(softcap=1.5),  # tanh well away from linear for scores ~ N(0, 1)
+    "sinks": dict(sinks=True),
+    "window-softcap": dict(window=20, softcap=1.5),  # Gemma 2's sliding layers
+    "window-sinks": dict(window=20, sinks=True),  # gpt-oss's sliding layers
+    "all": dict(window=9, softcap=2.0, sinks=True),
+}
+
+
+def variant_kwargs(name: str, num_heads: int, *, device: str | torch.device = "cpu", seed: int = 0) -> dict:
+    """VARIANTS[name] with its sinks made: ~N(1, 2) per head, so some heads' sinks outweigh
+    every key (and some weigh little)."""
+    kwargs = dict(VARIANTS[name])
+    if kwargs.get("sinks"):
+        gen = torch.Generator().manual_seed(1000 + seed)
+        kwargs["sinks"] = (1 + 2 * torch.randn(num_heads, generator=gen)).to(device)
+    return kwargs
+
+
+def poison_outside_windows(batch: PagedBatch, window: int) -> int:
+    """Fills with NaN each pool block of a sequence that lies wholly before the window of the
+    step's first query of that sequence (so of every query): a kernel that reads any of them
+    returns NaN. dense_k/dense_v keep the real keys for the oracle. Returns how many blocks."""
+    block_size = batch.k_cache.shape[1]
+    qsl, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    poisoned = 0
+    for s, seq_len in enumerate(seq_lens):
+        first_visible = seq_len - (qsl[s + 1] - qsl[s]) - window + 1  # of the first query
+        for index in range(max(first_visible, 0) // block_size):  # blocks ending at or before it
+            block = int(batch.block_tables[s, index])
+            batch.k_cache[block] = float("nan")
+            batch.v_cache[block] = float("nan")
+            poisoned += 1
+    return poisoned
+
+
 # Max abs error of the kernel against the float64 oracle, per dtype. fp32 uses IEEE dots, so
 # only summation order differs (measured ~1e-6). For 16-bit inputs the output itself is
 # rounded to the dtype (half an ulp at |o| ~ 1 is 5e-4 for fp16, 4e-3 for bf16) and the
@@ -134,9 +181,14 @@ def make_batch(
     )
 
 
-def naive_attention(batch: PagedBatch) -> torch.Tensor:
+def naive_attention(batch: PagedBatch, *, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: per-sequence dense causal GQA softmax
-    attention over the whole sequence's keys, read from dense_k/dense_v, never the pool."""
+    attention over the whole sequence's keys, read from dense_k/dense_v, never the pool.
+    The variants as transformers computes them: window W, the query at p sees keys (p - W, p]
+    (Gemma 2's sliding_window_causal_mask_function); softcap c, scores = c tanh(scores / c)
+    after the scale (Gemma 2's eager attention); sinks [num_heads], one more logit per head in
+    the softmax, with no value (gpt-oss's eager attention)."""
     num_heads = batch.q.shape[1]
     outs = []
     qsl = batch.query_start_loc.tolist()
@@ -147,10 +199,20 @@ def naive_attention(batch: PagedBatch) -> torch.Tensor:
         k = k.double().repeat_interleave(group, dim=1)  # [L, H, D]: query head h -> kv head h // group
         v = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = seq_len - query_len + torch.arange(query_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        k_pos = torch.arange(seq_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is not None:
+            sink = sinks.double().to(q.device).view(num_heads, 1, 1).expand(num_heads, query_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)
 
 

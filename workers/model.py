@@ -82,6 +82,10 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP's output (OLMo 2)
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
+    # attention variants (workers/kernels/__init__.py); None: plain causal attention
+    window: int | None = None  # sliding window: a query sees its own key and the window - 1 before it
+    softcap: float | None = None  # attention scores soft-capped to softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
@@ -161,7 +165,7 @@ class PagedLlamaModel:
         else:
             q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         step.write(k, v, *kv_cache)
-        attended = step.attend(q, *kv_cache)
+        attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
         return self.linear(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias)
 
     @classmethod

@@ -22,7 +22,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from workers.kernels import cpu_attention
+from workers.kernels import check_variants, cpu_attention
 from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
 from workers.layer_ops import NativeOps
 from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
@@ -42,6 +42,7 @@ class NativeForward:
         self.function = native_library().rayllm_decoder_forward
         self._layers: ctypes.Array | None = None  # LayerArgs per layer, built for one set of pools
         self._pools: list[int] = []  # data_ptr of each layer's K pool, what _layers was built for
+        self._sinks: list[torch.Tensor | None] = []  # each layer's sinks in fp32, which _layers points into
 
     @classmethod
     def for_model(cls, model) -> NativeForward | None:
@@ -65,6 +66,10 @@ class NativeForward:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
         if self._layers is None or pools != self._pools:
             operand = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
+            num_heads = self.model.config.num_heads
+            for layer in self.model.layers:
+                check_variants(num_heads, layer.window, layer.softcap, layer.sinks)
+            self._sinks = [cpu_attention.fp32_sinks(layer.sinks) for layer in self.model.layers]
             self._layers = (LayerArgs * len(kv_caches))(*(
                 LayerArgs(
                     _ptr(layer.input_norm), _ptr(layer.post_norm), _ptr(operand(layer.qkv)), _ptr(operand(layer.o)),
@@ -72,8 +77,9 @@ class NativeForward:
                     _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias), _ptr(layer.q_norm),
                     _ptr(layer.k_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), k_cache.data_ptr(),
                     v_cache.data_ptr(), int(layer.use_rope), int(layer.qk_norm_whole),
+                    softcap=layer.softcap or 0.0, window=layer.window or 0, sinks=_ptr(sinks),
                 )
-                for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True)
+                for layer, (k_cache, v_cache), sinks in zip(self.model.layers, kv_caches, self._sinks, strict=True)
             ))
             self._pools = pools
         return self._layers

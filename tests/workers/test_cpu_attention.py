@@ -5,7 +5,9 @@ kernel_cases builds a pool in the standard layout with each sequence's prefix in
 tests copy it into the kernel's own layout (from_standard_layout), write the step's keys and
 values with the kernel's write_kv_cache, and attend. The pool is filled with NaN outside the
 slots a sequence owns: a kernel that lets one slot it should not see (past a sequence's last
-key, another sequence's block, the null block) into its output returns NaN. head_dim 64 and
+key, another sequence's block, the null block) into its output returns NaN. With a sliding
+window, the blocks of a sequence wholly before its windows are NaN too (the kernel must not
+read them at all). head_dim 64 and
 128 run the AVX-512 path on CPUs that have it, and in fp32 the AVX2 path on CPUs with AVX2 but
 no AVX-512; other head dims (and bf16 without AVX-512) run the portable C path on every CPU, so
 the fast path and the portable one are both checked on either kind of CPU.
@@ -13,11 +15,17 @@ the fast path and the portable one are both checked on either kind of CPU.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import kernel_cases as kc  # tests/kernel_cases.py (tests/ is on sys.path via tests/conftest.py)
-from workers.kernels import cpu_attention, get_attention_backend, resolve_attention_backend_name, torch_ref
+from workers.kernels import bind_attention, cpu_attention, get_attention_backend, resolve_attention_backend_name, torch_ref
 from workers.kernels.native import NativeBuildError, native_library
 
 try:
@@ -35,12 +43,12 @@ SPECS = {
 }
 
 
-def _attend(batch: kc.PagedBatch, q: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(batch: kc.PagedBatch, q: torch.Tensor | None = None, **variants) -> torch.Tensor:
     """The step on our kernel: the batch's pool in its layout, this step's k/v written, attention."""
     k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache, batch.v_cache)
     cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
     return cpu_attention.paged_attention(batch.q if q is None else q, k_cache, v_cache, batch.block_tables,
-                                         batch.query_start_loc, batch.seq_lens, batch.scale)
+                                         batch.query_start_loc, batch.seq_lens, batch.scale, **variants)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -132,3 +140,132 @@ def test_backend_resolution_on_cpu():
     assert get_attention_backend("cpu") is cpu_attention
     with pytest.raises(ValueError, match="head_dim <= 256"):
         resolve_attention_backend_name("cpu", "cpu", torch.float32, (9, 3, 512))
+
+
+# ----------------------------------------------------------------------------- variants: window, softcap, sinks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 32], ids=["d64", "d128", "d32-portable"])
+@pytest.mark.parametrize("block_size,gqa", [(16, 3), (4, 1), (32, 4)])
+@pytest.mark.parametrize("variant", list(kc.VARIANTS))
+def test_variants_match_dense_oracle_and_torch_reference(variant, block_size, gqa, head_dim, dtype):
+    """Each body (the SIMD one where this CPU has it, the portable one) with a window, a
+    soft-cap, sinks and their mixes: prompts longer than the window, chunks after cached keys,
+    decodes, GQA, windows opening mid-block and on block boundaries. Blocks wholly outside a
+    sequence's windows hold NaN: a kernel that reads them returns NaN."""
+    shape = dict(block_size=block_size, num_kv_heads=3, num_queries_per_kv=gqa, head_dim=head_dim, dtype=dtype,
+                 seed=block_size + gqa)
+    variants = kc.variant_kwargs(variant, 3 * gqa, seed=gqa)
+    batch = kc.make_batch(kc.WINDOW_SPECS, **shape)
+    if "window" in variants:
+        assert kc.poison_outside_windows(batch, variants["window"]) > 0
+    out = _attend(batch, **variants)
+    assert not out.isnan().any(), "read a slot outside the sequence's keys or windows"
+    assert kc.max_abs_err(out, kc.naive_attention(batch, **variants)) <= kc.ATOL[dtype]
+    garbage = kc.make_batch(kc.WINDOW_SPECS, **shape, fill="garbage")
+    out = _attend(garbage, **variants)
+    torch_ref.write_kv_cache(garbage.k_new, garbage.v_new, garbage.k_cache, garbage.v_cache, garbage.slot_mapping)
+    reference = torch_ref.paged_attention(*garbage.attention_args(), **variants)
+    assert (out.double() - reference.double()).abs().max().item() <= kc.ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["d64", "d32-portable"])
+@pytest.mark.parametrize("spec", [(150, 1), (40, 30)], ids=["decode", "chunk"])
+def test_variants_are_the_same_on_one_thread_and_two(spec, head_dim, dtype):
+    """A lone sequence on two threads (a task per kv head for its decode) computes each row as
+    one thread does: the same bits, with a window, a soft-cap and sinks."""
+    batch = kc.make_batch([spec], block_size=16, num_kv_heads=3, num_queries_per_kv=3, head_dim=head_dim,
+                          dtype=dtype)
+    variants = kc.variant_kwargs("all", 9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(batch, **variants)
+        torch.set_num_threads(2)
+        two = _attend(batch, **variants)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert kc.max_abs_err(two, kc.naive_attention(batch, **variants)) <= kc.ATOL[dtype]
+
+
+def test_a_bound_step_takes_each_layers_variants():
+    """One bound step serves layers with different variants in turn (Gemma 2 alternates sliding
+    and global layers): each call uses its own and leaves nothing to the next; sinks kept in
+    bf16 by a layer are converted for the kernel."""
+    batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=64,
+                          dtype=torch.float32)
+    k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache, batch.v_cache)
+    metadata = SimpleNamespace(slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
+                               query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens)
+    step = bind_attention(cpu_attention, metadata, batch.scale)
+    step.write(batch.k_new, batch.v_new, k_cache, v_cache)
+    sinks = kc.variant_kwargs("sinks", 6)["sinks"].to(torch.bfloat16)
+    layers = [dict(window=7, softcap=2.0), dict(), dict(sinks=sinks), dict(window=20, sinks=sinks), dict()]
+    for variants in layers:
+        out = step.attend(batch.q, k_cache, v_cache, **variants)
+        expected = kc.naive_attention(batch, **{**variants, **({"sinks": sinks.float()} if "sinks" in variants else {})})
+        assert kc.max_abs_err(out, expected) <= kc.ATOL[torch.float32], variants
+    with pytest.raises(ValueError, match="sinks"):
+        step.attend(batch.q, k_cache, v_cache, sinks=torch.zeros(5))
+    with pytest.raises(ValueError, match="window"):
+        step.attend(batch.q, k_cache, v_cache, window=0)
+
+
+_UNREAD_BLOCKS_CHILD = r"""
+import ctypes, mmap, sys
+import torch
+import kernel_cases as kc
+from workers.kernels import cpu_attention
+
+window, head_dim, dtype = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=head_dim,
+                      dtype=dtype)
+num_blocks, block_size, num_kv_heads, _ = batch.k_cache.shape
+part = num_kv_heads * head_dim * block_size  # elements of a block's K (or V) part
+block_bytes = 2 * part * batch.k_cache.element_size()
+assert block_bytes % mmap.PAGESIZE == 0, block_bytes
+memory = mmap.mmap(-1, num_blocks * block_bytes)  # page-aligned, so every block is whole pages
+pool = torch.frombuffer(memory, dtype=dtype).view(num_blocks, 2, part)
+pack = 2 if dtype == torch.bfloat16 else 1
+k_cache = pool[:, 0].view(num_blocks, num_kv_heads, head_dim // pack, block_size, pack)
+v_cache = pool[:, 1].view(num_blocks, num_kv_heads, block_size // pack, head_dim, pack)
+k_std, v_std = cpu_attention.from_standard_layout(batch.k_cache, batch.v_cache)
+k_cache.copy_(k_std)
+v_cache.copy_(v_std)
+cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+qsl, seq_lens, protected = batch.query_start_loc.tolist(), batch.seq_lens.tolist(), 0
+for s, seq_len in enumerate(seq_lens):  # blocks wholly before the first query's window: no access at all
+    first_visible = seq_len - (qsl[s + 1] - qsl[s]) - window + 1
+    for index in range(max(first_visible, 0) // block_size):
+        address = pool.data_ptr() + int(batch.block_tables[s, index]) * block_bytes
+        assert libc.mprotect(address, block_bytes, 0) == 0, ctypes.get_errno()  # PROT_NONE
+        protected += 1
+assert protected > 0
+expected = kc.naive_attention(batch, window=window, softcap=1.5)
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    out = cpu_attention.paged_attention(*batch.attention_args()[:1], k_cache, v_cache, *batch.attention_args()[3:],
+                                        window=window, softcap=1.5)
+    assert kc.max_abs_err(out, expected) <= kc.ATOL[dtype], kc.max_abs_err(out, expected)
+print("ok", protected)
+"""
+
+
+@pytest.mark.parametrize("window", [7, 16, 40])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "float32"), (32, "float32"), (64, "bfloat16")],
+                         ids=["d64-fp32", "d32-portable", "d64-bf16"])
+def test_windowed_attention_does_not_touch_blocks_outside_the_window(window, head_dim, dtype):
+    """The blocks of each sequence wholly before its windows are made unreadable (mprotect
+    PROT_NONE, in a child process): the kernel neither computes with them nor streams or
+    prefetches them (a read would kill the child), and its results are still right."""
+    tests_dir = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir)])}
+    child = subprocess.run([sys.executable, "-c", _UNREAD_BLOCKS_CHILD, str(window), str(head_dim), dtype],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, f"rc {child.returncode} (-11: read a protected block)\n{child.stderr[-2000:]}"
+    assert child.stdout.startswith("ok")

@@ -89,3 +89,42 @@ def _without_panels(init):
         self.has_panels = self.has_bf16_panels = False
 
     return patched
+
+
+def _give_layers_variants(model) -> None:
+    """Gemma 2 / gpt-oss-like layers on the tiny Llama: a window with a soft-cap, sinks (kept
+    in bf16, as a checkpoint may ship them), and a window with sinks."""
+    num_heads = model.config.num_heads
+    sinks = (1 + 2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    first, second, third = model.layers[:3]
+    first.window, first.softcap = 5, 2.0
+    second.sinks = sinks
+    third.window, third.sinks = 3, sinks
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_loop_equals_the_python_loop_with_attention_variants(tiny_model_dir, threads):
+    """Layers with a sliding window, a soft-cap and sinks (LayerWeights' fields): the C loop
+    hands each layer's variants to the attention as the Python loop does, bit for bit, over
+    prompts longer than the windows, chunked and beside decodes."""
+    runner = make_runner(tiny_model_dir, attention_backend="cpu", num_threads=threads)
+    _give_layers_variants(runner.model)
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([1, 3, 8, 17, 29, 45], runner.model_info.vocab_size)
+    run_requests(runner, prompts, greedy(12), token_budget=16)
+    assert len(compared) >= 6, compared
+
+
+def test_attention_variants_reach_every_backend(tiny_model_dir):
+    """The model passes a layer's variants to its attention: the C kernel (the C loop and the
+    Python loop) and the torch reference give the same greedy tokens, and not those of the
+    same model without the variants."""
+    prompts = prompts_of_lengths([3, 17, 29, 45], 256)
+    tokens = {}
+    for name, backend, variants in (("cpu", "cpu", True), ("torch", "torch", True), ("plain", "cpu", False)):
+        runner = make_runner(tiny_model_dir, attention_backend=backend)
+        if variants:
+            _give_layers_variants(runner.model)
+        tokens[name] = run_requests(runner, prompts, greedy(12), token_budget=16)
+    assert tokens["cpu"] == tokens["torch"]
+    assert tokens["cpu"] != tokens["plain"], "the variants changed no token: the check is vacuous"

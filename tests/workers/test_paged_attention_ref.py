@@ -1,15 +1,21 @@
 """The torch reference paged attention vs a naive dense attention, on one mixed varlen batch:
 a prefill with no prefix, a prefill whose prefix is already in the pool, a prefill chunk,
-and decodes, with scattered (non-contiguous) block tables and GQA."""
+and decodes, with scattered (non-contiguous) block tables and GQA.
+
+The attention variants (sliding window, soft-cap, sinks) against the float64 dense oracle of
+tests/kernel_cases.py, which is itself checked against transformers' Gemma 2 and gpt-oss
+attention here."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from workers.kernels import get_attention_backend, resolve_attention_backend_name, torch_ref
+import kernel_cases as kc  # tests/kernel_cases.py (tests/ is on sys.path via tests/conftest.py)
+from workers.kernels import bind_attention, get_attention_backend, resolve_attention_backend_name, torch_ref
 
 
 def naive_attention(q, keys, values, scale):
@@ -139,3 +145,110 @@ def test_backend_selector(monkeypatch):
     assert resolve_attention_backend_name(None, "cpu") == "torch"
     assert resolve_attention_backend_name(None, "cuda") == "triton"
     assert resolve_attention_backend_name("torch", "cuda") == "torch"
+
+
+# ----------------------------------------------------------------------------- variants: window, softcap, sinks
+
+
+def test_dense_oracle_is_transformers_attention():
+    """kernel_cases.naive_attention, the oracle of every backend's variants, is transformers'
+    own maths: Gemma 2's eager attention (soft-cap) and gpt-oss's (sinks), each over the mask
+    transformers builds with sliding_window_causal_mask_function (or the causal one), for a
+    chunk of queries after cached keys (positions 37..56), in float64."""
+    from transformers.masking_utils import causal_mask_function, eager_mask, sliding_window_causal_mask_function
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_attention
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_attention
+
+    context_len, query_len, window, softcap = 37, 20, 9, 1.5
+    batch = kc.make_batch([(context_len, query_len)], block_size=16, num_kv_heads=2, num_queries_per_kv=3,
+                          head_dim=32, dtype=torch.float64)
+    sinks = kc.variant_kwargs("sinks", 6)["sinks"].double()
+    q = batch.q.transpose(0, 1).unsqueeze(0)  # [1, heads, queries, dim]
+    k, v = (x.transpose(0, 1).unsqueeze(0) for x in (batch.dense_k[0], batch.dense_v[0]))  # [1, kv_heads, keys, dim]
+    module = SimpleNamespace(num_key_value_groups=3, head_dim=32, training=False, sinks=sinks)
+
+    def mask(function):
+        return eager_mask(batch_size=1, q_length=query_len, kv_length=context_len + query_len, q_offset=context_len,
+                          mask_function=function, dtype=torch.float64)
+
+    sliding = mask(sliding_window_causal_mask_function(window))
+    assert int((sliding[0, 0, -1] == 0).sum()) == window  # the last query sees exactly `window` keys
+    cases = [
+        (gemma2_attention(module, q, k, v, sliding, scaling=batch.scale, softcap=softcap)[0],
+         dict(window=window, softcap=softcap), 1e-6),  # Gemma 2 takes its softmax in fp32
+        (gpt_oss_attention(module, q, k, v, sliding, scaling=batch.scale)[0], dict(window=window, sinks=sinks), 1e-12),
+        (gpt_oss_attention(module, q, k, v, mask(causal_mask_function), scaling=batch.scale)[0], dict(sinks=sinks),
+         1e-12),
+    ]
+    for expected, kwargs, atol in cases:
+        ours = kc.naive_attention(batch, **kwargs)
+        torch.testing.assert_close(ours, expected[0], atol=atol, rtol=0)
+        assert kc.max_abs_err(ours, kc.naive_attention(batch)) > 0.05, f"{sorted(kwargs)} changed nothing"
+
+
+@pytest.mark.parametrize("variant", list(kc.VARIANTS))
+def test_each_variant_changes_the_oracle(variant):
+    """Every variant the backends are tested with moves the output well past the tolerances
+    (so no backend passes those tests by ignoring it)."""
+    batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=32,
+                          dtype=torch.float32)
+    changed = kc.max_abs_err(kc.naive_attention(batch, **kc.variant_kwargs(variant, 6)), kc.naive_attention(batch))
+    assert changed > 10 * kc.ATOL[torch.bfloat16], changed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("variant", list(kc.VARIANTS))
+def test_variants_match_dense_oracle(variant, num_heads, num_kv_heads, block_size, dtype):
+    """Prompts longer than the window, chunks after cached keys, decodes, GQA, windows starting
+    mid-block and on block boundaries; finite garbage in every slot no sequence owns."""
+    batch = kc.make_batch(kc.WINDOW_SPECS, block_size=block_size, num_kv_heads=num_kv_heads,
+                          num_queries_per_kv=num_heads // num_kv_heads, head_dim=32, dtype=dtype, fill="garbage")
+    kwargs = kc.variant_kwargs(variant, num_heads)
+    torch_ref.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    out = torch_ref.paged_attention(*batch.attention_args(), **kwargs)
+    assert out.dtype == dtype
+    assert kc.max_abs_err(out, kc.naive_attention(batch, **kwargs)) <= kc.ATOL[dtype]
+
+
+def test_one_plan_serves_layers_with_and_without_variants(monkeypatch):
+    """Layers of a step share a plan: alternating sliding and global layers (Gemma 2), each
+    right, with queries cut into pieces that start mid-sequence; a mask per window, kept."""
+    monkeypatch.setattr(torch_ref, "MAX_PIECE_QUERIES", 7)
+    batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=2, head_dim=32,
+                          dtype=torch.float32, fill="garbage")
+    torch_ref.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    sinks = kc.variant_kwargs("sinks", 4)["sinks"]
+    layers = [dict(window=7), dict(), dict(window=7, softcap=2.0), dict(sinks=sinks), dict(window=40, sinks=sinks),
+              dict(window=7)]
+    for kwargs in layers:
+        out = torch_ref.paged_attention(*batch.attention_args(), **kwargs)
+        assert kc.max_abs_err(out, kc.naive_attention(batch, **kwargs)) <= kc.ATOL[torch.float32], kwargs
+    plan = torch_ref._last_plan[1]
+    assert {key[0] for group in plan.groups for key in group.masks} == {None, 7, 40}
+
+
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(window=-3), dict(window=2.5), dict(window=True),
+                                    dict(softcap=0.0), dict(softcap=-1.0), dict(sinks=torch.zeros(3)),
+                                    dict(sinks=torch.zeros(4, 1))], ids=str)
+def test_bad_variants_are_refused(kwargs):
+    batch = kc.make_batch([(3, 2)], block_size=16, num_kv_heads=2, num_queries_per_kv=2, head_dim=32,
+                          dtype=torch.float32, fill="garbage")
+    with pytest.raises(ValueError):
+        torch_ref.paged_attention(*batch.attention_args(), **kwargs)
+
+
+def test_bound_step_passes_only_the_variants_a_layer_has():
+    """bind_attention's default step calls a backend exactly as before for a plain layer (a
+    backend without the keywords keeps working) and passes a layer's variants through."""
+    calls = []
+    backend = SimpleNamespace(paged_attention=lambda *args, **kwargs: calls.append(kwargs) or args[0],
+                              write_kv_cache=lambda *args: None)
+    metadata = SimpleNamespace(slot_mapping=None, block_tables=None, query_start_loc=None, seq_lens=None)
+    step = bind_attention(backend, metadata, 0.5)
+    sinks = torch.zeros(4)
+    step.attend(torch.zeros(1), None, None)
+    step.attend(torch.zeros(1), None, None, window=8, softcap=None, sinks=sinks)
+    step.attend(torch.zeros(1), None, None, softcap=30.0)
+    assert calls == [{}, dict(window=8, sinks=sinks), dict(softcap=30.0)]

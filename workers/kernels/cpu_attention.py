@@ -12,6 +12,12 @@ through the block table: nothing is gathered into fresh tensors.
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     out = paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     step = bind(metadata, scale); step.write(k, v, k_cache, v_cache); out = step.attend(q, k_cache, v_cache)
+    out = step.attend(q, k_cache, v_cache, window=4096, softcap=50.0, sinks=sinks)  # a layer's variants
+
+The variants (workers/kernels/__init__.py) are per call: a window makes each task start at the
+block of its first query's first visible key (blocks before it are not read); the soft-cap and
+the sinks (fp32 [num_heads], converted here if the layer keeps them in another dtype) change
+only the scores and the softmax's start (csrc/paged_attention.c).
 
 bind() checks and packs a step's metadata once for all its layers (per-layer Python cost
 measured ~50 us per attention call before, of a ~10 us kernel at one decoding sequence).
@@ -28,6 +34,7 @@ import ctypes
 import torch
 
 from workers.huge_pages import empty_huge
+from workers.kernels import check_variants
 from workers.kernels.native import DTYPE_CODES, AttentionArgs, check_status, native_library
 
 __all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention", "pool_layout", "write_kv_cache"]
@@ -129,9 +136,13 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new keys per sequence
     scale: float,
+    *,
+    window: int | None = None,  # the layer's variants (workers/kernels/__init__.py); None: none
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     metadata = _Metadata(None, block_tables, query_start_loc, seq_lens)
-    return CpuStepAttention(metadata, scale).attend(q, k_cache, v_cache)
+    return CpuStepAttention(metadata, scale).attend(q, k_cache, v_cache, window=window, softcap=softcap, sinks=sinks)
 
 
 class _Metadata:
@@ -169,7 +180,8 @@ class CpuStepAttention:
         assert self.slots is not None and k.shape[0] == self.num_tokens
         _write(k, v, k_cache, v_cache, self.slots)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads, pool_head_dim, block_stride = pool_layout(k_cache, v_cache)
         assert q.dtype == k_cache.dtype and q.stride(2) == 1 and pool_head_dim == head_dim
@@ -183,8 +195,23 @@ class CpuStepAttention:
         a.q_stride_token, a.q_stride_head, a.out_stride_token, a.out_stride_head = (
             q.stride(0), q.stride(1), out.stride(0), out.stride(1))
         a.block_stride, a.dtype = block_stride, DTYPE_CODES[q.dtype]
+        if window is None and softcap is None and sinks is None:
+            a.window, a.softcap, a.sinks = 0, 0.0, None
+        else:
+            check_variants(num_heads, window, softcap, sinks)
+            sinks = fp32_sinks(sinks)  # kept alive by this frame while the kernel runs
+            a.window, a.softcap, a.sinks = window or 0, softcap or 0.0, _ptr(sinks)
         check_status(self.function(ctypes.byref(a)), "rayllm_paged_attention")
         return out
+
+
+def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sinks as the kernel reads them: fp32, contiguous, on the CPU (the tensor itself when it is)."""
+    return None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def bind(metadata, scale: float) -> CpuStepAttention:

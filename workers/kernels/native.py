@@ -161,6 +161,9 @@ class AttentionArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("dtype", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
+        ("window", ctypes.c_int64),  # 0: no sliding window
+        ("softcap", ctypes.c_float),  # 0: no soft-cap
+        ("sinks", ctypes.c_void_p),  # [num_heads] fp32, or None: no sinks
     ]
 
 
@@ -173,6 +176,9 @@ class LayerArgs(ctypes.Structure):
             "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "k_cache", "v_cache")),
         ("use_rope", ctypes.c_int32),
         ("qk_norm_whole", ctypes.c_int32),
+        ("softcap", ctypes.c_float),  # the layer's attention variants: 0 / None: none
+        ("window", ctypes.c_int64),
+        ("sinks", ctypes.c_void_p),  # [num_heads] fp32
     ]
 
 

@@ -13,7 +13,20 @@ ones included (write_kv_cache runs first):
     query i sits at position seq_len - query_len + i and sees keys [0, that position].
 
 So a prefill with a prefix hit, a prefill chunk and a decode (query_len == 1) are the same
-case. Queries are cut into pieces of at most MAX_PIECE_QUERIES rows; pieces of similar shape
+case.
+
+Per-layer variants (keyword arguments of paged_attention, each None by default: plain causal
+softmax attention):
+
+- window W (Gemma 2/3, gpt-oss sliding layers): the query at position p sees keys (p - W, p],
+  its own and the W - 1 before it, as transformers' sliding_window_causal_mask_function;
+- softcap c (Gemma 2): scores = c * tanh(scores / c) after the scale, before the mask and softmax;
+- sinks [num_heads] (gpt-oss): one more logit per head in each softmax's denominator, with no
+  value: out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
+
+SDPA has no soft-cap nor sinks: a layer with either runs the same plan through an explicit
+fp32 product, mask and softmax instead. A window only changes the mask (built once per plan
+and window, and kept while the plan is). Queries are cut into pieces of at most MAX_PIECE_QUERIES rows; pieces of similar shape
 (all the decodes of similar lengths, equal-length prefills, ...) are padded into one SDPA
 call, so the number of calls does not grow with the batch.
 
@@ -28,10 +41,12 @@ shares: it is built once and reused while the same (unmodified) tensors come bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from workers.kernels import check_variants
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -62,20 +77,38 @@ class _SequenceGroup:
     output_rows: torch.Tensor | slice  # rows of the output that the real queries fill, in padded order
     real_queries: torch.Tensor | None  # positions of the real queries in padded order; None when no padding
     key_blocks: torch.Tensor  # [num_seqs, num_key_blocks] int64 block ids, whole blocks gathered
-    mask: torch.Tensor  # [num_seqs, query_len, num_key_blocks * block_size] additive: 0 sees, -inf not
     query_len: int
-    head_mask: torch.Tensor | None = None  # mask tiled over the query heads of a kv head, built once
+    block_size: int
+    pieces: tuple[tuple[int, int], ...]  # (num_queries, first_position) of each member, in padded order
+    masks: dict = field(default_factory=dict)  # (window, dtype, heads) -> additive mask, built on first use
 
-    def mask_for(self, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """[num_seqs, 1, group_size * query_len, keys] in dtype: rows ordered (head in group, query)."""
-        if self.mask.dtype != dtype:
-            self.mask, self.head_mask = self.mask.to(dtype), None
-        if self.query_len == 1 or group_size == 1:
-            return self.mask.unsqueeze(1)  # broadcasts over the heads of the group
-        if self.head_mask is None or self.head_mask.shape[2] != group_size * self.query_len:
-            self.head_mask = self.mask.unsqueeze(1).repeat(1, 1, group_size, 1)
-        return self.head_mask
+    def mask_for(self, group_size: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """[num_seqs, 1, group_size * query_len (or 1 row per query), keys] additive mask in dtype
+        (0 sees, -inf not): rows ordered (head in group, query); a decode's mask broadcasts over heads."""
+        heads = group_size if self.query_len > 1 else 1
+        key = (window, dtype, heads)
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = _additive(self._visible(window)).to(dtype).unsqueeze(1)
+            if heads > 1:
+                mask = mask.repeat(1, 1, heads, 1)
+            self.masks[key] = mask
+        return mask
 
+    def _visible(self, window: int | None) -> torch.Tensor:
+        """[num_seqs, query_len, keys] bool: query i of a piece sits at position first_position + i
+        and sees keys [0, that position], or with a window only the last `window` of them."""
+        device = self.key_blocks.device
+        num_keys = self.key_blocks.shape[1] * self.block_size
+        visible = torch.zeros(len(self.pieces), self.query_len, num_keys, dtype=torch.bool, device=device)
+        for index, (num_queries, first_position) in enumerate(self.pieces):
+            seen = torch.ones(num_queries, first_position + num_queries, dtype=torch.bool, device=device)
+            seen = seen.tril(first_position)
+            if window is not None:
+                seen = seen.triu(first_position - window + 1)
+            visible[index, :num_queries, : first_position + num_queries] = seen
+            visible[index, num_queries:, 0] = True  # padding rows see one key: no all -inf row
+        return visible
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
@@ -108,12 +141,18 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new keys per sequence
     scale: float,
+    *,
+    window: int | None = None,  # sliding window: a query sees its own key and the window - 1 before it
+    softcap: float | None = None,  # scores = softcap * tanh(scores / softcap), after the scale
+    sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (no value) in the softmax
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
+    check_variants(num_heads, window, softcap, sinks)
     plan = _plan_for(block_tables, query_start_loc, seq_lens, block_size)
     assert plan.num_tokens == num_tokens, (plan.num_tokens, num_tokens)
+    explicit = softcap is not None or sinks is not None  # SDPA has neither
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for group in plan.groups:
         num_seqs, num_key_blocks = group.key_blocks.shape
@@ -126,14 +165,38 @@ def paged_attention(
         block_ids = group.key_blocks.view(-1)
         keys = k_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, head_dim).transpose(1, 2)
-        mask = group.mask_for(group_size, q.dtype)
-        attended = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
+        if explicit:
+            mask = group.mask_for(group_size, torch.float32, window)
+            attended = _explicit_attention(group_q, keys, values, mask, scale, softcap, sinks, query_len)
+        else:
+            mask = group.mask_for(group_size, q.dtype, window)
+            attended = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
         attended = attended.view(num_seqs, num_kv_heads, group_size, query_len, head_dim)
         attended = attended.permute(0, 3, 1, 2, 4).reshape(num_seqs * query_len, num_heads, head_dim)
         if group.real_queries is not None:
             attended = attended.index_select(0, group.real_queries)
         out[group.output_rows] = attended
     return out
+
+
+def _explicit_attention(group_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                        scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                        query_len: int) -> torch.Tensor:
+    """SDPA's result with a soft-cap and sinks, in fp32: group_q [seqs, kv_heads, rows, dim] with
+    rows = (head in group, query), keys/values [seqs, kv_heads, keys, dim], mask fp32 additive."""
+    num_kv_heads, rows = group_q.shape[1], group_q.shape[2]
+    scores = torch.matmul(group_q.float(), keys.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is not None:
+        # the sink of each row's head: rows are (head in group, query), heads kv_head * group + g
+        row_sinks = sinks.float().view(num_kv_heads, -1, 1).expand(-1, -1, query_len).reshape(num_kv_heads, rows)
+        sink_column = row_sinks.view(1, num_kv_heads, rows, 1).expand(scores.shape[0], -1, -1, -1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.float()).to(group_q.dtype)
 
 
 def _plan_for(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -202,25 +265,20 @@ def _build_group(members: list[_Piece], block_tables: torch.Tensor, block_size: 
     query_rows: list[int] = []
     real_queries: list[int] = []
     output_rows: list[int] = []
-    visible = torch.zeros(len(members), query_len, num_key_blocks * block_size, dtype=torch.bool, device=device)
     for index, piece in enumerate(members):
         query_rows.extend(range(piece.row, piece.row + piece.num_queries))
         query_rows.extend([piece.row] * (query_len - piece.num_queries))  # padding: any row, discarded
         real_queries.extend(range(index * query_len, index * query_len + piece.num_queries))
         output_rows.extend(range(piece.row, piece.row + piece.num_queries))
-        # query i sits at position first_position + i and sees keys [0, that position]
-        visible[index, : piece.num_queries, : piece.num_keys] = torch.ones(
-            piece.num_queries, piece.num_keys, dtype=torch.bool, device=device
-        ).tril(piece.first_position)
-        visible[index, piece.num_queries :, 0] = True  # padding rows see one key: no all -inf row
     has_padding = len(real_queries) < len(query_rows)
     return _SequenceGroup(
         query_rows=_rows(query_rows, device),
         output_rows=_rows(output_rows, device),
         real_queries=torch.tensor(real_queries, device=device) if has_padding else None,
         key_blocks=block_tables[[p.seq for p in members], :num_key_blocks].long(),
-        mask=_additive(visible),
         query_len=query_len,
+        block_size=block_size,
+        pieces=tuple((p.num_queries, p.first_position) for p in members),
     )
 
 

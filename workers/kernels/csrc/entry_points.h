@@ -20,6 +20,10 @@ typedef struct {
     float scale;
     int32_t dtype;       /* DTYPE_F32 or DTYPE_BF16: q, pool and out share it */
     int32_t num_threads; /* OpenMP threads for the tasks */
+    /* the layer's variants (paged_attention.c); zero / NULL: none */
+    int64_t window;      /* > 0: a query at position p sees keys (p - window, p] only */
+    float softcap;       /* > 0: scores = softcap * tanh(scores / softcap) before the softmax */
+    const float *sinks;  /* [num_heads] fp32: each head's sink logit in the softmax, or NULL */
 } AttentionArgs;
 
 int rayllm_paged_attention(const AttentionArgs *a);

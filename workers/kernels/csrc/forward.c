@@ -5,6 +5,7 @@
  *
  *     residual, x = add_rms_norm(residual, delta, input_norm)     (no delta before layer 0)
  *     qkv = linear(x, qkv_weight);  [q/k norms(qkv)];  [rope(qkv)];  write_kv(k, v);  attended = attention(q)
+ *                                                  (with the layer's window, soft-cap and sinks, where it has them)
  *     delta = linear(attended, o_weight);  [delta = rms_norm(delta, attn_out_norm)]
  *     residual, x = add_rms_norm(residual, delta, post_norm)
  *     delta = linear(act_mul(linear(x, gate_up_weight)), down_weight);  [delta = rms_norm(delta, mlp_out_norm)]
@@ -34,6 +35,9 @@ typedef struct {
     void *k_cache, *v_cache;                    /* this layer's pool (cpu_attention.allocate_kv_cache) */
     int32_t use_rope;                           /* 0: the layer has no RoPE (SmolLM3's NoPE layers) */
     int32_t qk_norm_whole;                      /* 1: q_norm and k_norm span the whole projection (OLMo 2) */
+    float softcap;                              /* the layer's attention variants (AttentionArgs): 0: none */
+    int64_t window;                             /* 0: none */
+    const float *sinks;                         /* [num_heads] fp32, or NULL: none */
 } LayerArgs;
 
 typedef struct {
@@ -84,6 +88,9 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         const LayerArgs *layer = a->layers + l;
         attention.k_cache = layer->k_cache;
         attention.v_cache = layer->v_cache;
+        attention.window = layer->window;
+        attention.softcap = layer->softcap;
+        attention.sinks = layer->sinks;
         const void *x = layer->input_norm ? a->x : a->residual; /* no norm: the branch reads the stream */
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);

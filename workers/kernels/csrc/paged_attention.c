@@ -8,6 +8,15 @@
  *            0             seq_len - query_len              seq_len
  *     query i sits at position seq_len - query_len + i and sees keys [0, that position].
  *
+ * Per-layer variants (AttentionArgs; zero / NULL: none, and nothing of them runs):
+ *   window W > 0  the query at position p sees keys (p - W, p] only (Gemma 2/3, gpt-oss sliding
+ *                 layers). A task starts at the block holding its first query's first visible key:
+ *                 blocks wholly before every window of the task are never read.
+ *   softcap c > 0 scores = c * tanh(scores / c) after the scale, before the softmax (Gemma 2).
+ *   sinks         [num_heads] fp32: one more logit per head in the softmax's denominator, with no
+ *                 value (gpt-oss). A row's running max starts at its head's sink and its sum at 1
+ *                 (e^(sink - sink)), so the online softmax below takes it in with no other change.
+ *
  * Pool layout (workers/kernels/cpu_attention.py allocates it; P = 2 for bf16, 1 for fp32):
  *
  *     block b:  [ K part: [kv_head][head_dim / P][block_size][P] | V part: [kv_head][block_size / P][head_dim][P] ]
@@ -85,14 +94,34 @@ typedef struct {
     float l[MAX_ROWS][16] __attribute__((aligned(64))); /* running sum of p_j, per lane (portable: lane 0) */
     float m[MAX_ROWS], correction[MAX_ROWS];
     int64_t keys_seen[MAX_ROWS]; /* keys row r may see: its position (first_position + r / num_heads) + 1 */
+    int64_t first_key[MAX_ROWS]; /* the first key row r may see: 0, or with a window position - window + 1 */
 } Scratch;
 
-/* Keys row r may see in the chunk [start, start + n) (keys_seen: set once per task, so no
- * division by num_heads per row and chunk). */
-static inline int64_t visible_keys(const Scratch *w, int64_t r, int64_t start, int64_t n) {
-    const int64_t end = w->keys_seen[r] - start;
-    return end < n ? end : n;
+/* The keys row r may see in the chunk [start, start + n), as the chunk's lanes [lo, hi) (none
+ * when hi <= lo). keys_seen and first_key are set once per task, so there is no division by
+ * num_heads per row and chunk. */
+typedef struct {
+    int64_t lo, hi;
+} Lanes;
+
+static inline Lanes visible_lanes(const Scratch *w, int64_t r, int64_t start, int64_t n) {
+    const int64_t begin = w->first_key[r] - start, end = w->keys_seen[r] - start;
+    return (Lanes){begin > 0 ? begin : 0, end < n ? end : n};
 }
+
+static inline int row_sees_some(const Scratch *w, int64_t r, int64_t start, int64_t n) {
+    const Lanes visible = visible_lanes(w, r, start, n);
+    return visible.hi > visible.lo;
+}
+
+/* The first key a query at `position` sees: 0, or with a window the window's first. */
+static inline int64_t first_visible_key(const AttentionArgs *a, int64_t position) {
+    const int64_t first = a->window > 0 ? position - a->window + 1 : 0;
+    return first > 0 ? first : 0;
+}
+
+/* The soft-cap c * tanh(s / c) (c > 0). */
+static inline float softcap_score(float s, float c) { return c * tanhf(s / c); }
 
 static inline int64_t pack_of(int dtype) { return dtype == DTYPE_BF16 ? 2 : 1; }
 
@@ -176,15 +205,15 @@ static inline void prefetch_next_part(const Task *t, const void *cache, int64_t 
     for (int64_t offset = 0; offset < part_bytes(a); offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
-/* The softmax update of row r from its chunk scores s[0, visible): p (fp32 and bf16), correction, m, l. */
-static void softmax_row(Scratch *w, int64_t r, const float *s, int64_t visible) {
+/* The softmax update of row r from its chunk scores s[lo, hi): p (fp32 and bf16), correction, m, l. */
+static void softmax_row(Scratch *w, int64_t r, const float *s, Lanes v) {
     float chunk_max = NEG_BIG;
-    for (int64_t j = 0; j < visible; j++) chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
+    for (int64_t j = v.lo; j < v.hi; j++) chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
     const float new_max = chunk_max > w->m[r] ? chunk_max : w->m[r];
     w->correction[r] = expf(w->m[r] - new_max);
     float sum = 0.0f;
     for (int64_t j = 0; j < CHUNK; j++) {
-        const float p = j < visible ? expf(s[j] - new_max) : 0.0f;
+        const float p = j >= v.lo && j < v.hi ? expf(s[j] - new_max) : 0.0f;
         w->p[r][j] = p;
         w->pb[r][j] = f32_to_bf16(p);
         sum += p;
@@ -202,24 +231,25 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
     const void *vb = block_part(t, a->v_cache, start / a->block_size, 0);
     for (int64_t r = 0; r < t->num_rows; r++) {
         if (!row_in_task(t, r)) continue;
-        const int64_t visible = visible_keys(w, r, start, n), g = (r % H) / t->group;
-        if (visible <= 0) { /* the whole chunk is in this row's future */
+        const Lanes visible = visible_lanes(w, r, start, n);
+        const int64_t g = (r % H) / t->group;
+        if (visible.hi <= visible.lo) { /* the whole chunk is in this row's future, or before its window */
             w->correction[r] = 1.0f;
             continue;
         }
         float s[CHUNK];
-        for (int64_t j = 0; j < visible; j++) {
+        for (int64_t j = visible.lo; j < visible.hi; j++) {
             float dot = 0.0f;
             for (int64_t d = 0; d < D; d++) {
                 const float q = a->dtype == DTYPE_F32 ? w->qf[r][d] : bf16_to_f32(w->qb[r][d]) * a->scale;
                 dot += q * load_element(kb, k_offset(a, g, slot0 + j, d), a->dtype);
             }
-            s[j] = dot;
+            s[j] = a->softcap > 0.0f ? softcap_score(dot, a->softcap) : dot;
         }
         softmax_row(w, r, s, visible);
         for (int64_t d = 0; d < D; d++) {
             float sum = w->acc[r][d] * w->correction[r];
-            for (int64_t j = 0; j < visible; j++) {
+            for (int64_t j = visible.lo; j < visible.hi; j++) {
                 const float p = a->dtype == DTYPE_F32 ? w->p[r][j] : bf16_to_f32(w->pb[r][j]);
                 sum += p * load_element(vb, v_offset(a, g, slot0 + j, d), a->dtype);
             }
@@ -246,6 +276,11 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
 #define HAVE_FAST_PATH 1
 #define ROW_BATCH 4 /* rows that share each K or V load */
 
+/* The soft-cap c * tanh(s / c) of 16 scores (c > 0). */
+static inline __m512 softcap_ps(__m512 s, float c) {
+    return _mm512_mul_ps(_mm512_set1_ps(c), tanh_ps(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / c))));
+}
+
 /* softmax_row for 16 scores in a vector, with the running max raised lazily: m moves only when
  * a visible score exceeds it by more than MAX_SLACK, so most chunks need no horizontal max, no
  * correction (c = 1) and no rescaling of acc and l. Every p_j = e^(s_j - m) is then at most
@@ -255,13 +290,13 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
  * exact-max update of the portable body (the tests compare every body with torch_ref).
  * prefill of 8 x 256 tokens, 30 layers, bf16, 1 thread (bench.bench_attention --prefill):
  * with the exact-max update the softmax was 117 of 264 ms. */
-static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, int64_t visible) {
-    const __mmask16 live = visible > 0 ? (__mmask16)((1u << visible) - 1u) : 0;
+static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, Lanes visible) {
+    const __mmask16 live = visible.hi > visible.lo ? (__mmask16)(((1u << visible.hi) - 1u) & ~((1u << visible.lo) - 1u)) : 0;
     const float old_max = w->m[r];
     float max = old_max, correction = 1.0f;
     if (_mm512_mask_cmp_ps_mask(live, scores, _mm512_set1_ps(old_max + MAX_SLACK), _CMP_GT_OQ)) {
         max = _mm512_mask_reduce_max_ps(live, scores); /* > old_max + MAX_SLACK */
-        correction = expf(old_max - max); /* 0 at the row's first visible chunk (old_max is NEG_BIG) */
+        correction = expf(old_max - max); /* 0 at a row's first visible chunk, but with a sink */
         w->m[r] = max;
     }
     const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(max))));
@@ -305,9 +340,11 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
         }
     }
     const __m512 scale = _mm512_set1_ps(a->dtype == DTYPE_BF16 ? a->scale : 1.0f); /* fp32 q is prescaled */
-    for (int i = 0; i < RB; i++)
-        softmax_row_fast(w, rows[i], _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale),
-                         visible_keys(w, rows[i], start, n));
+    for (int i = 0; i < RB; i++) {
+        __m512 scores = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale);
+        if (a->softcap > 0.0f) scores = softcap_ps(scores, a->softcap);
+        softmax_row_fast(w, rows[i], scores, visible_lanes(w, rows[i], start, n));
+    }
 }
 
 /* Phase 2 for rows[0, count) of kv head g: acc = acc * correction + sum_j p_j v_j over the
@@ -364,7 +401,7 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
         prefetch_next_part(t, a->k_cache, start, g);
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
-            if (visible_keys(w, rows[i], start, n) > 0) live[num_live++] = rows[i];
+            if (row_sees_some(w, rows[i], start, n)) live[num_live++] = rows[i];
         prefetch_next_part(t, a->v_cache, start, g);
         FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV)
     }
@@ -378,6 +415,11 @@ static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { ch
 #elif defined(RAYLLM_AVX2)
 #define HAVE_FAST_PATH 1
 #define ROW_BATCH 4 /* rows that share each K load */
+
+/* The soft-cap c * tanh(s / c) of 8 scores (c > 0). */
+static inline __m256 softcap8_ps(__m256 s, float c) {
+    return _mm256_mul_ps(_mm256_set1_ps(c), tanh8_ps(_mm256_mul_ps(s, _mm256_set1_ps(1.0f / c))));
+}
 
 /* Phase 1, as chunk_scores above, in 8 lanes: a chunk's 16 keys are two vectors per row. */
 static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, Scratch *w, const int64_t *rows,
@@ -397,9 +439,16 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
         }
     }
     for (int i = 0; i < RB; i++) {
-        const int64_t r = rows[i], visible = visible_keys(w, r, start, n);
-        const __m256 live_lo = _mm256_castsi256_ps(first_lanes8(visible));
-        const __m256 live_hi = _mm256_castsi256_ps(first_lanes8(visible - 8));
+        const int64_t r = rows[i];
+        const Lanes visible = visible_lanes(w, r, start, n); /* lanes [lo, hi): below hi and not below lo */
+        const __m256 live_lo = _mm256_castsi256_ps(
+            _mm256_andnot_si256(first_lanes8(visible.lo), first_lanes8(visible.hi)));
+        const __m256 live_hi = _mm256_castsi256_ps(
+            _mm256_andnot_si256(first_lanes8(visible.lo - 8), first_lanes8(visible.hi - 8)));
+        if (t->a->softcap > 0.0f) {
+            lo[i] = softcap8_ps(lo[i], t->a->softcap);
+            hi[i] = softcap8_ps(hi[i], t->a->softcap);
+        }
         const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lo[i], live_lo);
         const __m256 s1 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), hi[i], live_hi);
         /* the lazy max of softmax_row_fast; the sum in the first 8 of the row's lanes of l */
@@ -463,7 +512,7 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
         prefetch_next_part(t, a->k_cache, start, g);
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
-            if (visible_keys(w, rows[i], start, n) > 0) live[num_live++] = rows[i];
+            if (row_sees_some(w, rows[i], start, n)) live[num_live++] = rows[i];
         prefetch_next_part(t, a->v_cache, start, g);
         for (int64_t i = 0; i < num_live; i += 2) {
             if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D);
@@ -519,12 +568,18 @@ static void run_task(const AttentionArgs *a, ChunkBody body, Scratch *w, int64_t
             memcpy(w->qb[r], (const uint16_t *)a->q + at, (size_t)D * sizeof(uint16_t));
         memset(w->acc[r], 0, (size_t)D * sizeof(float));
         w->keys_seen[r] = t.first_position + r / H + 1;
-        w->m[r] = NEG_BIG;
+        w->first_key[r] = first_visible_key(a, t.first_position + r / H);
         memset(w->l[r], 0, sizeof w->l[r]);
+        /* a sink is one more logit with no value: the running max starts there, and the sum at e^0 */
+        w->m[r] = a->sinks != NULL ? a->sinks[r % H] : NEG_BIG;
+        if (a->sinks != NULL) w->l[r][0] = 1.0f;
     }
+    /* the block of the first key the task's first query sees: earlier blocks are never read */
+    const int64_t first_start = first_visible_key(a, t.first_position) / BS * BS;
     const int body_prefetches = BODY_PREFETCHES(body); /* then only the first block is read ahead */
-    for (int64_t start = 0; start < t.num_keys;) {
-        if (start % BS == 0 && (start == 0 || !body_prefetches)) stream_block(&t, start / BS, !body_prefetches);
+    for (int64_t start = first_start; start < t.num_keys;) {
+        if (start % BS == 0 && (start == first_start || !body_prefetches))
+            stream_block(&t, start / BS, !body_prefetches);
         const int64_t left_in_block = BS - start % BS;
         int64_t n = t.num_keys - start < CHUNK ? t.num_keys - start : CHUNK;
         n = n < left_in_block ? n : left_in_block;
