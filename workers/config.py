@@ -71,6 +71,12 @@ class ModelConfig:
     fused_projections: bool = False  # the checkpoint's qkv_proj and gate_up_proj (Phi-3)
     partial_rotary_factor: float = 1.0  # the rotated share of each head (Phi-3)
     activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (Gemma)
+    norm_weight_offset: float = 0.0  # RMSNorms multiply by (offset + w): Gemma's 1 (folded into the weights at load)
+    layer_windows: tuple[int | None, ...] | None = None  # per layer: sliding window in tokens, None: full
+    attention_softcap: float | None = None  # attention scores soft-capped (Gemma 2)
+    logits_softcap: float | None = None  # final logits soft-capped (Gemma 2)
+    local_rope_layers: tuple[bool, ...] | None = None  # per layer: rotates with local_rope_theta (Gemma 3)
+    local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (Gemma 3)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer (SmolLM3)
     embedding_multiplier: float = 1.0  # Granite's multipliers (workers/families.py); 1: none
     residual_multiplier: float = 1.0
@@ -81,6 +87,12 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """How many of a head's values RoPE rotates (the first ones); head_dim unless partial."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def uses_local_rope(self, layer: int) -> bool:
+        return self.local_rope_layers is not None and self.local_rope_layers[layer]
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
@@ -142,7 +154,7 @@ class ModelConfig:
         if activation not in ACTIVATIONS:
             raise ModelConfigError(f"the MLP activation {activation!r} is not supported; expected one of "
                                    f"{sorted(ACTIVATIONS)}")
-        rope_theta, rope_scaling, partial_rotary_factor = _parse_rope(raw)
+        rope_theta, rope_scaling, partial_rotary_factor, local_rope_theta = _parse_rope(raw)
         try:
             traits = FAMILIES[model_type](raw)
         except FamilyError as error:
@@ -172,6 +184,12 @@ class ModelConfig:
             fused_projections=traits.fused_projections,
             partial_rotary_factor=partial_rotary_factor,
             activation=ACTIVATIONS[activation],
+            norm_weight_offset=traits.norm_weight_offset,
+            layer_windows=traits.layer_windows,
+            attention_softcap=None if traits.attention_softcap is None else float(traits.attention_softcap),
+            logits_softcap=None if traits.logits_softcap is None else float(traits.logits_softcap),
+            local_rope_layers=traits.local_rope_layers,
+            local_rope_theta=local_rope_theta if traits.local_rope_layers is not None else None,
             rope_layers=traits.rope_layers,
             embedding_multiplier=traits.embedding_multiplier,
             residual_multiplier=traits.residual_multiplier,
@@ -189,11 +207,20 @@ def _read_json(path: Path, what: str) -> dict:
         raise ModelConfigError(f"{path} is not readable JSON ({what}): {error}") from None
 
 
-def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float]:
-    """(theta, scaling, partial_rotary_factor) from either spelling of a config's RoPE keys."""
-    # transformers >= 5 writes rope_parameters = {"rope_theta": ..., "rope_type": ..., ...};
-    # older configs write rope_theta and rope_scaling (which uses "type" or "rope_type").
+def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
+    """(theta, scaling, partial_rotary_factor, local theta) from either spelling of a config's
+    RoPE keys; the local theta is the sliding-window layers' base where a family has one (Gemma 3:
+    rope_parameters["sliding_attention"], or rope_local_base_freq), else theta."""
+    # transformers >= 5 writes rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}, or one
+    # such dict per layer type; older configs write rope_theta and rope_scaling (which uses "type"
+    # or "rope_type").
     params = dict(raw.get("rope_parameters") or {})
+    local = None
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelConfigError(f"rope scaling {local['rope_type']!r} on sliding-window layers is not supported")
+        params = dict(params.get("full_attention") or {})
     params.update(raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
@@ -219,7 +246,8 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float]:
         raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings")
     if rope_type == "longrope":
         scaling = _longrope(raw, params, scaling)
-    return theta, scaling, partial
+    local_theta = float((local or {}).get("rope_theta", raw.get("rope_local_base_freq", theta)))
+    return theta, scaling, partial, local_theta
 
 
 def _longrope(raw: dict, params: dict, scaling: RopeScaling) -> RopeScaling:

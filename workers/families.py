@@ -19,6 +19,11 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     olmo2       norms after each branch instead of before it (post_attention_layernorm on the
                 attention's output, post_feedforward_layernorm on the MLP's), and RMSNorms over
                 the whole query and key projections before RoPE
+    gemma2      norms before and after each branch ("sandwich"), each x * (1 + w); GELU (tanh)
+                MLPs; embeddings x sqrt(hidden); scores x query_pre_attn_scalar ** -0.5;
+                sliding-window layers (layer_types); attention and final logits soft-capped
+    gemma3_text as gemma2, plus per-head q/k norms, no soft-capping by default, and a second
+                RoPE base (rope_local_base_freq) on the sliding-window layers
     phi3        q, k and v in one checkpoint tensor (qkv_proj), gate and up in another
                 (gate_up_proj); partial rotary (partial_rotary_factor) and longrope scaling are
                 read by workers/config.py for every family; `sliding_window` caps the context
@@ -46,6 +51,11 @@ class FamilyTraits:
     #                             "projection" (the whole q and the whole k, weights [heads * head_dim])
     norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output instead (OLMo 2)
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
+    norm_weight_offset: float = 0.0  # every RMSNorm multiplies by (offset + w): Gemma's 1
+    layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None: full; None: all full
+    attention_softcap: float | None = None  # scores soft-capped to c * tanh(scores / c) (Gemma 2)
+    logits_softcap: float | None = None  # final logits soft-capped the same way (Gemma 2)
+    local_rope_layers: tuple[bool, ...] | None = None  # per layer: uses the local RoPE base (Gemma 3's sliding layers)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
@@ -112,6 +122,45 @@ def _phi3(raw: dict) -> FamilyTraits:
                         fused_projections=True)
 
 
+def _layer_windows(raw: dict) -> tuple[int | None, ...]:
+    """Each layer's window from layer_types ("sliding_attention" / "full_attention")."""
+    num_layers, window = int(raw["num_hidden_layers"]), raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types is None or len(types) != num_layers:
+        raise FamilyError(f"{raw['model_type']} needs layer_types, one per layer ({num_layers})")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise FamilyError(f"layer_types {unknown} are not supported")
+    if "sliding_attention" in types and not window:
+        raise FamilyError("sliding_attention layers need sliding_window")
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
+
+
+def _gemma(raw: dict) -> dict:
+    """What Gemma 2 and 3 share."""
+    if raw.get("use_bidirectional_attention"):
+        raise FamilyError(f"{raw['model_type']} with use_bidirectional_attention is not supported")
+    bias = bool(raw.get("attention_bias", False))
+    windows = _layer_windows(raw)
+    return dict(
+        qkv_bias=bias, o_bias=bias, norms="sandwich", norm_weight_offset=1.0, layer_windows=windows,
+        embedding_multiplier=float(raw["hidden_size"]) ** 0.5,
+        attention_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attention_softcap=raw.get("attn_logit_softcapping") or None,
+        logits_softcap=raw.get("final_logit_softcapping") or None,
+    )
+
+
+def _gemma2(raw: dict) -> FamilyTraits:
+    return FamilyTraits(**_gemma(raw))
+
+
+def _gemma3_text(raw: dict) -> FamilyTraits:
+    shared = _gemma(raw)
+    return FamilyTraits(**shared, qk_norm="head",
+                        local_rope_layers=tuple(window is not None for window in shared["layer_windows"]))
+
+
 FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -121,4 +170,6 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "phi3": _phi3,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3_text,
 }

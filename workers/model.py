@@ -7,7 +7,10 @@ Not transformers' forward. Per layer:
 
 and what a family changes (ModelConfig's traits): RMSNorms of q and k before RoPE, per head
 (Qwen3) or over the whole projection (OLMo 2), layers without RoPE (SmolLM3), partial rotary
-(Phi-3), norms on each branch's output instead of its input (OLMo 2), an embedding
+(Phi-3), norms on each branch's output instead of its input (OLMo 2) or as well (Gemma),
+Gemma's x * (1 + w) norms (the 1 added to the weights at load), a second RoPE base on some
+layers (Gemma 3), per-layer sliding windows and attention soft-capping (the attention
+backend's), final logit soft-capping (Gemma 2), an embedding
 multiplier, a residual multiplier (folded into the o_proj and down_proj weights at load), an
 attention scale and a logits scale (Granite).
 
@@ -33,6 +36,7 @@ runs alone and the branch reads the residual stream; each branch's output is nor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -40,7 +44,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from workers.config import ModelConfig
+from workers.config import ModelConfig, RopeScaling
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
@@ -82,6 +86,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP's output (OLMo 2)
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
+    local_rope: bool = False  # True: RoPE with the model's local base (Gemma 3's sliding-window layers)
     # attention variants (workers/kernels/__init__.py); None: plain causal attention
     window: int | None = None  # sliding window: a query sees its own key and the window - 1 before it
     softcap: float | None = None  # attention scores soft-capped to softcap * tanh(scores / softcap)
@@ -94,13 +99,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 class PagedLlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: object, rope: RotaryEmbedding,
-                 attention: ModuleType, linear: TorchLinear | OneDnnLinear | NativeLinear, ops: TorchOps | NativeOps):
+                 attention: ModuleType, linear: TorchLinear | OneDnnLinear | NativeLinear, ops: TorchOps | NativeOps,
+                 local_rope: RotaryEmbedding | None = None):
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.final_norm = final_norm  # [hidden]
         self.lm_head = lm_head  # [vocab, hidden] in the linear backend's form (from the embedding when tied)
         self.rope = rope
+        self.local_rope = local_rope  # the sliding-window layers' (Gemma 3); None: every layer uses rope
         self.attention = attention  # module with write_kv_cache and paged_attention
         self.linear_backend = linear
         self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
@@ -149,8 +156,12 @@ class PagedLlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab]; call it on sampling rows only."""
         logits = self.linear_backend.logits(hidden, self.lm_head)
-        scale = self.config.logits_scale
-        return logits if scale == 1.0 else logits.mul_(scale)
+        scale, cap = self.config.logits_scale, self.config.logits_softcap
+        if scale != 1.0:
+            logits.mul_(scale)
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, step,
                    kv_cache: KVCache) -> torch.Tensor:
@@ -161,7 +172,8 @@ class PagedLlamaModel:
             self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
                                    config.rms_norm_eps, layer.qk_norm_whole)
         if layer.use_rope:
-            q, k, v = self.ops.rope(qkv, positions, self.rope, config.num_heads, config.num_kv_heads)
+            rope = self.local_rope if layer.local_rope else self.rope
+            q, k, v = self.ops.rope(qkv, positions, rope, config.num_heads, config.num_kv_heads)
         else:
             q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         step.write(k, v, *kv_cache)
@@ -178,7 +190,7 @@ class PagedLlamaModel:
         weights = _WeightReader(config, dict(tensors), device, linear)
         embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         layers = [weights.layer(index) for index in range(config.num_layers)]
-        final_norm = weights.take("model.norm.weight", (config.hidden_size,))
+        final_norm = weights.take_norm("model.", "norm")
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
             lm_head_plain = embed  # native's GEMV reads it in place (no copy); its AVX2 panels are a copy
@@ -187,7 +199,11 @@ class PagedLlamaModel:
         lm_head = linear.pack(lm_head_plain)
         weights.check_all_used()
         rope = RotaryEmbedding(config, max_positions, embed.dtype, device)
-        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps())
+        local_rope = None
+        if config.local_rope_layers is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling("default"))
+            local_rope = RotaryEmbedding(local, max_positions, embed.dtype, device)
+        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
 
 
 # Each layer norm's checkpoint name, by where a family puts its norms (ModelConfig.norms).
@@ -198,6 +214,8 @@ _NORM_NAMES: dict[str, dict[str, str | None]] = {
                 mlp_out_norm=None),
     "post": dict(input_norm=None, post_norm=None, attn_out_norm="post_attention_layernorm",
                  mlp_out_norm="post_feedforward_layernorm"),
+    "sandwich": dict(input_norm="input_layernorm", post_norm="pre_feedforward_layernorm",
+                     attn_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm"),
 }
 
 
@@ -262,16 +280,25 @@ class _WeightReader:
             ),
             down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
             down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
-            q_norm=self.take(attn + "q_norm.weight", (q_norm_width,)) if c.qk_norm else None,
-            k_norm=self.take(attn + "k_norm.weight", (k_norm_width,)) if c.qk_norm else None,
+            q_norm=self.take_norm(attn, "q_norm", q_norm_width) if c.qk_norm else None,
+            k_norm=self.take_norm(attn, "k_norm", k_norm_width) if c.qk_norm else None,
             qk_norm_whole=c.qk_norm == "projection",
             attn_out_norm=self.take_norm(prefix, norms["attn_out_norm"]),
             mlp_out_norm=self.take_norm(prefix, norms["mlp_out_norm"]),
             use_rope=c.uses_rope(index),
+            local_rope=c.uses_local_rope(index),
+            window=c.layer_window(index),
+            softcap=c.attention_softcap,
         )
 
-    def take_norm(self, prefix: str, name: str | None) -> torch.Tensor | None:
-        return None if name is None else self.take(prefix + name + ".weight", (self.config.hidden_size,))
+    def take_norm(self, prefix: str, name: str | None, width: int | None = None) -> torch.Tensor | None:
+        """An RMSNorm weight, with the family's offset added (Gemma's x * (1 + w), in fp32 as it
+        computes it), so that every norm kernel multiplies by the weight alone."""
+        if name is None:
+            return None
+        weight = self.take(prefix + name + ".weight", (width or self.config.hidden_size,))
+        offset = self.config.norm_weight_offset
+        return weight if offset == 0.0 else (weight.float() + offset).to(weight.dtype)
 
     def check_all_used(self) -> None:
         leftover = sorted(name for name in self.tensors if "rotary_emb.inv_freq" not in name)

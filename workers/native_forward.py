@@ -66,7 +66,7 @@ class NativeForward:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
         if self._layers is None or pools != self._pools:
             operand = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
-            num_heads = self.model.config.num_heads
+            num_heads, local = self.model.config.num_heads, self.model.local_rope
             for layer in self.model.layers:
                 check_variants(num_heads, layer.window, layer.softcap, layer.sinks)
             self._sinks = [cpu_attention.fp32_sinks(layer.sinks) for layer in self.model.layers]
@@ -78,6 +78,8 @@ class NativeForward:
                     _ptr(layer.k_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), k_cache.data_ptr(),
                     v_cache.data_ptr(), int(layer.use_rope), int(layer.qk_norm_whole),
                     softcap=layer.softcap or 0.0, window=layer.window or 0, sinks=_ptr(sinks),
+                    cos=_ptr(local.cos_f32) if layer.local_rope else None,
+                    sin=_ptr(local.signed_sin_f32) if layer.local_rope else None,
                 )
                 for layer, (k_cache, v_cache), sinks in zip(self.model.layers, kv_caches, self._sinks, strict=True)
             ))

@@ -25,6 +25,15 @@ FAMILIES = {
     "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
     "granite": dict(model_type="granite", embedding_multiplier=4.0, residual_multiplier=0.4,
                     attention_multiplier=0.09, logits_scaling=3.0),
+    # sandwich norms x (1 + w), GELU-tanh MLPs, scaled embeddings, windows of 8 on layers 0 and 2 (prompts
+    # run past them), attention and final logits soft-capped hard enough to change tokens
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
+    # as Gemma 2 without soft-caps, plus per-head q/k norms and a local RoPE base on the sliding layers
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                             sliding_attention=dict(rope_type="default", rope_theta=1e4))),
     # norms after each branch, q/k norms over the whole projection
     "olmo2": dict(model_type="olmo2"),
     # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
@@ -84,8 +93,17 @@ def test_traits_read_from_the_config(family_dir):
     config = ModelConfig.from_model_dir(family_dir)
     traits = FAMILIES[family_dir.name]
     assert config.model_type == traits["model_type"]
-    assert config.qk_norm == {"qwen3": "head", "olmo2": "projection"}.get(config.model_type)
-    assert config.norms == ("post" if config.model_type == "olmo2" else "pre")
+    assert config.qk_norm == {"qwen3": "head", "olmo2": "projection", "gemma3_text": "head"}.get(config.model_type)
+    assert config.norms == {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(config.model_type, "pre")
+    if config.model_type.startswith("gemma"):
+        assert config.layer_windows == (8, None, 8) and config.activation == "gelu_tanh"
+        assert config.norm_weight_offset == 1.0 and config.attention_scale == 24 ** -0.5
+        assert config.embedding_multiplier == 64 ** 0.5 and config.sliding_window is None  # the context is not capped
+    if config.model_type == "gemma2":
+        assert (config.attention_softcap, config.logits_softcap) == (5.0, 8.0)
+    if config.model_type == "gemma3_text":
+        assert config.local_rope_layers == (True, False, True) and config.local_rope_theta == 1e4
+        assert config.rope_theta == 1e6 and config.rope_scaling.rope_type == "linear"
     if config.model_type == "phi3":
         assert config.fused_projections and config.rotary_dim == config.head_dim // 2
         assert config.rope_scaling.rope_type == "longrope" and config.rope_scaling.attention_factor > 1.0

@@ -97,7 +97,11 @@ def test_families_and_refusals_say_what_they_are():
         ModelConfig.from_dict(dict(LLAMA, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0]))
     with pytest.raises(ModelConfigError, match="qwen3 with use_sliding_window"):
         ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", use_sliding_window=True, sliding_window=128))
-    with pytest.raises(ModelConfigError, match="model_type 'gemma2' is not supported"):
+    with pytest.raises(ModelConfigError, match="model_type 'deepseek_v3' is not supported"):
+        ModelConfig.from_dict(dict(LLAMA, model_type="deepseek_v3"))
+    with pytest.raises(ModelConfigError, match="gemma2 needs layer_types"):
         ModelConfig.from_dict(dict(LLAMA, model_type="gemma2"))
+    with pytest.raises(ModelConfigError, match="sliding_attention layers need sliding_window"):
+        ModelConfig.from_dict(dict(LLAMA, model_type="gemma2", layer_types=["sliding_attention"] * 2))
     with pytest.raises(ModelConfigError, match="quantized checkpoints \\('awq'\\)"):
         ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "awq", "bits": 4}))

@@ -179,6 +179,8 @@ class LayerArgs(ctypes.Structure):
         ("softcap", ctypes.c_float),  # the layer's attention variants: 0 / None: none
         ("window", ctypes.c_int64),
         ("sinks", ctypes.c_void_p),  # [num_heads] fp32
+        ("cos", ctypes.c_void_p),  # this layer's RoPE tables, or None: the step's
+        ("sin", ctypes.c_void_p),
     ]
 
 

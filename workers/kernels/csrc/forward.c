@@ -38,6 +38,7 @@ typedef struct {
     float softcap;                              /* the layer's attention variants (AttentionArgs): 0: none */
     int64_t window;                             /* 0: none */
     const float *sinks;                         /* [num_heads] fp32, or NULL: none */
+    const float *cos, *sin;                     /* this layer's RoPE tables (Gemma 3's local base), or NULL: the step's */
 } LayerArgs;
 
 typedef struct {
@@ -99,8 +100,8 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
             status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, layer->qk_norm_whole,
                                           a->eps, a->dtype, a->num_threads);
         if (!status && layer->use_rope)
-            status = rayllm_rope(a->qkv, a->positions, a->cos, a->sin, T, H, KV, D, a->rotary_dim, a->dtype,
-                                 a->num_threads);
+            status = rayllm_rope(a->qkv, a->positions, layer->cos ? layer->cos : a->cos, layer->sin ? layer->sin : a->sin,
+                                 T, H, KV, D, a->rotary_dim, a->dtype, a->num_threads);
         if (!status)
             status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
                                      a->slot_mapping, T, KV, D, meta->block_size, a->dtype, a->num_threads);
