@@ -67,7 +67,7 @@ def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) ->
     """(message, finish_reason) of a whole chat choice."""
     if plan is None or not plan.parses_calls:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_tool_calls(text, plan.allowed_names)
+    content, calls = parse_tool_calls(text, plan.allowed_names, plan.max_calls)
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     message = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -87,7 +87,7 @@ class ChoiceToolStreams:
 
     def feed(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """(chat deltas, finish_reason) for one choice's new text."""
-        streamer = self._streamers.setdefault(index, ToolCallStreamer(self._plan.allowed_names))
+        streamer = self._streamers.setdefault(index, ToolCallStreamer(self._plan.allowed_names, max_calls=self._plan.max_calls))
         deltas = streamer.feed(text) if text else []
         if finish_reason is None:
             return deltas, None
