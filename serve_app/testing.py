@@ -21,8 +21,11 @@ VOCAB_SIZE = 259
 
 
 class ByteTokenizer:
-    chat_template = "chatml"
     eos_token_id = EOS_ID
+
+    def __init__(self, chat_template: str = "chatml", generation_prompt: str = "<|im_start|>assistant\n") -> None:
+        self.chat_template = chat_template  # its text is what the server reads (think tags, tools)
+        self.generation_prompt = generation_prompt  # e.g. "<|im_start|>assistant\n<think>\n" for a thinking model
 
     def encode(self, text: str, add_special_tokens: bool = True, truncation: bool = False,
                max_length: int | None = None) -> list[int]:
@@ -61,7 +64,7 @@ class ByteTokenizer:
         if messages[0]["role"] == "assistant":
             raise ValueError("conversation must not start with an assistant message")
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        return text + (self.generation_prompt if add_generation_prompt else "")
 
 
 def text_tokens(text: str) -> list[int]:
@@ -124,16 +127,18 @@ class ScriptedEngine:
         )
 
 
-def make_test_context(engine: Any = None, max_model_len: int = 128, health: Any = None, stream_interval: int = 1) -> Any:
+def make_test_context(engine: Any = None, max_model_len: int = 128, health: Any = None, stream_interval: int = 1,
+                      tokenizer: ByteTokenizer | None = None, reasoning_parser: str | None = None) -> Any:
     """A ServingContext over ByteTokenizer and (by default) a ScriptedEngine."""
     from serve_app.context import ServingContext
     from serve_app.engine_client import InProcessEngineClient
     from serve_app.model_card import ModelCard
     from serve_app.tokenizer import TokenizerService
 
-    card = ModelCard("test-model", "/models/test", max_model_len, VOCAB_SIZE, (EOS_ID,), created=1)
+    card = ModelCard("test-model", "/models/test", max_model_len, VOCAB_SIZE, (EOS_ID,), created=1,
+                     reasoning_parser=reasoning_parser)
     engine = engine if engine is not None else ScriptedEngine()
     return ServingContext(
-        TokenizerService(ByteTokenizer()), InProcessEngineClient(engine), card, health=health,
+        TokenizerService(tokenizer or ByteTokenizer()), InProcessEngineClient(engine), card, health=health,
         clock=lambda: 1700000000.0, version="test", stream_interval=stream_interval,
     )
