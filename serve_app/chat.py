@@ -21,6 +21,7 @@ from serve_app.protocol import ChatCompletionRequest
 from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
 from serve_app.structured import Constraints, chat_constraints, with_grammar
+from serve_app.tool_parsers import HERMES
 from serve_app.tools import render_for_template
 
 PROMPT_TAIL_TOKENS = 32  # prompt tokens decoded to see whether the template opened a thought
@@ -43,11 +44,17 @@ async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[Gen
 
 def _output_plan(constraints: Constraints, token_ids: list[int], ctx: ServingContext) -> OutputPlan:
     """What to parse out of the text: reasoning only where the model's template thinks and no
-    grammar shapes the output (a constrained output is all answer)."""
+    grammar shapes the output (a constrained output is all answer); tool calls in the
+    template's format for "auto" replies of templates that render tools, else in the format of
+    the grammar and of our own tools prompt (hermes)."""
     tail = None
     if ctx.card.reasoning_parser is not None and constraints.grammar is None:
         tail = ctx.tokenizer.decode_on_loop(token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return OutputPlan(constraints.tools, tail)
+    tools = constraints.tools
+    tool_parser = HERMES
+    if tools is not None and tools.mode == "auto" and ctx.tokenizer.chat_template_renders_tools:
+        tool_parser = ctx.card.tool_call_parser
+    return OutputPlan(tools, tail, tool_parser)
 
 
 def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatLogprobs | None:

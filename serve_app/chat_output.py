@@ -7,8 +7,8 @@ The text a choice generates goes through up to two parsers, in this order:
 
 - the reasoning parser (serve_app/reasoning.py) when the model's template has one and the
   output is free (a grammar-constrained output is all answer, so it is not parsed);
-- the tool-call parser (serve_app/tool_calls.py) when the request has tools and a
-  tool_choice other than "none".
+- the tool-call parser (serve_app/tool_parsers.py: hermes, llama3_json or mistral) when
+  the request has tools and a tool_choice other than "none".
 
 With neither, the message is {"role": "assistant", "content": text} and each delta
 {"content": text}, exactly as before either existed. With a reasoning parser the message
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.reasoning import ReasoningParser, split_reasoning
-from serve_app.tool_calls import ToolCallStreamer, parse_tool_calls
+from serve_app.tool_parsers import HERMES, ToolStreamer, make_tool_streamer, parse_calls
 from serve_app.tools import ToolPlan
 
 TOOL_CALLS_FINISH_REASON = "tool_calls"
@@ -31,6 +31,7 @@ TOOL_CALLS_FINISH_REASON = "tool_calls"
 class OutputPlan:
     tools: ToolPlan | None  # the request's tools; None: no tools
     reasoning_prompt_tail: str | None  # the prompt's last text when reasoning is parsed; None: not parsed
+    tool_parser: str = HERMES  # the format tool calls are read in (serve_app/tool_parsers.py)
 
     @property
     def parses_calls(self) -> bool:
@@ -50,7 +51,7 @@ def chat_message(text: str, finish_reason: str | None, plan: OutputPlan) -> tupl
     if not plan.parses_calls:
         return message, finish_reason
     assert plan.tools is not None
-    content, calls = parse_tool_calls(text, plan.tools.allowed_names, plan.tools.max_calls)
+    content, calls = parse_calls(plan.tool_parser, text, plan.tools.allowed_names, plan.tools.max_calls)
     if not calls:
         return message, finish_reason
     message.update(content=content, tool_calls=calls)
@@ -63,7 +64,7 @@ class ChatStreams:
     def __init__(self, plan: OutputPlan) -> None:
         self._plan = plan
         self._reasoning: dict[int, ReasoningParser] = {}
-        self._tools: dict[int, ToolCallStreamer] = {}
+        self._tools: dict[int, ToolStreamer] = {}
 
     def feed(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """(chat deltas, finish_reason) for one choice's new text."""
@@ -86,7 +87,8 @@ class ChatStreams:
         streamer = self._tools.get(index)
         if streamer is None:
             tools = self._plan.tools
-            streamer = self._tools[index] = ToolCallStreamer(tools.allowed_names, max_calls=tools.max_calls)
+            streamer = self._tools[index] = make_tool_streamer(self._plan.tool_parser, tools.allowed_names,
+                                                               tools.max_calls)
         deltas: list[dict[str, Any]] = []
         for kind, piece in pieces:
             deltas += [{"reasoning_content": piece}] if kind == "reasoning" else streamer.feed(piece)

@@ -74,7 +74,7 @@ def _parse_call(body: str, allowed_names: tuple[str, ...]) -> tuple[str, str] | 
 
 
 @dataclass(slots=True)
-class _JsonScanner:
+class JsonScanner:
     """Finds where a JSON value ends, piece by piece (strings and escapes respected)."""
 
     depth: int = 0
@@ -111,7 +111,7 @@ class ToolCallStreamer:
     buffer: str = ""  # text held back in the current state
     max_calls: int | None = None  # calls streamed at most; later ones are dropped (None: all)
     num_calls: int = 0  # calls opened so far (the next call's index)
-    scanner: _JsonScanner = field(default_factory=_JsonScanner)
+    scanner: JsonScanner = field(default_factory=JsonScanner)
     dropping: bool = False  # the call in ARGS / TAIL is one past max_calls: nothing of it is sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -160,7 +160,7 @@ class ToolCallStreamer:
                 deltas.append({"tool_calls": [{"index": self.num_calls, **tool_call_json(head.group(1), "")}]})
                 self.num_calls += 1
             self.buffer = self.buffer[head.end():]
-            self.scanner = _JsonScanner()
+            self.scanner = JsonScanner()
             self.state = "ARGS"
         elif head is not None or not _could_be_head(self.buffer):
             self._emit_content(CALL_OPEN + self.buffer, deltas)  # not a call after all

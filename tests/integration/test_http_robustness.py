@@ -29,7 +29,7 @@ def test_health_version_models(server) -> None:
         assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",
                                     "layer_ops": "native", "linear_backend": "native",
-                                    "reasoning_parser": None}
+                                    "reasoning_parser": None, "tool_call_parser": "hermes"}
 
 
 PROBER = """
