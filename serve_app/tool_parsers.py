@@ -114,8 +114,9 @@ class JsonCallsStreamer:
     def finish(self) -> list[dict[str, Any]]:
         """Held text at the end: before any call it is content; after calls, only words are."""
         held, self.buffer = self.buffer, ""
-        if self.num_seen and (self.state in ("HEAD", "ARGS", "TAIL") or (self.state == "NEXT" and self.fmt.closes)):
-            self.broken = True  # ended inside a call, or before the list closed
+        inside = self.state in ("ARGS", "TAIL") or (self.state == "HEAD" and held.strip())
+        if self.num_seen and (inside or (self.state in ("HEAD", "NEXT") and self.fmt.closes)):
+            self.broken = True  # ended inside a call, or before the list closed (a trailing ";" is fine)
         if self.state in ("START", "HEAD") and self.num_seen == 0:
             held = self.consumed + held
             return [{"content": held}] if held else []
@@ -187,11 +188,10 @@ class JsonCallsStreamer:
         if stripped.startswith(fmt.separator):
             self.buffer = stripped[len(fmt.separator):]
             self.state = "HEAD"
-        elif fmt.closes and stripped.startswith(fmt.closes):
-            self.buffer = stripped[len(fmt.closes):]
-            self.state = "AFTER"
         else:
-            self.broken = bool(fmt.closes)  # a list left open; llama3_json's calls simply end here
+            closed = bool(fmt.closes) and stripped.startswith(fmt.closes)
+            self.broken = bool(fmt.closes) and not closed  # llama3_json's calls simply end at other text
+            self.buffer = stripped[len(fmt.closes):] if closed else stripped
             self.state = "AFTER"
 
     def _step_after(self, deltas: list[dict[str, Any]]) -> None:

@@ -141,6 +141,10 @@ def test_a_call_cut_short_is_content_whole_and_what_was_sent_streamed() -> None:
     assert parse_calls(MISTRAL, unclosed, NAMES) == (unclosed, [])
     not_object = '{"name": "get_weather", "parameters": {"a": 1, }}'
     assert parse_calls(LLAMA3_JSON, not_object, NAMES) == (not_object, [])
+    open_list = '[{"name": "get_weather", "arguments": {}}, '  # a comma, then the end
+    assert parse_calls(MISTRAL, open_list, NAMES) == (open_list, [])
+    trailing = '{"name": "get_weather", "parameters": {}}; '  # a trailing separator is harmless
+    assert calls_of(parse_calls(LLAMA3_JSON, trailing, NAMES)[1]) == [("get_weather", "{}")]
 
 
 def test_calls_past_max_calls_are_dropped() -> None:
