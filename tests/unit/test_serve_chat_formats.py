@@ -126,3 +126,16 @@ async def test_models_name_the_reasoning_parser_and_the_config_picks_it() -> Non
     assert AppArgs().reasoning_parser == "auto" and AppArgs(reasoning_parser="none").reasoning_parser == "none"
     with pytest.raises(ValidationError, match="reasoning_parser"):
         AppArgs(reasoning_parser="deepseek")
+
+
+async def test_each_choice_of_a_stream_has_its_own_parser_and_logprobs_still_cover_every_token() -> None:
+    output = "<think>\nhmm\n</think>\n\nHello"
+    streamed = await post({"n": 2, "stream": True, "logprobs": True}, output)
+    events = [json.loads(line[len("data: "):]) for line in streamed.text.split("\n\n")[:-2]]
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    for index in (0, 1):
+        deltas = [event["choices"][0] for event in events if event["choices"][0]["index"] == index]
+        assert joined([d["delta"] for d in deltas], "reasoning_content") == "hmm"
+        assert joined([d["delta"] for d in deltas], "content") == "Hello"
+        num_logprobs = sum(len((d["logprobs"] or {}).get("content") or []) for d in deltas)
+        assert num_logprobs == len(output.encode()) + 1  # every byte and the end-of-sequence token
