@@ -52,11 +52,16 @@ Kind = Literal["reasoning", "content"]
 Piece = tuple[Kind, str]  # (kind, text), text never empty
 
 
-def choose_reasoning_parser(chat_template: str | None, override: str | None = "auto") -> str | None:
+def choose_reasoning_parser(chat_template: str | None, override: str | None = "auto",
+                            tags_reach_text: bool = True) -> str | None:
     """The parser for this template: override "none" -> None, a parser name -> it, "auto"
-    (or None) -> "qwen3" when the template writes think tags, else None."""
+    (or None) -> "qwen3" when the template writes think tags, else None. tags_reach_text
+    False (the tokenizer makes the tags special tokens, which decoding skips): None, since
+    the parser would never see `</think>` and would call every reply a thought."""
+    if not tags_reach_text or override == "none":
+        return None
     if override not in (None, "auto"):
-        return None if override == "none" else override
+        return override
     template = chat_template or ""
     return QWEN3 if THINK_OPEN in template and THINK_CLOSE in template else None
 

@@ -95,6 +95,11 @@ class TokenizerService:
         template = getattr(self.tokenizer, "chat_template", None)
         return None if template is None else str(template)
 
+    def keeps_text(self, text: str) -> bool:
+        """Whether text survives encoding and decoding as output is decoded (special tokens
+        skipped): markers a parser looks for in the output must."""
+        return self.decode_sync(self.encode_sync(text, add_special_tokens=False)) == text
+
     @property
     def chat_template_renders_tools(self) -> bool:
         """Whether the chat template renders a `tools` argument itself (else serve_app/tools.py does)."""

@@ -147,6 +147,7 @@ def test_reasoning_comes_apart_token_by_token_with_real_tokens(tags_are_tokens: 
     if tags_are_tokens:
         tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
     service = TokenizerService(tokenizer)
+    assert service.keeps_text("<think>x</think>")
     text = "<think>\nWhy? Ünïcode 😀 thoughts.\n</think>\n\nBecause."
     ids = service.encode_sync(text, add_special_tokens=False)
     assert (len(service.encode_sync("</think>", add_special_tokens=False)) == 1) == tags_are_tokens
@@ -159,3 +160,12 @@ def test_reasoning_comes_apart_token_by_token_with_real_tokens(tags_are_tokens: 
     pieces += parser.finish()
     assert "".join(piece for kind, piece in pieces if kind == "reasoning") == "Why? Ünïcode 😀 thoughts."
     assert "".join(piece for kind, piece in pieces if kind == "content") == "Because."
+
+
+def test_think_tags_made_special_do_not_reach_the_text() -> None:
+    """Then decoding skips them, and the server turns its reasoning parser off (app.py)."""
+    from tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    assert not TokenizerService(tokenizer).keeps_text("<think>x</think>")

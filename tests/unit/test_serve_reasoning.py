@@ -85,5 +85,7 @@ def test_the_parser_is_chosen_from_the_template_or_the_config() -> None:
     assert choose_reasoning_parser(qwen3) == "qwen3" and choose_reasoning_parser(chatml) is None
     assert choose_reasoning_parser(None) is None
     assert choose_reasoning_parser(qwen3, "none") is None and choose_reasoning_parser(chatml, "qwen3") == "qwen3"
+    assert choose_reasoning_parser(qwen3, "auto", tags_reach_text=False) is None  # special tags: never seen
+    assert choose_reasoning_parser(qwen3, "qwen3", tags_reach_text=False) is None
     assert prompt_opens_reasoning(THINKING_GENERATION_PROMPT)
     assert not prompt_opens_reasoning(NO_THINKING_GENERATION_PROMPT) and not prompt_opens_reasoning("")
