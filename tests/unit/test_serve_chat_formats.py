@@ -31,7 +31,8 @@ def anyio_backend() -> str:
 
 
 async def post(body: dict, output: str, reasoning_parser: str | None = "qwen3",
-               generation_prompt: str = "<|im_start|>assistant\n", path: str = "/v1/chat/completions") -> httpx.Response:
+               generation_prompt: str = "<|im_start|>assistant\n",
+               path: str = "/v1/chat/completions") -> httpx.Response:
     engine = ScriptedEngine(responder=lambda request, index: text_tokens(output))
     tokenizer = ByteTokenizer(THINK_TEMPLATE if reasoning_parser else "chatml", generation_prompt)
     ctx = make_test_context(engine, max_model_len=4096, tokenizer=tokenizer, reasoning_parser=reasoning_parser)

@@ -20,7 +20,7 @@ CASES = [  # (prompt tail, output, reasoning, content)
     (QWEN3_GENERATION_PROMPT, "Hello! <think>no</think>", None, "Hello! <think>no</think>"),  # not at the start
     (QWEN3_GENERATION_PROMPT, "\n\nHi", None, "\n\nHi"),  # no thought: content as written
     (QWEN3_GENERATION_PROMPT, "<think>\n\n</think>\n\nHi", None, "Hi"),  # an empty thought
-    (QWEN3_GENERATION_PROMPT, "<think>\nstill thinking when max_tokens hit\n", "still thinking when max_tokens hit", ""),
+    (QWEN3_GENERATION_PROMPT, "<think>\nstill thinking, max_tokens hit\n", "still thinking, max_tokens hit", ""),
     (QWEN3_GENERATION_PROMPT, "<think>cut inside the end tag </thi", "cut inside the end tag </thi", ""),
     (QWEN3_GENERATION_PROMPT, "<thi", None, "<thi"),  # ended inside the start tag: text
     (QWEN3_GENERATION_PROMPT, "", None, ""),
