@@ -100,7 +100,8 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
             "root": card.root,
             "parent": None,
             "max_model_len": card.max_model_len,
-            "backend": card.backend,
+            "backend": {**card.backend, "reasoning_parser": card.reasoning_parser,
+                        "tool_call_parser": card.tool_call_parser},
         }
         return {"object": "list", "data": [model]}
 

@@ -48,9 +48,11 @@ from serve_app.health import HealthConfig, HealthMonitor
 from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
 from serve_app.model_card import ModelCard
 from serve_app.observability import Observability
+from serve_app.reasoning import THINK_CLOSE, THINK_OPEN, choose_reasoning_parser
 from serve_app.resume import ResumingEngineClient
 from serve_app.sharding import ShardedEngineClient
 from serve_app.tokenizer import TokenizerService
+from serve_app.tool_parsers import choose_tool_call_parser
 from scheduler.actor import ACTOR_NAMESPACE, RayMetrics, create_scheduler, scheduler_actor_name
 from workers.actor import WorkerResources, create_worker, worker_actor_name
 
@@ -225,6 +227,9 @@ class OpenAIIngress:
                      "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes), "model_type": info.model_type,
                      "layer_loop": info.layer_loop, "layer_ops": info.layer_ops,
                      "linear_backend": info.linear_backend},
+            reasoning_parser=choose_reasoning_parser(tokenizer.chat_template, self._args.reasoning_parser,
+                                                     tokenizer.keeps_text(THINK_OPEN + "x" + THINK_CLOSE)),
+            tool_call_parser=choose_tool_call_parser(tokenizer.chat_template, self._args.tool_call_parser),
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,

@@ -2,8 +2,9 @@
 
 Streaming follows OpenAI: each choice opens with a delta {"role": "assistant",
 "content": ""} (sent once every choice has its first token, not before), then content
-deltas, then one chunk with its finish_reason; with stream_options.include_usage a last
-chunk carries usage and no choices.
+deltas (or reasoning_content / tool_calls deltas: serve_app/chat_output.py), then one chunk
+with its finish_reason; with stream_options.include_usage a last chunk carries usage and no
+choices.
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from serve_app.chat_output import ChatStreams, OutputPlan, chat_message
 from serve_app.context import ServingContext
 from serve_app.generation import ChoiceResult, GenerationRun
 from serve_app.logprobs import ChatLogprobs
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
-from serve_app.structured import ChoiceToolStreams, Constraints, chat_constraints, chat_message, with_grammar
+from serve_app.structured import Constraints, chat_constraints, with_grammar
+from serve_app.tool_parsers import HERMES
 from serve_app.tools import render_for_template
 
+PROMPT_TAIL_TOKENS = 32  # prompt tokens decoded to see whether the template opened a thought
 
-async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[GenerationRun, Constraints]:
+
+async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[GenerationRun, OutputPlan]:
     ctx.card.check_model(body.model)
     ctx.limits.check_choices(body.n, 1)
     constraints = await chat_constraints(body, ctx)  # response_format, tools: 400s here
@@ -34,7 +39,22 @@ async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[Gen
     run = ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings,
                         timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None)
     await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
-    return run, constraints
+    return run, _output_plan(constraints, token_ids, ctx)
+
+
+def _output_plan(constraints: Constraints, token_ids: list[int], ctx: ServingContext) -> OutputPlan:
+    """What to parse out of the text: reasoning only where the model's template thinks and no
+    grammar shapes the output (a constrained output is all answer); tool calls in the
+    template's format for "auto" replies of templates that render tools, else in the format of
+    the grammar and of our own tools prompt (hermes)."""
+    tail = None
+    if ctx.card.reasoning_parser is not None and constraints.grammar is None:
+        tail = ctx.tokenizer.decode_on_loop(token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    tools = constraints.tools
+    tool_parser = HERMES
+    if tools is not None and tools.mode == "auto" and ctx.tokenizer.chat_template_renders_tools:
+        tool_parser = ctx.card.tool_call_parser
+    return OutputPlan(tools, tail, tool_parser)
 
 
 def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatLogprobs | None:
@@ -44,7 +64,7 @@ def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatL
 
 
 async def complete(body: ChatCompletionRequest, ctx: ServingContext) -> dict[str, Any]:
-    run, constraints = await prepare(body, ctx)
+    run, plan = await prepare(body, ctx)
     results = await run.collect()
     builder = _logprobs_builder(body, ctx)
     return {
@@ -52,16 +72,16 @@ async def complete(body: ChatCompletionRequest, ctx: ServingContext) -> dict[str
         "object": "chat.completion",
         "created": int(ctx.clock()),
         "model": ctx.card.served_name,
-        "choices": [_choice_json(result, builder, constraints) for result in results],
+        "choices": [_choice_json(result, builder, plan) for result in results],
         "usage": run.usage(),
     }
 
 
-def _choice_json(result: ChoiceResult, builder: ChatLogprobs | None, constraints: Constraints) -> dict[str, Any]:
+def _choice_json(result: ChoiceResult, builder: ChatLogprobs | None, plan: OutputPlan) -> dict[str, Any]:
     logprobs = None
     if builder is not None:
         logprobs = {"content": builder.format(result.logprobs), "refusal": None}
-    message, finish_reason = chat_message(result.text, result.finish_reason, constraints.tools)
+    message, finish_reason = chat_message(result.text, result.finish_reason, plan)
     return {
         "index": result.index,
         "message": message,
@@ -72,12 +92,13 @@ def _choice_json(result: ChoiceResult, builder: ChatLogprobs | None, constraints
 
 async def prepare_stream(body: ChatCompletionRequest, ctx: ServingContext) -> AsyncIterator[dict[str, Any]]:
     """Validates first (errors become plain 400s), then returns the chunk iterator."""
-    run, constraints = await prepare(body, ctx)
-    return _stream_chunks(body, ctx, run, ChoiceToolStreams.for_plan(constraints.tools))
+    run, plan = await prepare(body, ctx)
+    parses = plan.parses_calls or plan.reasoning_prompt_tail is not None
+    return _stream_chunks(body, ctx, run, ChatStreams(plan) if parses else None)
 
 
 async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext, run: GenerationRun,
-                         tool_streams: ChoiceToolStreams | None) -> AsyncIterator[dict[str, Any]]:
+                         streams: ChatStreams | None) -> AsyncIterator[dict[str, Any]]:
     envelope = ChunkEnvelope(run.response_id, "chat.completion.chunk", int(ctx.clock()), ctx.card.served_name,
                              body.include_usage)
     builder = _logprobs_builder(body, ctx)
@@ -95,8 +116,8 @@ async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext, run: 
             if builder is not None and delta.logprobs:
                 logprobs = {"content": builder.format(delta.logprobs), "refusal": None}
             pieces, finish_reason = [{"content": delta.text}] if delta.text else [], delta.finish_reason
-            if tool_streams is not None:  # content, or tool-call deltas as OpenAI streams them
-                pieces, finish_reason = tool_streams.feed(delta.index, delta.text, delta.finish_reason)
+            if streams is not None:  # content, reasoning or tool-call deltas
+                pieces, finish_reason = streams.feed(delta.index, delta.text, delta.finish_reason)
             if not pieces and (logprobs or finish_reason):
                 pieces = [{}]
             for position, piece in enumerate(pieces):

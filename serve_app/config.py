@@ -178,6 +178,17 @@ class AppArgs(BaseModel):
         description="Placement group strategy of the workers: spread (best effort over nodes), strict_spread "
         "(one worker per node, fails if too few nodes), pack, or none (no placement group).",
     )
+    reasoning_parser: Literal["auto", "none", "qwen3"] = Field(
+        "auto", description="How chat replies' reasoning is parsed into reasoning_content (serve_app/reasoning.py): "
+        "auto: qwen3 when the chat template writes <think> tags, else none; none: never (the thought stays in "
+        "content); qwen3: <think>...</think>. Reported in /v1/models.",
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="The format of tool calls in 'auto' replies of chat templates that render tools "
+        "(serve_app/tool_parsers.py): auto: mistral when the template writes [TOOL_CALLS], llama3_json when it "
+        "writes <|python_tag|> (or an ipython role with \"parameters\"), else hermes (<tool_call> tags). "
+        "Reported in /v1/models.",
+    )
     ingress_replicas: int = Field(1, ge=1, le=64, description="Replicas of the HTTP ingress deployment.")
     stream_interval: int = Field(
         1, ge=1, le=1024, description="Streamed chunks carry at least this many tokens (a choice's first and last "

@@ -16,6 +16,8 @@ class ModelCard:
     eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence unless ignore_eos
     created: int = 0  # unix seconds, for /v1/models
     backend: dict[str, str] = field(default_factory=dict)  # worker device, dtype, kernels, model type, layer loop
+    reasoning_parser: str | None = None  # serve_app/reasoning.py's parser for this template; None: none
+    tool_call_parser: str = "hermes"  # serve_app/tool_parsers.py's parser for this template's tool calls
 
     def check_model(self, requested: str | None) -> None:
         """404 unless the request names this model (or none, or its root path)."""

@@ -4,9 +4,8 @@ Before generating (prepare):
     refused fields -> 400;  tools + tool_choice -> ToolPlan;  response_format or forced
     tool call -> one GrammarSpec, validated off the loop (400 naming the problem), carried in
     SamplingParams.grammar.
-After (building the response):
-    chat_message(): the choice's text as message content, or as message.tool_calls with
-    finish_reason "tool_calls"; ChoiceToolStreams does the same for a stream, delta by delta.
+After: serve_app/chat_output.py turns each choice's text into content, tool calls (and
+reasoning), whole or delta by delta.
 """
 
 from __future__ import annotations
@@ -17,11 +16,8 @@ from typing import Any
 from serve_app.errors import OpenAIError
 from serve_app.grammar import check_combinable, response_format_spec, validator
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.tool_calls import ToolCallStreamer, parse_tool_calls
 from serve_app.tools import ToolPlan, check_parameters, resolve_tools, tool_call_grammar
 from scheduler.sampling_params import GrammarSpec, SamplingParams
-
-TOOL_CALLS_FINISH_REASON = "tool_calls"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,37 +57,3 @@ async def chat_constraints(body: ChatCompletionRequest, ctx: Any) -> Constraints
 
 def with_grammar(params: SamplingParams, constraints: Constraints) -> SamplingParams:
     return params if constraints.grammar is None else dataclasses.replace(params, grammar=constraints.grammar)
-
-
-def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """(message, finish_reason) of a whole chat choice."""
-    if plan is None or not plan.parses_calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_tool_calls(text, plan.allowed_names)
-    if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    message = {"role": "assistant", "content": content, "tool_calls": calls}
-    return message, TOOL_CALLS_FINISH_REASON if finish_reason == "stop" else finish_reason
-
-
-class ChoiceToolStreams:
-    """One ToolCallStreamer per choice of a streamed chat response that parses tool calls."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self._plan = plan
-        self._streamers: dict[int, ToolCallStreamer] = {}
-
-    @classmethod
-    def for_plan(cls, plan: ToolPlan | None) -> ChoiceToolStreams | None:
-        return cls(plan) if plan is not None and plan.parses_calls else None
-
-    def feed(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """(chat deltas, finish_reason) for one choice's new text."""
-        streamer = self._streamers.setdefault(index, ToolCallStreamer(self._plan.allowed_names))
-        deltas = streamer.feed(text) if text else []
-        if finish_reason is None:
-            return deltas, None
-        deltas += streamer.finish()
-        if streamer.num_calls and finish_reason == "stop":
-            finish_reason = TOOL_CALLS_FINISH_REASON
-        return deltas, finish_reason

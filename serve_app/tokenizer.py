@@ -90,6 +90,17 @@ class TokenizerService:
         return list(ids)
 
     @property
+    def chat_template(self) -> str | None:
+        """The template's source (a name or a dict of named templates is given as text)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return None if template is None else str(template)
+
+    def keeps_text(self, text: str) -> bool:
+        """Whether text survives encoding and decoding as output is decoded (special tokens
+        skipped): markers a parser looks for in the output must."""
+        return self.decode_sync(self.encode_sync(text, add_special_tokens=False)) == text
+
+    @property
     def chat_template_renders_tools(self) -> bool:
         """Whether the chat template renders a `tools` argument itself (else serve_app/tools.py does)."""
         return "tools" in str(getattr(self.tokenizer, "chat_template", None) or "")

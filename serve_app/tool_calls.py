@@ -43,8 +43,10 @@ def tool_call_json(name: str, arguments: str, call_id: str | None = None) -> dic
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tool_calls(text: str, allowed_names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a whole choice's text; no calls unless every block parses."""
+def parse_tool_calls(text: str, allowed_names: tuple[str, ...],
+                     max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole choice's text; no calls unless every block parses.
+    max_calls: the first that many calls are returned, later ones dropped (None: all)."""
     calls = []
     for match in _BLOCK.finditer(text):
         call = _parse_call(match.group(1), allowed_names)
@@ -54,7 +56,7 @@ def parse_tool_calls(text: str, allowed_names: tuple[str, ...]) -> tuple[str | N
     if not calls:
         return text, []
     content = _BLOCK.sub("", text).strip()
-    return content or None, calls
+    return content or None, calls[:max_calls]
 
 
 def _parse_call(body: str, allowed_names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -72,7 +74,7 @@ def _parse_call(body: str, allowed_names: tuple[str, ...]) -> tuple[str, str] | 
 
 
 @dataclass(slots=True)
-class _JsonScanner:
+class JsonScanner:
     """Finds where a JSON value ends, piece by piece (strings and escapes respected)."""
 
     depth: int = 0
@@ -107,8 +109,10 @@ class ToolCallStreamer:
     allowed_names: tuple[str, ...]
     state: str = "TEXT"  # TEXT | HEAD | ARGS | TAIL (see the module doc)
     buffer: str = ""  # text held back in the current state
+    max_calls: int | None = None  # calls streamed at most; later ones are dropped (None: all)
     num_calls: int = 0  # calls opened so far (the next call's index)
-    scanner: _JsonScanner = field(default_factory=_JsonScanner)
+    scanner: JsonScanner = field(default_factory=JsonScanner)
+    dropping: bool = False  # the call in ARGS / TAIL is one past max_calls: nothing of it is sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Chat deltas ({"content": ...} or {"tool_calls": [...]}) for the new text."""
@@ -151,10 +155,12 @@ class ToolCallStreamer:
         if head is not None and head.end() == len(self.buffer):
             return  # the whitespace before the arguments may go on
         if head is not None and head.group(1) in self.allowed_names:
-            deltas.append({"tool_calls": [{"index": self.num_calls, **tool_call_json(head.group(1), "")}]})
-            self.num_calls += 1
+            self.dropping = self.max_calls is not None and self.num_calls >= self.max_calls
+            if not self.dropping:
+                deltas.append({"tool_calls": [{"index": self.num_calls, **tool_call_json(head.group(1), "")}]})
+                self.num_calls += 1
             self.buffer = self.buffer[head.end():]
-            self.scanner = _JsonScanner()
+            self.scanner = JsonScanner()
             self.state = "ARGS"
         elif head is not None or not _could_be_head(self.buffer):
             self._emit_content(CALL_OPEN + self.buffer, deltas)  # not a call after all
@@ -166,7 +172,8 @@ class ToolCallStreamer:
             return
         end = self.scanner.feed(self.buffer)
         piece = self.buffer if end is None else self.buffer[:end]
-        deltas.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]})
+        if not self.dropping:
+            deltas.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]})
         self.buffer = "" if end is None else self.buffer[end:]
         if end is not None:
             self.state = "TAIL"

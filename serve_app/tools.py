@@ -11,9 +11,12 @@ tool_choice:
 - "none": tools are rendered (the model knows they exist) and no call is parsed.
 - "auto" (the default with tools): free text; calls the model makes are parsed out.
 - "required" / a named function: the output is constrained by a Lark grammar to one call
-  (or, with parallel_tool_calls, several separated by newlines) of the allowed functions,
-  each call's arguments by that function's own "parameters" schema (%json), so they
-  validate by construction.
+  (or, for "required" with parallel_tool_calls, several separated by newlines) of the allowed
+  functions, each call's arguments by that function's own "parameters" schema (%json), so
+  they validate by construction. A named function is called exactly once, whatever
+  parallel_tool_calls says (as OpenAI does).
+- parallel_tool_calls false: at most one call per choice; in "auto" mode the first call the
+  model writes is returned and later ones are dropped (streamed and whole alike).
 
 Rendering: a chat template that handles tools itself (its source mentions `tools`) gets them
 as apply_chat_template(tools=...). A template that does not (SmolLM2's) gets them from us:
@@ -46,11 +49,16 @@ class ToolPlan:
     functions: tuple[FunctionDefinition, ...]  # every tool of the request, in order
     mode: str  # "none" | "auto" | "required" | "named"
     allowed_names: tuple[str, ...]  # functions a call may name (one for "named")
-    parallel: bool  # several calls per choice allowed
+    parallel: bool  # several calls per choice allowed (never for "named")
 
     @property
     def parses_calls(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def max_calls(self) -> int | None:
+        """Calls a choice may return; None: any number."""
+        return None if self.parallel else 1
 
     def parameters(self, function: FunctionDefinition) -> dict[str, Any]:
         return NO_PARAMETERS if function.parameters is None else function.parameters
@@ -78,7 +86,7 @@ def resolve_tools(body: ChatCompletionRequest) -> ToolPlan | None:
     if choice.function.name not in names:
         raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
                           param="tool_choice", code="invalid_value")
-    return ToolPlan(functions, "named", (choice.function.name,), body.parallel_tool_calls)
+    return ToolPlan(functions, "named", (choice.function.name,), parallel=False)  # exactly one call
 
 
 async def check_parameters(plan: ToolPlan, validator: GrammarValidator) -> None:

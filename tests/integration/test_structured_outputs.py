@@ -208,6 +208,20 @@ def test_streamed_tool_call_arguments_concatenate_to_valid_json(client) -> None:
     jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
 
 
+def test_streamed_named_tool_choice_gives_exactly_one_call(client) -> None:
+    """parallel_tool_calls left at its default (true): a named function is still called once."""
+    stream = chat(client, "Weather in Rome, then in Oslo?", tools=[WEATHER_TOOL, TIME_TOOL], stream=True,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0.0)
+    chunks = [chunk for chunk in stream if chunk.choices]
+    calls = [call for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or [])]
+    assert {call.index for call in calls} == {0} and [call.id for call in calls if call.id] == [calls[0].id]
+    assert calls[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads("".join(call.function.arguments or "" for call in calls)), WEATHER_PARAMETERS)
+    whole = chat(client, "Weather in Rome, then in Oslo?", tools=[WEATHER_TOOL, TIME_TOOL], temperature=0.0,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(whole.choices[0].message.tool_calls) == 1
+
+
 def test_bad_schema_and_unsupported_fields_get_openai_400s_and_others_go_on(client, smollm2_url) -> None:
     bad_format = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}}
     with pytest.raises(openai.BadRequestError) as raised:

@@ -134,3 +134,38 @@ def test_bounded_encoding_is_exact_below_the_limit(service: TokenizerService) ->
     spaced = "x" + " " * 70_000 + "y"  # over the limit: judged by its head, same leading ids
     bounded = service.encode_sync(spaced, max_length=4096)
     assert len(bounded) >= 4096 and bounded[:4096] == service.encode_sync(spaced)[:4096]
+
+
+@pytest.mark.parametrize("tags_are_tokens", [False, True])
+def test_reasoning_comes_apart_token_by_token_with_real_tokens(tags_are_tokens: bool) -> None:
+    """Think tags as Qwen3 ships them (added, non-special tokens) and as plain BPE pieces."""
+    from tiny_model import build_tokenizer
+
+    from serve_app.reasoning import ReasoningParser
+
+    tokenizer = build_tokenizer()
+    if tags_are_tokens:
+        tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
+    service = TokenizerService(tokenizer)
+    assert service.keeps_text("<think>x</think>")
+    text = "<think>\nWhy? Ünïcode 😀 thoughts.\n</think>\n\nBecause."
+    ids = service.encode_sync(text, add_special_tokens=False)
+    assert (len(service.encode_sync("</think>", add_special_tokens=False)) == 1) == tags_are_tokens
+    tracker = ChoiceTracker(0, service.decode_on_loop, service.encode_sync("Prompt: "), [], frozenset())
+    parser = ReasoningParser.for_prompt("assistant\n")
+    pieces = []
+    for position, token in enumerate(ids):
+        finish = FinishReason.LENGTH if position == len(ids) - 1 else None
+        pieces += parser.feed(tracker.update(RequestOutput("r", 0, [token], None, finish, 1, 0)).text)
+    pieces += parser.finish()
+    assert "".join(piece for kind, piece in pieces if kind == "reasoning") == "Why? Ünïcode 😀 thoughts."
+    assert "".join(piece for kind, piece in pieces if kind == "content") == "Because."
+
+
+def test_think_tags_made_special_do_not_reach_the_text() -> None:
+    """Then decoding skips them, and the server turns its reasoning parser off (app.py)."""
+    from tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    assert not TokenizerService(tokenizer).keeps_text("<think>x</think>")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import llguidance
 import pytest
 
 from serve_app.api import create_api
@@ -19,7 +20,7 @@ from serve_app.protocol import ChatCompletionRequest, ResponseFormat
 from serve_app.testing import ScriptedEngine, make_test_context, text_tokens
 from serve_app.tool_calls import ToolCallStreamer, parse_tool_calls
 from serve_app.tools import render_for_template, resolve_tools, tool_call_grammar
-from workers.grammar_spec import validate
+from workers.grammar_spec import grammar_text, validate
 
 pytestmark = pytest.mark.anyio
 
@@ -197,3 +198,78 @@ def test_broken_or_unknown_calls_stay_content() -> None:
         streamer = ToolCallStreamer(("get_weather",))
         deltas = streamer.feed(text) + streamer.finish()
         assert "".join(d.get("content", "") for d in deltas) == text and streamer.num_calls == 0
+
+
+class _ByteVocabulary:
+    """One token per byte plus EOS (256): what llguidance needs to run a grammar over text."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([byte]) for byte in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+def grammar_accepts(grammar, text: str) -> bool:
+    """Whether the grammar lets the output be exactly `text` and then end."""
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()))
+    matcher = llguidance.LLMatcher(tokenizer, grammar_text(grammar), log_level=0)
+    data = list(text.encode())
+    return matcher.try_consume_tokens(data) == len(data) and matcher.is_accepting()
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_tool_choice_grammar_allows_exactly_one_call() -> None:
+    """The cause of three identical streamed calls: the named grammar repeated its call
+    whenever parallel_tool_calls was left at its default (true)."""
+    one = CALL_TEXT.replace("Pa}ris\\\"", "Rome")
+    for parallel in (True, False):
+        request = ChatCompletionRequest(messages=USER, tools=[WEATHER, TIME], tool_choice=NAMED,
+                                        parallel_tool_calls=parallel)
+        grammar = tool_call_grammar(resolve_tools(request))
+        assert grammar_accepts(grammar, one)
+        assert not grammar_accepts(grammar, f"{one}\n{one}")
+    required = ChatCompletionRequest(messages=USER, tools=[WEATHER], tool_choice="required")
+    assert grammar_accepts(tool_call_grammar(resolve_tools(required)), f"{one}\n{one}")  # parallel: several
+    single = ChatCompletionRequest(messages=USER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert not grammar_accepts(tool_call_grammar(resolve_tools(single)), f"{one}\n{one}")
+
+
+THREE_CALLS = "\n".join(CALL_TEXT.replace("Pa}ris", city) for city in ("Rome", "Oslo", "Lima"))
+
+
+def streamed_calls(payloads: list[dict]) -> dict[int, dict]:
+    """Each streamed call by index: its name and its arguments put together."""
+    calls: dict[int, dict] = {}
+    for payload in payloads:
+        for call in payload["choices"][0]["delta"].get("tool_calls") or []:
+            whole = calls.setdefault(call["index"], {"name": None, "arguments": ""})
+            whole["name"] = call["function"].get("name") or whole["name"]
+            whole["arguments"] += call["function"]["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize("extra, num_calls", [
+    ({"tool_choice": NAMED}, 1),  # a named function: exactly one call, parallel_tool_calls left at true
+    ({"tool_choice": NAMED, "parallel_tool_calls": True}, 1),
+    ({"parallel_tool_calls": False}, 1),  # auto: the first call only
+    ({"tool_choice": "required", "parallel_tool_calls": False}, 1),
+    ({}, 3),  # auto, parallel: every call
+])
+async def test_a_choice_returns_no_more_calls_than_allowed_streamed_or_not(extra, num_calls) -> None:
+    body = {"messages": USER, "tools": [WEATHER], **extra}
+    whole = (await post("/v1/chat/completions", body, scripted(THREE_CALLS))).json()["choices"][0]
+    assert len(whole["message"]["tool_calls"]) == num_calls and whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] is None
+    payloads = sse_payloads(await post("/v1/chat/completions", {**body, "stream": True}, scripted(THREE_CALLS)))
+    calls = streamed_calls(payloads)
+    assert sorted(calls) == list(range(num_calls))
+    assert [call["arguments"] for call in calls.values()] == [
+        call["function"]["arguments"] for call in whole["message"]["tool_calls"]]
+    assert calls[0]["arguments"] == '{"city": "Rome\\""}'
+    assert not any(p["choices"][0]["delta"].get("content") for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "tool_calls"
