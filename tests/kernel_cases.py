@@ -319,3 +319,29 @@ E2E_PROMPT_LENS = (3, 11, 16, 29, 45)
 def e2e_prompts(vocab_size: int = 256, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in E2E_PROMPT_LENS]
+
+
+def give_layers_variants(model) -> None:
+    """Gemma 2 / gpt-oss-like attention on write_tiny_llama's two layers (LayerWeights' fields):
+    a window of 5 with a soft-cap on the first, sinks (in the model's dtype and device) and a
+    window of 9 on the second."""
+    gen = torch.Generator().manual_seed(7)
+    sinks = (1 + 2 * torch.randn(model.config.num_heads, generator=gen)).to(model.device, model.dtype)
+    first, second = model.layers[:2]
+    first.window, first.softcap = 5, 2.0
+    second.window, second.sinks = 9, sinks
+
+
+def load_models_with_variants(monkeypatch) -> None:
+    """Every model the loader builds from here on gets give_layers_variants, before the runner
+    captures anything (CUDA graphs) around it."""
+    from workers.model import PagedLlamaModel
+
+    build = PagedLlamaModel.from_hf_weights
+
+    def with_variants(*args, **kwargs):
+        model = build(*args, **kwargs)
+        give_layers_variants(model)
+        return model
+
+    monkeypatch.setattr(PagedLlamaModel, "from_hf_weights", with_variants)

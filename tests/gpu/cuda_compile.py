@@ -79,23 +79,28 @@ def _record(module, name: str, launch) -> tuple:
     return real, args, kwargs
 
 
-# (name, arch, dtype, specs, block_size, head_dim, gqa, num_kv_heads)
+# (name, arch, dtype, specs, block_size, head_dim, gqa, num_kv_heads, attention variant: kc.VARIANTS or None)
 CASES = [
-    ("mixed fp16 gqa3", 90, torch.float16, kc.MIXED_SPECS, 16, 64, 3, 3),  # SmolLM2-like heads
-    ("decode bf16 gqa4", 90, torch.bfloat16, kc.DECODE_SPECS, 32, 128, 4, 2),
-    ("one seq fp32 hd80", 80, torch.float32, [(40, 9)], 16, 80, 1, 4),  # num_seqs == 1: a constexpr
-    ("mixed bf16 gqa8", 80, torch.bfloat16, kc.MIXED_SPECS, 16, 128, 8, 1),
+    ("mixed fp16 gqa3", 90, torch.float16, kc.MIXED_SPECS, 16, 64, 3, 3, None),  # SmolLM2-like heads
+    ("decode bf16 gqa4", 90, torch.bfloat16, kc.DECODE_SPECS, 32, 128, 4, 2, None),
+    ("one seq fp32 hd80", 80, torch.float32, [(40, 9)], 16, 80, 1, 4, None),  # num_seqs == 1: a constexpr
+    ("mixed bf16 gqa8", 80, torch.bfloat16, kc.MIXED_SPECS, 16, 128, 8, 1, None),
+    # Gemma 2 (window + soft-cap, head_dim 256 in the 9B/27B models) and gpt-oss (window + sinks)
+    ("window softcap bf16", 90, torch.bfloat16, kc.WINDOW_SPECS, 16, 256, 2, 4, "window-softcap"),
+    ("window sinks bf16", 90, torch.bfloat16, kc.WINDOW_SPECS, 16, 64, 8, 8, "window-sinks"),
+    ("all variants fp32", 80, torch.float32, kc.WINDOW_SPECS, 16, 64, 3, 2, "all"),
 ]
 
 
 def main() -> int:
     failures = 0
-    for name, arch, dtype, specs, block_size, head_dim, gqa, num_kv_heads in CASES:
+    for name, arch, dtype, specs, block_size, head_dim, gqa, num_kv_heads, variant in CASES:
         batch = kc.make_batch(specs, block_size=block_size, num_kv_heads=num_kv_heads, num_queries_per_kv=gqa,
                               head_dim=head_dim, dtype=dtype)
+        variants = {} if variant is None else kc.variant_kwargs(variant, num_kv_heads * gqa)
         launches = {
             "paged_attention": _record(triton_attention, "_paged_attention_kernel",
-                                       lambda: triton_attention.paged_attention(*batch.attention_args())),
+                                       lambda: triton_attention.paged_attention(*batch.attention_args(), **variants)),
         }
         if arch == 90 or dtype == torch.float32:
             launches["write_kv_cache"] = _record(

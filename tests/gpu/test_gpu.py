@@ -115,6 +115,87 @@ def test_matches_torch_ref(dtype):
     assert err <= 2 * kc.ATOL[dtype], f"triton vs torch_ref: max abs error {err:.3g}"
 
 
+# ----------------------------------------------------------------------------- attention variants
+
+
+def _check_variants(specs, variants: dict, *, block_size, head_dim, gqa, dtype, num_kv_heads=2, seed=0) -> None:
+    """Triton with a layer's variants (window, softcap, sinks) against the float64 oracle, with
+    NaN in every slot no sequence owns and in every block wholly before a sequence's windows."""
+    batch = kc.make_batch(specs, block_size=block_size, num_kv_heads=num_kv_heads, num_queries_per_kv=gqa,
+                          head_dim=head_dim, dtype=dtype, device=DEVICE, seed=seed)
+    if "window" in variants:
+        kc.poison_outside_windows(batch, variants["window"])
+    triton_cache.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    out = triton_attention.paged_attention(*batch.attention_args(), **variants)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "read a page outside the sequence's keys or windows"
+    err = kc.max_abs_err(out, kc.naive_attention(batch, **variants))
+    assert err <= kc.ATOL[dtype], f"max abs error {err:.3g} > {kc.ATOL[dtype]} ({dtype}, {sorted(variants)})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("block_size", "head_dim", "gqa"), [(16, 64, 3), (32, 128, 4), (16, 256, 2)])
+@pytest.mark.parametrize("variant", list(kc.VARIANTS))
+def test_paged_attention_variants(variant, block_size, head_dim, gqa, dtype):
+    """Prompts longer than the window, chunks after cached keys, decodes, GQA; head_dim 256 is
+    Gemma 2 9B/27B's."""
+    variants = kc.variant_kwargs(variant, 2 * gqa, device=DEVICE, seed=gqa)
+    _check_variants(kc.WINDOW_SPECS, variants, block_size=block_size, head_dim=head_dim, gqa=gqa, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_attention_variants_long_random_batches(seed, dtype):
+    """Long contexts far past windows of Gemma's and gpt-oss's sizes (128 and 4096) and between."""
+    rng = random.Random(100 + seed)
+    specs = []
+    for _ in range(rng.randint(8, 32)):
+        kind = rng.choice(["prefill", "chunk", "decode", "decode"])
+        context_len = 0 if kind == "prefill" else rng.randint(1, 6000)
+        specs.append((context_len, 1 if kind == "decode" else rng.randint(1, 700)))
+    gqa = rng.choice([1, 2, 8])
+    variants = {"window": rng.choice([128, 500, 4096])}
+    if seed % 2 == 0:
+        variants["softcap"] = 50.0 / 8  # Gemma 2's 50, against the oracle's N(0, 1) scores
+    if seed % 2 == 1 or seed == 2:
+        variants["sinks"] = kc.variant_kwargs("sinks", 2 * gqa, device=DEVICE, seed=seed)["sinks"]
+    _check_variants(specs, variants, block_size=rng.choice([16, 32]), head_dim=rng.choice([64, 128]), gqa=gqa,
+                    dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_variants_match_torch_ref(dtype):
+    torch_ref = importlib.import_module("workers.kernels.torch_ref")
+    batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=64,
+                          dtype=dtype, device=DEVICE, fill="garbage")
+    variants = kc.variant_kwargs("all", 6, device=DEVICE)
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    torch_ref.write_kv_cache(batch.k_new, batch.v_new, ref_k, ref_v, batch.slot_mapping)
+    triton_cache.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    out = triton_attention.paged_attention(*batch.attention_args(), **variants)
+    ref = torch_ref.paged_attention(batch.q, ref_k, ref_v, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                    batch.scale, **variants)
+    err = kc.max_abs_err(out, ref)
+    assert err <= 2 * kc.ATOL[dtype], f"triton vs torch_ref: max abs error {err:.3g}"
+
+
+def test_runner_attention_variants_triton_equals_torch_eager_and_graphs(tmp_path, monkeypatch):
+    """fp32, the tiny Llama with a window and soft-cap on one layer and a window and sinks on
+    the other (set as the loader builds the model, before graphs are captured): the torch
+    reference, eager Triton and Triton replayed from CUDA graphs give the same greedy tokens,
+    and not the plain model's."""
+    model_dir = tmp_path / "tiny-llama"
+    kc.write_tiny_llama(model_dir)
+    prompts = kc.e2e_prompts()
+    plain = _runner_greedy(str(model_dir), "torch", "float32", prompts, max_tokens=24)
+    kc.load_models_with_variants(monkeypatch)
+    torch_tokens = _runner_greedy(str(model_dir), "torch", "float32", prompts, max_tokens=24)
+    eager = _runner_greedy(str(model_dir), "triton", "float32", prompts, max_tokens=24)
+    graphs = _runner_greedy(str(model_dir), "triton", "float32", prompts, max_tokens=24, graph_sizes=(1, 2, 4, 8))
+    assert eager == torch_tokens and graphs == eager
+    assert torch_tokens != plain, "the variants changed no token: the check is vacuous"
+
+
 def _runner_greedy(model: str, backend: str, dtype: str, prompts, max_tokens: int,
                    graph_sizes: tuple[int, ...] | str = ()) -> list[list[int]]:
     """Greedy tokens of a runner on CUDA; eager (no CUDA graphs) unless graph_sizes says otherwise."""

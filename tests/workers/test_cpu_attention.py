@@ -206,7 +206,8 @@ def test_a_bound_step_takes_each_layers_variants():
     layers = [dict(window=7, softcap=2.0), dict(), dict(sinks=sinks), dict(window=20, sinks=sinks), dict()]
     for variants in layers:
         out = step.attend(batch.q, k_cache, v_cache, **variants)
-        expected = kc.naive_attention(batch, **{**variants, **({"sinks": sinks.float()} if "sinks" in variants else {})})
+        exact = {**variants, "sinks": sinks.float()} if "sinks" in variants else variants
+        expected = kc.naive_attention(batch, **exact)
         assert kc.max_abs_err(out, expected) <= kc.ATOL[torch.float32], variants
     with pytest.raises(ValueError, match="sinks"):
         step.attend(batch.q, k_cache, v_cache, sinks=torch.zeros(5))

@@ -129,10 +129,10 @@ def _torch_ref():
         pytest.skip(f"workers.kernels.torch_ref is not importable yet ({exc}); checked against the dense oracle only")
 
 
-def _run(kernels, batch: "kc.PagedBatch") -> torch.Tensor:
+def _run(kernels, batch: "kc.PagedBatch", **variants) -> torch.Tensor:
     """write_kv_cache for this step's tokens, then paged_attention: the runner's order."""
     kernels.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    return kernels.paged_attention(*batch.attention_args())
+    return kernels.paged_attention(*batch.attention_args(), **variants)
 
 
 def _check_attention(kernels, specs, *, block_size, head_dim, gqa, dtype, num_kv_heads=2, seed=0) -> float:
@@ -272,6 +272,59 @@ def test_matches_torch_ref(kernels, block_size, head_dim, gqa):
     assert err <= kc.ATOL[torch.float32], f"triton vs torch_ref: max abs error {err:.3g}"
 
 
+# ----------------------------------------------------------------------------- variants: window, softcap, sinks
+
+
+def _check_variants(kernels, variant, *, block_size, head_dim, gqa, dtype, specs=kc.WINDOW_SPECS, num_kv_heads=2):
+    """The variant against the float64 oracle, with NaN in every slot no sequence owns and in
+    every block wholly before a sequence's windows (a page read there poisons the output)."""
+    batch = kc.make_batch(specs, block_size=block_size, num_kv_heads=num_kv_heads, num_queries_per_kv=gqa,
+                          head_dim=head_dim, dtype=dtype, seed=gqa)
+    variants = kc.variant_kwargs(variant, num_kv_heads * gqa, seed=gqa)
+    if "window" in variants:
+        assert kc.poison_outside_windows(batch, variants["window"]) > 0
+    out = _run(kernels, batch, **variants)
+    assert not out.isnan().any(), "read a page outside the sequence's keys or windows"
+    err = kc.max_abs_err(out, kc.naive_attention(batch, **variants))
+    assert err <= kc.ATOL[dtype], f"max abs error {err:.3g} > {kc.ATOL[dtype]} ({dtype}, {variant})"
+
+
+@pytest.mark.parametrize(("block_size", "head_dim", "gqa"), [(16, 64, 3), (32, 32, 1)])
+@pytest.mark.parametrize("variant", list(kc.VARIANTS))
+def test_paged_attention_variants_fp32(kernels, variant, block_size, head_dim, gqa):
+    """Prompts longer than the window, chunks after cached keys, decodes, GQA; windows opening
+    mid-page and on page boundaries."""
+    _check_variants(kernels, variant, block_size=block_size, head_dim=head_dim, gqa=gqa, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["window7", "all"])
+def test_paged_attention_variants_16_bit(kernels, bf16_dot, variant, dtype):
+    _check_variants(kernels, variant, block_size=16, head_dim=64, gqa=4, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", ["window-sinks", "window-softcap"])
+def test_paged_attention_variants_decode_tiles(kernels, variant):
+    """Decode-only batches (16-row tiles of 2 tokens x 8 heads) far past their windows."""
+    _check_variants(kernels, variant, block_size=16, head_dim=64, gqa=8, dtype=torch.float32, num_kv_heads=1,
+                    specs=[(70, 1), (15, 1), (16, 1), (0, 1), (130, 1)])
+
+
+def test_variants_match_torch_ref(kernels):
+    torch_ref = _torch_ref()
+    batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=64,
+                          dtype=torch.float32, fill="garbage")
+    variants = kc.variant_kwargs("all", 6)
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    torch_ref.write_kv_cache(batch.k_new, batch.v_new, ref_k, ref_v, batch.slot_mapping)
+    out = _run(kernels, batch, **variants)
+    ref_out = torch_ref.paged_attention(batch.q, ref_k, ref_v, batch.block_tables, batch.query_start_loc,
+                                        batch.seq_lens, batch.scale, **variants)
+    assert kc.max_abs_err(out, ref_out) <= kc.ATOL[torch.float32]
+    with pytest.raises(ValueError, match="window"):
+        kernels.paged_attention(*batch.attention_args(), window=0)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -302,6 +355,28 @@ def test_runner_greedy_triton_equals_torch(kernels, tmp_path, monkeypatch):
         tokens[backend] = kc.greedy_generate(runner, prompts, max_tokens=8, chunk_size=16)
     assert tokens["triton"] == tokens["torch"]
     assert tokens["perturbed"] != tokens["torch"], "greedy tokens do not depend on attention: the check is vacuous"
+
+
+def test_runner_greedy_triton_equals_torch_with_attention_variants(kernels, tmp_path, monkeypatch):
+    """The same with a window and a soft-cap on one layer and a window and sinks on the other
+    (LayerWeights' fields, set as the loader builds the model): the model hands them to the
+    interpreted Triton kernel and to the torch reference alike, and they change the tokens."""
+    model_runner = pytest.importorskip("workers.model_runner", reason="workers.model_runner is not importable")
+    model_dir = tmp_path / "tiny-llama"
+    kc.write_tiny_llama(model_dir)
+    monkeypatch.setitem(sys.modules, "workers.kernels.triton_attention", kernels.attention_module)
+    prompts = kc.e2e_prompts()
+    tokens = {}
+    for name in ("plain", "torch", "triton"):
+        if name == "torch":
+            kc.load_models_with_variants(monkeypatch)
+        config = model_runner.RunnerConfig(model=str(model_dir), dtype="float32", layer_ops="torch", block_size=16,
+                                           num_blocks=64, attention_backend="torch" if name == "plain" else name)
+        runner = model_runner.ModelRunner(config)
+        assert (runner.model.layers[1].sinks is not None) == (name != "plain")
+        tokens[name] = kc.greedy_generate(runner, prompts, max_tokens=8, chunk_size=16)
+    assert tokens["triton"] == tokens["torch"]
+    assert tokens["torch"] != tokens["plain"], "the variants changed no token: the check is vacuous"
 
 
 # ----------------------------------------------------------------------------- CUDA compilation

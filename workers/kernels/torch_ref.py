@@ -13,7 +13,17 @@ ones included (write_kv_cache runs first):
     query i sits at position seq_len - query_len + i and sees keys [0, that position].
 
 So a prefill with a prefix hit, a prefill chunk and a decode (query_len == 1) are the same
-case.
+case. Queries are cut into pieces of at most MAX_PIECE_QUERIES rows; pieces of similar shape
+(all the decodes of similar lengths, equal-length prefills, ...) are padded into one SDPA
+call, so the number of calls does not grow with the batch.
+
+GQA: query head h reads kv head h // (num_heads // num_kv_heads). The query heads that share
+a kv head are folded into the query-length dimension, so keys are never repeated.
+
+Keys are gathered by whole blocks (index_select over the pool's block dimension); slots past
+a piece's last position are masked. The per-step plan (pieces, gather indices, masks)
+depends only on block_tables, query_start_loc and seq_lens, which every layer of a step
+shares: it is built once and reused while the same (unmodified) tensors come back.
 
 Per-layer variants (keyword arguments of paged_attention, each None by default: plain causal
 softmax attention):
@@ -26,17 +36,7 @@ softmax attention):
 
 SDPA has no soft-cap nor sinks: a layer with either runs the same plan through an explicit
 fp32 product, mask and softmax instead. A window only changes the mask (built once per plan
-and window, and kept while the plan is). Queries are cut into pieces of at most MAX_PIECE_QUERIES rows; pieces of similar shape
-(all the decodes of similar lengths, equal-length prefills, ...) are padded into one SDPA
-call, so the number of calls does not grow with the batch.
-
-GQA: query head h reads kv head h // (num_heads // num_kv_heads). The query heads that share
-a kv head are folded into the query-length dimension, so keys are never repeated.
-
-Keys are gathered by whole blocks (index_select over the pool's block dimension); slots past
-a piece's last position are masked. The per-step plan (pieces, gather indices, masks)
-depends only on block_tables, query_start_loc and seq_lens, which every layer of a step
-shares: it is built once and reused while the same (unmodified) tensors come back.
+and window, and kept while the plan is).
 """
 
 from __future__ import annotations

@@ -22,6 +22,14 @@ Work split (no host sync: the grid depends only on tensor shapes):
   last position any row of the tile may see; online softmax (exp2, fp32 running max/sum, fp32
   accumulator). Matmul inputs stay in the input dtype (fp16/bf16 tensor cores on GPU); fp32
   inputs use IEEE fp32 dots (no TF32) so fp32 results match the torch reference closely.
+
+A layer's variants (workers/kernels/__init__.py), each a constexpr switch, so a plain layer
+compiles to the kernel without them:
+- USE_WINDOW: the query at p sees keys (p - window, p]; the KV loop starts at the page of the
+  tile's first query's first visible key, so pages before every window of the tile are not read;
+- USE_SOFTCAP: s = c * tanh(s / c) on the scaled scores (done in log2 units: c log2(e) tanh(s / (c log2(e))));
+- USE_SINKS: a row's running max starts at its head's sink (log2 units) and its sum at 1, so the
+  sink enters the softmax's denominator and adds no value.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels import check_variants
 from workers.kernels.torch_ref import allocate_kv_cache
 from workers.kernels.triton_cache import write_kv_cache
 
@@ -60,6 +69,14 @@ def _find_seq_idx(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2, with no overflow: sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|))."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -69,6 +86,9 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens_ptr,  # [num_seqs] int32, cached + new tokens per sequence
     qk_scale,  # float: softmax scale * log2(e) (the softmax uses exp2)
+    sinks_ptr,  # [num_heads] fp32 sink logits (USE_SINKS; any pointer otherwise)
+    window,  # int: sliding window (USE_WINDOW)
+    softcap_log2,  # float: soft-cap * log2(e) (USE_SOFTCAP)
     num_seqs,  # int
     stride_q_t,  # q.stride(0), elements
     stride_q_h,  # q.stride(1)
@@ -88,6 +108,9 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q tokens x NUM_QUERIES_PER_KV heads, padded
     BLOCK_Q: tl.constexpr,  # query tokens per program = BLOCK_M // NUM_QUERIES_PER_KV
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; ignored for fp16/bf16
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,14 +138,23 @@ def _paged_attention_kernel(
     q_offs = token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:  # the sink as the first logit seen: max = sink, sum = e^0
+        m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
 
-    # The tile's last valid query sees keys [0, context_len + last_q]; pages past that are skipped.
+    # The tile's last valid query sees keys [0, context_len + last_q]; pages past that are skipped,
+    # and with a window the pages before the first key its first query sees.
     last_q = tl.minimum((q_tile_in_seq + 1) * BLOCK_Q, query_len) - 1
     num_pages = tl.cdiv(context_len + last_q + 1, BLOCK_SIZE)
-    for page in range(0, num_pages):
+    if USE_WINDOW:
+        first_page = tl.maximum(context_len + q_tile_in_seq * BLOCK_Q - window + 1, 0) // BLOCK_SIZE
+    else:
+        first_page = 0
+    for page in range(first_page, num_pages):
         block_id = tl.load(block_tables_ptr + seq_idx * stride_bt_s + page).to(tl.int64)
         k_pos = page * BLOCK_SIZE + offs_n  # [BLOCK_SIZE]
         k_valid = k_pos < seq_len
@@ -131,7 +163,11 @@ def _paged_attention_kernel(
         kt_offs = block_id * stride_k_b + offs_n[None, :] * stride_k_t + kv_head * stride_k_h + offs_d[:, None]
         kt = tl.load(k_cache_ptr + kt_offs, mask=d_valid[:, None] & k_valid[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_SIZE] fp32
+        if USE_SOFTCAP:
+            s = softcap_log2 * _tanh(s / softcap_log2)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -197,10 +233,17 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    *,
+    window: int | None = None,  # the layer's variants (workers/kernels/__init__.py); None: none
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], on q's device
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
     """Causal GQA attention of each sequence's new queries over its paged K/V (which must
     already hold this step's keys: call write_kv_cache first)."""
     _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_variants(q.shape[1], window, softcap, sinks)
+    if sinks is not None:
+        assert sinks.device == q.device and sinks.is_contiguous(), (sinks.device, sinks.stride())
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -213,7 +256,9 @@ def paged_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        float(scale) * _LOG2E, num_seqs,
+        float(scale) * _LOG2E,
+        q if sinks is None else sinks, window or 0, (softcap or 1.0) * _LOG2E,
+        num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -225,5 +270,8 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
     )
     return out

@@ -291,7 +291,8 @@ static inline __m512 softcap_ps(__m512 s, float c) {
  * prefill of 8 x 256 tokens, 30 layers, bf16, 1 thread (bench.bench_attention --prefill):
  * with the exact-max update the softmax was 117 of 264 ms. */
 static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, Lanes visible) {
-    const __mmask16 live = visible.hi > visible.lo ? (__mmask16)(((1u << visible.hi) - 1u) & ~((1u << visible.lo) - 1u)) : 0;
+    __mmask16 live = 0; /* lanes [lo, hi); 0 <= lo < hi <= 16 where any */
+    if (visible.hi > visible.lo) live = (__mmask16)(((1u << visible.hi) - 1u) & ~((1u << visible.lo) - 1u));
     const float old_max = w->m[r];
     float max = old_max, correction = 1.0f;
     if (_mm512_mask_cmp_ps_mask(live, scores, _mm512_set1_ps(old_max + MAX_SLACK), _CMP_GT_OQ)) {
