@@ -35,6 +35,11 @@ eight, nine, ten. What is the capital of France? Tell me a story about a robot w
 paint. Once upon a time there was a small robot that lived in a quiet town by the sea.
 def add(a, b): return a + b  # numbers 0123456789 and symbols !?.,;:()[]{}<>+-*/=_'"
 """
+# multimodal model_types: the text model's model_type, and a tiny vision tower's config
+MULTIMODAL = {
+    "gemma3": ("gemma3_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)),
+}
 DEFAULT_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -85,6 +90,12 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
     config_kwargs = dict(DEFAULT_SHAPE, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=EOS_TOKEN_ID,
                          pad_token_id=EOS_TOKEN_ID, tie_word_embeddings=False, initializer_range=init_std)
     config_kwargs.update(config_overrides)
+    if model_type in MULTIMODAL:  # the shape goes to the text model; a tiny vision tower beside it
+        text_type, vision = MULTIMODAL[model_type]
+        text = {key: value for key, value in config_kwargs.items() if key not in ("tie_word_embeddings",)}
+        config_kwargs = dict(text_config=dict(text, model_type=text_type), vision_config=vision,
+                             tie_word_embeddings=config_kwargs["tie_word_embeddings"], mm_tokens_per_image=4,
+                             eos_token_id=EOS_TOKEN_ID, bos_token_id=1, pad_token_id=EOS_TOKEN_ID)
     config = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -23,7 +23,10 @@ from pathlib import Path
 
 from workers.families import FAMILIES, FamilyError
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
+# multimodal model_types whose text model we serve -> that text model's model_type (the vision
+# tower's tensors are skipped at load)
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
 # config.json's activation names -> ours (gated MLPs: act(gate) * up)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
@@ -77,6 +80,7 @@ class ModelConfig:
     logits_softcap: float | None = None  # final logits soft-capped (Gemma 2)
     local_rope_layers: tuple[bool, ...] | None = None  # per layer: rotates with local_rope_theta (Gemma 3)
     local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (Gemma 3)
+    text_model_of: str | None = None  # the multimodal model_type whose text model this is (gemma3); None: text only
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer (SmolLM3)
     embedding_multiplier: float = 1.0  # Granite's multipliers (workers/families.py); 1: none
     residual_multiplier: float = 1.0
@@ -127,6 +131,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
+        if raw.get("model_type") in MULTIMODAL_TEXT_MODELS:  # serve the text model inside
+            text = dict(raw.get("text_config") or {})
+            if text.get("model_type", MULTIMODAL_TEXT_MODELS[raw["model_type"]]) != MULTIMODAL_TEXT_MODELS[raw["model_type"]]:
+                raise ModelConfigError(f"{raw['model_type']}'s text_config has model_type {text['model_type']!r}")
+            text["model_type"] = MULTIMODAL_TEXT_MODELS[raw["model_type"]]
+            for key in ("eos_token_id", "bos_token_id", "quantization_config"):
+                if key in raw:
+                    text.setdefault(key, raw[key])
+            if "tie_word_embeddings" in raw:  # the outer model's (it owns lm_head)
+                text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+            return dataclasses.replace(cls.from_dict(text, generation), text_model_of=raw["model_type"])
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(

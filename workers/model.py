@@ -187,7 +187,8 @@ class PagedLlamaModel:
                         ops: TorchOps | NativeOps | None = None) -> PagedLlamaModel:
         """Build from Hugging Face tensor names (model.layers.N.self_attn.q_proj.weight, ...)."""
         linear = linear or TorchLinear()
-        weights = _WeightReader(config, dict(tensors), device, linear)
+        tensors = _text_model_tensors(tensors) if config.text_model_of else dict(tensors)
+        weights = _WeightReader(config, tensors, device, linear)
         embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         layers = [weights.layer(index) for index in range(config.num_layers)]
         final_norm = weights.take_norm("model.", "norm")
@@ -204,6 +205,27 @@ class PagedLlamaModel:
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling("default"))
             local_rope = RotaryEmbedding(local, max_positions, embed.dtype, device)
         return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
+
+
+# A multimodal checkpoint's text model under the names of a text-only one (both layouts
+# transformers has written), and the tensors that are not the text model's (vision tower,
+# projector), which we skip.
+_TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                        "language_model.lm_head.": "lm_head."}
+_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    renamed = {}
+    for name, tensor in tensors.items():
+        if name.startswith(_NOT_TEXT_MODEL):
+            continue
+        for prefix, replacement in _TEXT_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        renamed[name] = tensor
+    return renamed
 
 
 # Each layer norm's checkpoint name, by where a family puts its norms (ModelConfig.norms).

@@ -229,7 +229,7 @@ class ModelRunner:
             dtype=self.dtype_name,
             attention_backend=self.attention_backend,
             cuda_graph_batch_sizes=self.decode_graphs.batch_sizes if self.decode_graphs is not None else (),
-            model_type=self.model_config.model_type,
+            model_type=self.model_config.text_model_of or self.model_config.model_type,
             layer_loop="c" if self.model.native_forward is not None else "python",
             layer_ops=self.model.ops.name,
             linear_backend=self.model.linear_backend.name,

@@ -34,6 +34,9 @@ FAMILIES = {
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                         rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                                              sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+    # the text model inside a multimodal checkpoint (a vision tower and projector beside it, skipped)
+    "gemma3": dict(model_type="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # norms after each branch, q/k norms over the whole projection
     "olmo2": dict(model_type="olmo2"),
     # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
@@ -92,16 +95,17 @@ def test_c_loop_equals_the_python_loop(family_dir):
 def test_traits_read_from_the_config(family_dir):
     config = ModelConfig.from_model_dir(family_dir)
     traits = FAMILIES[family_dir.name]
-    assert config.model_type == traits["model_type"]
+    assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.qk_norm == {"qwen3": "head", "olmo2": "projection", "gemma3_text": "head"}.get(config.model_type)
     assert config.norms == {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type.startswith("gemma"):
+        assert config.text_model_of == ("gemma3" if family_dir.name == "gemma3" else None)
         assert config.layer_windows == (8, None, 8) and config.activation == "gelu_tanh"
         assert config.norm_weight_offset == 1.0 and config.attention_scale == 24 ** -0.5
         assert config.embedding_multiplier == 64 ** 0.5 and config.sliding_window is None  # the context is not capped
     if config.model_type == "gemma2":
         assert (config.attention_softcap, config.logits_softcap) == (5.0, 8.0)
-    if config.model_type == "gemma3_text":
+    if family_dir.name == "gemma3_text":
         assert config.local_rope_layers == (True, False, True) and config.local_rope_theta == 1e4
         assert config.rope_theta == 1e6 and config.rope_scaling.rope_type == "linear"
     if config.model_type == "phi3":
