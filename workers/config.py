@@ -3,7 +3,7 @@
 Parsed once from a local model directory (config.json, plus generation_config.json for
 EOS ids when present). The shape numbers are common to every family; what a family changes
 in the layer comes from its entry in workers/families.py (llama, mistral, qwen2, qwen3,
-smollm3, granite).
+smollm3, granite; mixtral and qwen3_moe with mixture-of-experts MLPs).
 
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.families import FAMILIES, FamilyError
+from workers.families import FAMILIES, FamilyError, MoeTraits
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -41,7 +41,7 @@ class ModelConfig:
     model_type: str  # a key of workers.families.FAMILIES
     vocab_size: int  # rows of the embedding and of lm_head
     hidden_size: int  # model width
-    intermediate_size: int  # MLP width
+    intermediate_size: int  # dense MLP width (an expert's width is moe.intermediate_size)
     num_layers: int  # decoder layers
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA: num_heads % num_kv_heads == 0)
@@ -63,6 +63,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_scale: float = 1.0
+    moe: MoeTraits | None = None  # the mixture-of-experts MLP and its layers (workers/moe.py); None: dense only
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.layers[layer]
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
@@ -153,6 +157,7 @@ class ModelConfig:
             residual_multiplier=traits.residual_multiplier,
             attention_scale=traits.attention_scale,
             logits_scale=traits.logits_scale,
+            moe=traits.moe,
         )
 
 

@@ -7,7 +7,9 @@ Not transformers' forward. Per layer:
 
 and what a family changes (ModelConfig's traits): per-head RMSNorms of q and k before RoPE
 (Qwen3), layers without RoPE (SmolLM3), an embedding multiplier, a residual multiplier (folded
-into the o_proj and down_proj weights at load), an attention scale and a logits scale (Granite).
+into the o_proj and down_proj weights at load), an attention scale and a logits scale (Granite),
+and in some or all layers a mixture of experts in place of the dense MLP (Mixtral, Qwen3-MoE:
+workers/moe.py's moe_mlp).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
@@ -38,6 +40,7 @@ from workers.config import ModelConfig
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding
 
@@ -66,13 +69,14 @@ class LayerWeights:
     o: torch.Tensor  # [hidden, num_heads * head_dim]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a MoE layer (and the three below)
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor | None  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
+    moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
@@ -118,8 +122,11 @@ class PagedLlamaModel:
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
             delta = self._attention(layer, x, positions, step, kv_cache)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
-            delta = self.linear(self.ops.silu_mul(self.linear(x, layer.gate_up, layer.gate_up_bias)),
-                                layer.down, layer.down_bias)
+            if layer.moe is not None:
+                delta = moe_mlp(x, layer.moe, self.linear_backend, self.ops)
+            else:
+                delta = self.linear(self.ops.silu_mul(self.linear(x, layer.gate_up, layer.gate_up_bias)),
+                                    layer.down, layer.down_bias)
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -211,6 +218,8 @@ class _WeightReader:
         qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         qkv_names = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
+        moe = read_moe_weights(self, index, c.moe, c.hidden_size) if c.is_moe_layer(index) else None
+        dense = moe is None
         return LayerWeights(
             input_norm=self.take(prefix + "input_layernorm.weight", (c.hidden_size,)),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
@@ -220,15 +229,19 @@ class _WeightReader:
             post_norm=self.take(prefix + "post_attention_layernorm.weight", (c.hidden_size,)),
             gate_up=self.pack(
                 self.take_fused([n + ".weight" for n in gate_up_names], [(c.intermediate_size, c.hidden_size)] * 2)
-            ),
+            ) if dense else None,
             gate_up_bias=(
-                self.take_fused([n + ".bias" for n in gate_up_names], [(c.intermediate_size,)] * 2) if c.mlp_bias else None
+                self.take_fused([n + ".bias" for n in gate_up_names], [(c.intermediate_size,)] * 2)
+                if c.mlp_bias and dense else None
             ),
-            down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
-            down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
+            down=self.pack(
+                self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))
+            ) if dense else None,
+            down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None,
             q_norm=self.take(attn + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
             k_norm=self.take(attn + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
             use_rope=c.uses_rope(index),
+            moe=moe,
         )
 
     def check_all_used(self) -> None:
