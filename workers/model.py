@@ -237,7 +237,9 @@ class _WeightReader:
             down=self.pack(
                 self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))
             ) if dense else None,
-            down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None,
+            down_bias=(
+                self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
+            ),
             q_norm=self.take(attn + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
             k_norm=self.take(attn + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
             use_rope=c.uses_rope(index),

@@ -173,7 +173,8 @@ def test_experts_equal_float64_and_run_only_the_chosen_ones(backend, num_tokens)
         return linear.linear(rows, weight, bias)
 
     out = run_experts(x, routing, expert_ids, weights, spying_linear, ops.silu_mul)
-    torch.testing.assert_close(out.double(), float64_experts(x, routing, expert_ids, gate_up, down), atol=2e-4, rtol=1e-4)
+    expected = float64_experts(x, routing, expert_ids, gate_up, down)
+    torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=1e-4)
     chosen = sorted(set(expert_ids.flatten().tolist()))
     assert used == [e for e in chosen for _ in range(2)]  # each chosen expert once (gate_up, then down); no other
     if num_tokens == 1:
@@ -292,6 +293,7 @@ def test_a_checkpoint_with_other_experts_than_the_config_is_refused(tmp_path):
     with pytest.raises(WeightError, match=r"^model.layers.0.block_sparse_moe.gate.weight has shape \(6, 64\), "
                                           r"expected \(5, 64\)$"):
         load_tensors(model_dir, dict(tensors), num_experts=5)
-    with pytest.raises(WeightError, match=r"^2 unexpected tensors: model.layers.0.block_sparse_moe.experts.6.w1.weight"):
-        load_tensors(model_dir, dict(tensors, **{"model.layers.0.block_sparse_moe.experts.6.w1.weight": torch.ones(1),
+    extra = "model.layers.0.block_sparse_moe.experts.6.w1.weight"
+    with pytest.raises(WeightError, match=rf"^2 unexpected tensors: {extra}"):
+        load_tensors(model_dir, dict(tensors, **{extra: torch.ones(1),
                                                  "model.layers.2.block_sparse_moe.experts.7.w2.weight": torch.ones(1)}))
