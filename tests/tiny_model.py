@@ -76,8 +76,10 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, init_std: float = 0.3,
-                         **config_overrides) -> Path:
-    """Write a random model of `model_type` ("llama", "qwen2", "mistral") + tokenizer into path."""
+                         save_original_format: bool = True, **config_overrides) -> Path:
+    """Write a random model of `model_type` ("llama", "qwen2", "mistral") + tokenizer into path.
+    save_original_format=False saves transformers' own tensor layout (e.g. a MoE's experts
+    stacked into 3-D tensors) instead of the checkpoint names the family ships with."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from workers.loader import inline_chat_template
@@ -105,7 +107,7 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
                 parameter.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 parameter.normal_(0.0, init_std)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, save_original_format=save_original_format)
     GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID).save_pretrained(path)
     (path / "tiny_model.json").write_text(json.dumps({"model_type": model_type, "seed": seed}) + "\n")
     return path

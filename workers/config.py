@@ -2,7 +2,8 @@
 
 Parsed once from a local model directory (config.json, plus generation_config.json for
 EOS ids when present). The shape numbers are common to every family; what a family changes
-in the layer comes from its entry in workers/families.py.
+in the layer comes from its entry in workers/families.py (mixtral and qwen3_moe with
+mixture-of-experts MLPs, workers/moe.py).
 
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
@@ -21,7 +22,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.families import FAMILIES, FamilyError
+from workers.families import FAMILIES, FamilyError, MoeTraits
 
 SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
 # multimodal model_types whose text model we serve -> that text model's model_type (the vision
@@ -53,7 +54,7 @@ class ModelConfig:
     model_type: str  # a key of workers.families.FAMILIES
     vocab_size: int  # rows of the embedding and of lm_head
     hidden_size: int  # model width
-    intermediate_size: int  # MLP width
+    intermediate_size: int  # dense MLP width (an expert's width is moe.intermediate_size)
     num_layers: int  # decoder layers
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA: num_heads % num_kv_heads == 0)
@@ -86,6 +87,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_scale: float = 1.0
+    moe: MoeTraits | None = None  # the mixture-of-experts MLP and its layers (workers/moe.py); None: dense only
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.layers[layer]
 
     @property
     def rotary_dim(self) -> int:
@@ -210,6 +215,7 @@ class ModelConfig:
             residual_multiplier=traits.residual_multiplier,
             attention_scale=traits.attention_scale,
             logits_scale=traits.logits_scale,
+            moe=traits.moe,
         )
 
 

@@ -27,6 +27,11 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     phi3        q, k and v in one checkpoint tensor (qkv_proj), gate and up in another
                 (gate_up_proj); partial rotary (partial_rotary_factor) and longrope scaling are
                 read by workers/config.py for every family; `sliding_window` caps the context
+    mixtral     mistral's attention; every MLP is a mixture of experts (MoeTraits, workers/moe.py):
+                softmax over the router's logits, the top k, renormalised
+    qwen3_moe   qwen3's attention; MoE MLPs (softmax, top k, renormalised iff `norm_topk_prob`)
+                in every `decoder_sparse_step`-th layer except `mlp_only_layers`, which keep a
+                dense MLP of `intermediate_size`
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -35,7 +40,7 @@ checkpoints with transformers' own classes and compare greedy tokens).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class FamilyError(ValueError):
@@ -61,6 +66,34 @@ class FamilyTraits:
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
     attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
     logits_scale: float = 1.0  # logits are multiplied by it
+    moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
+
+
+ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeTraits:
+    """A mixture-of-experts MLP (workers/moe.py): which layers have one, how the router weighs
+    the experts, and what a classic checkpoint calls their tensors (transformers' fused layout,
+    mlp.gate + mlp.experts.gate_up_proj / down_proj, is read for every family)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's gated-SiLU width
+    layers: tuple[bool, ...]  # per layer: True: the MoE MLP; False: the dense MLP (ModelConfig.intermediate_size)
+    scoring: str = "softmax_topk"  # "softmax_topk": softmax over every expert's logit, then the top k;
+    #                                "topk_softmax": the top k logits, then softmax over those k
+    renormalize: bool = True  # softmax_topk: the k weights are divided by their sum
+    router_bias: bool = False  # the router's logits carry a bias (its tensor {block}.gate.bias)
+    block: str = "mlp"  # classic names: model.layers.N.{block}.gate.weight, {block}.experts.E.{projection}.weight
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise FamilyError(f"{self.top_k} experts per token out of {self.num_experts} experts")
+        if self.scoring not in ROUTER_SCORINGS:
+            raise FamilyError(f"router scoring {self.scoring!r} is not one of {ROUTER_SCORINGS}")
 
 
 def _llama(raw: dict) -> FamilyTraits:
@@ -161,6 +194,34 @@ def _gemma3_text(raw: dict) -> FamilyTraits:
                         local_rope_layers=tuple(window is not None for window in shared["layer_windows"]))
 
 
+def _mixtral(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    moe = MoeTraits(
+        num_experts=int(raw.get("num_local_experts", 8)), top_k=int(raw.get("num_experts_per_tok", 2)),
+        intermediate_size=int(raw["intermediate_size"]), layers=(True,) * num_layers,
+        block="block_sparse_moe", expert_projections=("w1", "w3", "w2"),
+    )
+    return replace(_mistral(raw), moe=moe)
+
+
+def _qwen3_moe(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))  # transformers 5 saves the latter
+    step = int(raw.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise FamilyError(f"decoder_sparse_step {step} is not a positive layer interval")
+    dense = {int(layer) for layer in raw.get("mlp_only_layers") or ()}
+    layers = tuple(num_experts > 0 and layer not in dense and (layer + 1) % step == 0 for layer in range(num_layers))
+    moe = None
+    if any(layers):
+        moe = MoeTraits(
+            num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)),
+            intermediate_size=int(raw.get("moe_intermediate_size", 768)), layers=layers,
+            renormalize=bool(raw.get("norm_topk_prob", False)),
+        )
+    return replace(_qwen3(raw), moe=moe)
+
+
 FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -172,4 +233,6 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
 }

@@ -13,6 +13,8 @@ layers (Gemma 3), per-layer sliding windows and attention soft-capping (the atte
 backend's), final logit soft-capping (Gemma 2), an embedding
 multiplier, a residual multiplier (folded into the o_proj and down_proj weights at load), an
 attention scale and a logits scale (Granite).
+In some or all layers a mixture of experts takes the dense MLP's place (Mixtral, Qwen3-MoE:
+workers/moe.py's moe_mlp).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
@@ -48,6 +50,7 @@ from workers.config import ModelConfig, RopeScaling
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding
 
@@ -76,9 +79,9 @@ class LayerWeights:
     o: torch.Tensor  # [hidden, num_heads * head_dim]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor | None  # [hidden]; None: the MLP reads the residual stream unnormed (OLMo 2)
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a MoE layer (and the three below)
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor | None  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
@@ -91,6 +94,7 @@ class LayerWeights:
     window: int | None = None  # sliding window: a query sees its own key and the window - 1 before it
     softcap: float | None = None  # attention scores soft-capped to softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
+    moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
@@ -140,8 +144,11 @@ class PagedLlamaModel:
             if layer.attn_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.attn_out_norm, eps)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
-            delta = self.linear(self.ops.gated_mul(self.linear(x, layer.gate_up, layer.gate_up_bias), activation),
-                                layer.down, layer.down_bias)
+            if layer.moe is not None:
+                delta = moe_mlp(x, layer.moe, self.linear_backend, self.ops, activation)
+            else:
+                delta = self.linear(self.ops.gated_mul(self.linear(x, layer.gate_up, layer.gate_up_bias), activation),
+                                    layer.down, layer.down_bias)
             if layer.mlp_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.mlp_out_norm, eps)
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
@@ -287,6 +294,8 @@ class _WeightReader:
         norms = _NORM_NAMES[c.norms]
         q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
                                       if c.qk_norm == "projection" else (c.head_dim, c.head_dim))
+        moe = read_moe_weights(self, index, c.moe, c.hidden_size) if c.is_moe_layer(index) else None
+        dense = moe is None
         return LayerWeights(
             input_norm=self.take_norm(prefix, norms["input_norm"]),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
@@ -296,12 +305,17 @@ class _WeightReader:
             post_norm=self.take_norm(prefix, norms["post_norm"]),
             gate_up=self.pack(
                 self.take_fused([n + ".weight" for n in gate_up_names], [(r, c.hidden_size) for r in gate_up_rows])
-            ),
+            ) if dense else None,
             gate_up_bias=(
-                self.take_fused([n + ".bias" for n in gate_up_names], [(r,) for r in gate_up_rows]) if c.mlp_bias else None
+                self.take_fused([n + ".bias" for n in gate_up_names], [(r,) for r in gate_up_rows])
+                if c.mlp_bias and dense else None
             ),
-            down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
-            down_bias=self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
+            down=self.pack(
+                self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))
+            ) if dense else None,
+            down_bias=(
+                self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
+            ),
             q_norm=self.take_norm(attn, "q_norm", q_norm_width) if c.qk_norm else None,
             k_norm=self.take_norm(attn, "k_norm", k_norm_width) if c.qk_norm else None,
             qk_norm_whole=c.qk_norm == "projection",
@@ -311,6 +325,7 @@ class _WeightReader:
             local_rope=c.uses_local_rope(index),
             window=c.layer_window(index),
             softcap=c.attention_softcap,
+            moe=moe,
         )
 
     def take_norm(self, prefix: str, name: str | None, width: int | None = None) -> torch.Tensor | None:

@@ -47,7 +47,10 @@ class NativeForward:
     @classmethod
     def for_model(cls, model) -> NativeForward | None:
         """The C loop for this model, or None where one of its parts is not ours (torch ops or
-        attention, F.linear or oneDNN alone, a GPU)."""
+        attention, F.linear or oneDNN alone, a GPU) or a layer's MLP has no C form yet (mixture of
+        experts: the Python loop runs it, over our kernels and products)."""
+        if any(layer.moe is not None for layer in model.layers):
+            return None
         if (model.device.type != "cpu" or model.dtype not in DTYPE_CODES or model.attention is not cpu_attention
                 or not isinstance(model.ops, NativeOps) or not isinstance(model.linear_backend, NativeLinear)):
             return None

@@ -1,0 +1,299 @@
+"""Mixture-of-experts layers (workers/moe.py, the mixtral and qwen3_moe families).
+
+The router against a float64 reference and against transformers' own router modules (Mixtral,
+Qwen3-MoE, and gpt-oss's top-k-then-softmax with a bias, for the family to come); the experts
+against a float64 sum over every expert, running only the experts the tokens chose; and tiny
+random checkpoints built with transformers' classes, whose greedy tokens and logprobs equal
+transformers' on the torch path and on our CPU kernels and products (the Python layer loop:
+the C loop has no MoE), with chunked prompts beside decodes. Missing or extra expert tensors
+fail with one line naming them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from runner_helpers import (HfOracle, assert_greedy_matches, assert_logprobs_match_hf, greedy, make_runner,
+                            prompts_of_lengths, run_requests, run_with_logprobs)
+from safetensors.torch import load_file, save_file
+from tiny_model import build_tiny_model_dir
+
+from scheduler.sampling_params import SamplingParams
+from workers.config import ModelConfig, ModelConfigError
+from workers.families import MoeTraits
+from workers.kernels import get_attention_backend
+from workers.kernels.native import native_available
+from workers.layer_ops import NativeOps, TorchOps
+from workers.linear import DualWeight, NativeLinear, PanelWeight, TorchLinear
+from workers.loader import ModelPathError
+from workers.model import PagedLlamaModel, WeightError
+from workers.moe import MoeWeights, route, router_logits, run_experts
+
+CHECKPOINTS = {
+    # 6 experts, top 2, renormalised; the classic per-expert tensors (block_sparse_moe.experts.E.w1/w3/w2)
+    "mixtral": dict(model_type="mixtral", num_local_experts=6, num_experts_per_tok=2),
+    # the same in transformers' own layout (mlp.experts.gate_up_proj / down_proj, 3-D)
+    "mixtral-fused": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, seed=1,
+                          save_original_format=False),
+    # q/k norms, 8 experts of width 48, top 2 not renormalised (Qwen3-30B-A3B's norm_topk_prob is true: next)
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=False),
+    # 4 layers: 0 and 2 dense (mlp_only_layers, width 128), 1 and 3 MoE (top 3 of 5, renormalised)
+    "qwen3_moe-dense-layers": dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=5, num_experts_per_tok=3,
+                                   moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[0, 2]),
+}
+PATHS = {
+    "torch": dict(attention_backend="torch", layer_ops="torch", linear_backend="torch"),
+    "cpu": dict(attention_backend="cpu"),  # our attention, C ops and packed products; the Python layer loop
+}
+
+
+def float64_route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of the module docstring, row by row in float64 with Python's sort."""
+    all_weights, all_ids = [], []
+    for row in logits.double():
+        ranked = sorted(range(row.shape[0]), key=lambda expert: -float(row[expert]))[:traits.top_k]
+        if traits.scoring == "topk_softmax":
+            weights = torch.softmax(row[ranked], dim=0)
+        else:
+            weights = torch.softmax(row, dim=0)[ranked]
+            if traits.renormalize:
+                weights = weights / weights.sum()
+        all_weights.append(weights)
+        all_ids.append(ranked)
+    return torch.stack(all_weights), torch.tensor(all_ids)
+
+
+def traits_of(scoring: str = "softmax_topk", renormalize: bool = True, num_experts: int = 16,
+              top_k: int = 4, router_bias: bool = False) -> MoeTraits:
+    return MoeTraits(num_experts=num_experts, top_k=top_k, intermediate_size=8, layers=(True,), scoring=scoring,
+                     renormalize=renormalize, router_bias=router_bias)
+
+
+@pytest.mark.parametrize("scoring,renormalize", [("softmax_topk", True), ("softmax_topk", False),
+                                                 ("topk_softmax", False)])
+def test_routing_equals_float64(scoring, renormalize):
+    traits = traits_of(scoring, renormalize)
+    logits = torch.randn(64, traits.num_experts, generator=torch.Generator().manual_seed(0)) * 3
+    weights, expert_ids = route(logits, traits)
+    expected_weights, expected_ids = float64_route(logits, traits)
+    assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
+    assert torch.equal(expert_ids, expected_ids)
+    torch.testing.assert_close(weights.double(), expected_weights, atol=1e-6, rtol=0)
+    sums = weights.sum(dim=-1)
+    if renormalize or scoring == "topk_softmax":
+        torch.testing.assert_close(sums, torch.ones_like(sums))
+    else:
+        assert bool((sums < 1).all())
+
+
+def test_router_bias_is_added_before_the_top_k():
+    traits = traits_of("topk_softmax", router_bias=True)
+    generator = torch.Generator().manual_seed(1)
+    x, router = torch.randn(32, 24, generator=generator), torch.randn(traits.num_experts, 24, generator=generator)
+    bias = torch.randn(traits.num_experts, generator=generator) * 4  # large enough to change the choice
+    weights = MoeWeights(traits, TorchLinear().pack(router), bias, (), ())
+    ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits)
+    expected_weights, expected_ids = float64_route(x.double() @ router.double().T + bias.double(), traits)
+    assert torch.equal(ours_ids, expected_ids)
+    torch.testing.assert_close(ours_weights.double(), expected_weights, atol=1e-6, rtol=0)
+    _, unbiased_ids = route(x @ router.T, traits)
+    assert not torch.equal(unbiased_ids, ours_ids)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss"])
+def test_routing_equals_transformers_routers(family):
+    """Our route() on transformers' router modules' logits picks the same experts with the same weights."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    model_type = family.split("-")[0]
+    config = AutoConfig.for_model(model_type, hidden_size=32, num_local_experts=8, num_experts=8, num_experts_per_tok=3,
+                                  norm_topk_prob=family.endswith("renormalised"))
+    router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter}
+    router = router_class[model_type](config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for parameter in router.parameters():
+            parameter.normal_(0.0, 0.5)
+    traits = {
+        "mixtral": traits_of(num_experts=8, top_k=3),
+        "qwen3_moe": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
+        "gpt_oss": traits_of("topk_softmax", num_experts=8, top_k=3, router_bias=True),
+    }[model_type]
+    x = torch.randn(40, 32)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = router(x)
+    bias = router.bias.detach() if model_type == "gpt_oss" else None
+    weights = MoeWeights(traits, router.weight.detach(), bias, (), ())
+    ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits)
+    assert torch.equal(ours_ids, hf_ids)
+    torch.testing.assert_close(ours_weights, hf_weights.float(), atol=1e-6, rtol=1e-6)
+
+
+def random_experts(traits: MoeTraits, hidden: int, linear, seed: int = 3) -> tuple[MoeWeights, list, list]:
+    generator = torch.Generator().manual_seed(seed)
+    width = traits.intermediate_size
+    gate_up = [torch.randn(2 * width, hidden, generator=generator) * 0.3 for _ in range(traits.num_experts)]
+    down = [torch.randn(hidden, width, generator=generator) * 0.3 for _ in range(traits.num_experts)]
+    router = torch.randn(traits.num_experts, hidden, generator=generator)
+    weights = MoeWeights(traits, linear.pack(router), None, tuple(map(linear.pack, gate_up)),
+                         tuple(map(linear.pack, down)))
+    return weights, gate_up, down
+
+
+def float64_experts(x, routing, expert_ids, gate_up, down) -> torch.Tensor:
+    """Every expert on every token, in float64, weighted by its routing weight where chosen (0 elsewhere)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for expert, (gate_up_e, down_e) in enumerate(zip(gate_up, down)):
+        gate, up = (x.double() @ gate_up_e.double().T).chunk(2, dim=-1)
+        expert_out = (torch.nn.functional.silu(gate) * up) @ down_e.double().T
+        weight = (routing.double() * (expert_ids == expert)).sum(dim=-1, keepdim=True)
+        out += weight * expert_out
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 37])
+def test_experts_equal_float64_and_run_only_the_chosen_ones(backend, num_tokens):
+    if backend == "native" and not native_available():
+        pytest.skip("the C kernels do not build here")
+    linear, ops = (TorchLinear(), TorchOps()) if backend == "torch" else (NativeLinear(), NativeOps())
+    traits = replace(traits_of(num_experts=12, top_k=3), intermediate_size=20)
+    weights, gate_up, down = random_experts(traits, hidden=32, linear=linear)
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(num_tokens))
+    routing, expert_ids = route(router_logits(x, weights, linear), traits)
+    used = []
+
+    def spying_linear(rows, weight, bias):
+        used.append(next(e for e, w in enumerate(weights.gate_up + weights.down) if w is weight) % traits.num_experts)
+        return linear.linear(rows, weight, bias)
+
+    out = run_experts(x, routing, expert_ids, weights, spying_linear, lambda g: ops.gated_mul(g, "silu"))
+    expected = float64_experts(x, routing, expert_ids, gate_up, down)
+    torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=1e-4)
+    chosen = sorted(set(expert_ids.flatten().tolist()))
+    assert used == [e for e in chosen for _ in range(2)]  # each chosen expert once (gate_up, then down); no other
+    if num_tokens == 1:
+        assert len(chosen) == traits.top_k < traits.num_experts
+
+
+def test_experts_of_no_tokens():
+    weights, _, _ = random_experts(traits_of(), hidden=16, linear=TorchLinear())
+    out = run_experts(torch.empty(0, 16), torch.empty(0, 4), torch.empty(0, 4, dtype=torch.int64), weights,
+                      TorchLinear().linear, lambda g: TorchOps().gated_mul(g, "silu"))
+    assert out.shape == (0, 16)
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def moe_dir(request, tmp_path_factory):
+    """The checkpoint directory, named as its CHECKPOINTS key."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("moe") / request.param, **CHECKPOINTS[request.param])
+
+
+def moe_runner(model_dir, path: str, **overrides):
+    if path == "cpu" and not native_available():
+        pytest.skip("the C kernels do not build here")
+    runner = make_runner(model_dir, **PATHS[path], **overrides)
+    assert runner.model.native_forward is None  # no C layer loop for MoE layers: the Python loop runs them
+    moe_layers = [layer.moe for layer in runner.model.layers if layer.moe is not None]
+    assert moe_layers, "the checkpoint has no MoE layer"
+    if path == "cpu":  # the experts' products are our packed ones
+        assert all(isinstance(w, (PanelWeight, DualWeight)) for moe in moe_layers for w in moe.gate_up + moe.down)
+    return runner
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_greedy_tokens_equal_transformers(moe_dir, path):
+    runner = moe_runner(moe_dir, path)
+    oracle = HfOracle(moe_dir)
+    prompts = prompts_of_lengths([1, 3, 17, 40], runner.model_info.vocab_size, seed=1)
+    outputs = run_requests(runner, prompts, greedy(12), token_budget=16)  # chunked prompts beside decodes
+    for prompt, output in zip(prompts, outputs):
+        assert_greedy_matches(output, oracle.greedy(prompt, 12))
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_logprobs_equal_transformers(moe_dir, path):
+    runner = moe_runner(moe_dir, path)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=4),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, logprobs=4)]
+    oracle = HfOracle(moe_dir)
+    for request in run_with_logprobs(runner, prompts_of_lengths([21, 5], runner.model_info.vocab_size, seed=2), params):
+        assert_logprobs_match_hf(request, oracle, 4)
+
+
+def test_layers_and_model_info(moe_dir):
+    config = ModelConfig.from_model_dir(moe_dir)
+    settings = CHECKPOINTS[moe_dir.name]
+    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) for layer in range(config.num_layers))
+    assert config.moe.layers == expected_layers
+    assert config.moe.renormalize == settings.get("norm_topk_prob", True)
+    assert config.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts"))
+    assert config.qk_norm == ("head" if config.model_type == "qwen3_moe" else None)
+    runner = moe_runner(moe_dir, "cpu")
+    assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
+    assert all((layer.gate_up is None) == (layer.moe is not None) for layer in runner.model.layers)
+    info = runner.model_info
+    assert (info.model_type, info.layer_loop, info.layer_ops, info.linear_backend) == (
+        settings["model_type"], "python", "native", "native")
+
+
+def test_qwen3_moe_config_reads_the_sparse_step_and_dense_layers():
+    raw = dict(model_type="qwen3_moe", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=2, num_experts=128, num_experts_per_tok=8,
+               moe_intermediate_size=768, decoder_sparse_step=2, mlp_only_layers=[3])
+    config = ModelConfig.from_dict(raw)
+    assert config.moe.layers == (False, True, False, False, False, True)
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (128, 8, 768)
+    assert not config.moe.renormalize and config.moe.scoring == "softmax_topk"
+    assert ModelConfig.from_dict(dict(raw, num_experts=0)).moe is None  # every layer dense
+    with pytest.raises(ModelConfigError, match="9 experts per token out of 8"):
+        ModelConfig.from_dict(dict(raw, num_experts=8, num_experts_per_tok=9))
+    with pytest.raises(ModelConfigError, match="decoder_sparse_step 0"):
+        ModelConfig.from_dict(dict(raw, decoder_sparse_step=0))
+    with pytest.raises(ModelConfigError, match="use_sliding_window"):
+        ModelConfig.from_dict(dict(raw, use_sliding_window=True))
+    mixtral = ModelConfig.from_dict(dict(raw, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                                         sliding_window=512))
+    assert mixtral.moe.layers == (True,) * 6 and mixtral.moe.intermediate_size == 128 and mixtral.moe.renormalize
+    assert mixtral.max_model_len == 512
+
+
+def load_tensors(model_dir, tensors: dict, **kwargs) -> PagedLlamaModel:
+    config = ModelConfig.from_model_dir(model_dir)
+    if kwargs:
+        config = replace(config, moe=replace(config.moe, **kwargs))
+    return PagedLlamaModel.from_hf_weights(config, tensors, "cpu", get_attention_backend("torch"), 64)
+
+
+@pytest.mark.parametrize("layout", ["classic", "fused"])
+def test_a_missing_expert_tensor_is_named_on_one_line(tmp_path, layout):
+    checkpoint = "mixtral" if layout == "classic" else "mixtral-fused"
+    model_dir = build_tiny_model_dir(tmp_path / checkpoint, **CHECKPOINTS[checkpoint])
+    tensors = load_file(model_dir / "model.safetensors")
+    missing = ("model.layers.1.block_sparse_moe.experts.2.w3.weight" if layout == "classic"
+               else "model.layers.1.mlp.experts.down_proj")
+    del tensors[missing]
+    with pytest.raises(WeightError) as error:
+        load_tensors(model_dir, tensors)
+    assert str(error.value) == f"missing tensor {missing}"
+    save_file(tensors, model_dir / "model.safetensors")  # and through the loader, naming the directory
+    with pytest.raises(ModelPathError, match=f"{model_dir}.*missing tensor {missing}") as error:
+        make_runner(model_dir)
+    assert "\n" not in str(error.value)
+
+
+def test_a_checkpoint_with_other_experts_than_the_config_is_refused(tmp_path):
+    model_dir = build_tiny_model_dir(tmp_path / "mixtral", **CHECKPOINTS["mixtral"])
+    tensors = load_file(model_dir / "model.safetensors")
+    with pytest.raises(WeightError, match=r"^model.layers.0.block_sparse_moe.gate.weight has shape \(6, 64\), "
+                                          r"expected \(5, 64\)$"):
+        load_tensors(model_dir, dict(tensors), num_experts=5)
+    extra = "model.layers.0.block_sparse_moe.experts.6.w1.weight"
+    with pytest.raises(WeightError, match=rf"^2 unexpected tensors: {extra}"):
+        load_tensors(model_dir, dict(tensors, **{extra: torch.ones(1),
+                                                 "model.layers.2.block_sparse_moe.experts.7.w2.weight": torch.ones(1)}))
