@@ -74,16 +74,16 @@ def run_experts(x: torch.Tensor, routing: torch.Tensor, expert_ids: torch.Tensor
     """sum over k of routing[t, k] * expert_{expert_ids[t, k]}(x[t]), running each chosen expert
     once over all of its tokens. routing: [tokens, k] fp32; expert_ids: [tokens, k] int64."""
     num_tokens, top_k = expert_ids.shape
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     if num_tokens == 0:
-        return out.to(x.dtype)
+        return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a mixture-of-experts layer cannot be captured in a CUDA graph: it reads each "
                            "expert's token count on the host")
     flat_ids = expert_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
-    tokens = order // top_k  # the token of each sorted pair
-    rows = x[tokens]  # [tokens * k, hidden]: each expert's rows are one contiguous run
+    # Gathers are index_select, not x[...] or index_add_: on a decode step's few rows those two
+    # woke torch's OpenMP team and cost about 1 ms each per layer (profile of bench_moe, batch 1).
+    rows = x.index_select(0, order // top_k)  # [tokens * k, hidden]: each expert's rows are one contiguous run
     counts = torch.bincount(flat_ids, minlength=weights.traits.num_experts).tolist()
     outputs, start = [], 0
     for expert, count in enumerate(counts):
@@ -91,8 +91,11 @@ def run_experts(x: torch.Tensor, routing: torch.Tensor, expert_ids: torch.Tensor
             gate_up = linear(rows[start:start + count], weights.gate_up[expert], None)
             outputs.append(linear(act_mul(gate_up), weights.down[expert], None))
             start += count
-    expert_out = torch.cat(outputs).float() * routing.flatten()[order].unsqueeze(1)
-    return out.index_add_(0, tokens, expert_out).to(x.dtype)
+    unsorted = torch.empty_like(order)
+    unsorted[order] = torch.arange(order.numel(), device=order.device)  # each pair's row among the sorted ones
+    expert_out = torch.cat(outputs).index_select(0, unsorted).float()  # [tokens * k, hidden], pair order
+    weighted = expert_out.view(num_tokens, top_k, -1) * routing.unsqueeze(-1)
+    return weighted.sum(dim=1).to(x.dtype)
 
 
 def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeWeights:
