@@ -14,6 +14,7 @@ logprobs equal transformers' GptOss on the torch path and our CPU kernels, "gpt_
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -181,3 +182,30 @@ def test_missing_mxfp4_blocks_are_named(mxfp4_dirs):
     scales = "model.layers.0.mlp.experts.gate_up_proj_scales"
     with pytest.raises(WeightError, match=f"^{scales} is torch.float32, expected uint8"):
         load_tensors(quantized_dir, dict(tensors, **{scales: tensors[scales].float()}))
+
+
+def test_gpt_oss_20b_config_json():
+    """gpt-oss-20b's config.json as published (older rope_theta + rope_scaling spelling, MXFP4)."""
+    raw = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
+    config = ModelConfig.from_dict(raw)
+    scaling = config.rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 32.0, 4096)
+    assert not scaling.truncate and scaling.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1.0)
+    assert config.rope_theta == 150000.0 and config.head_dim == 64 and config.max_model_len == 131072
+    assert config.layer_windows == (128, None) * 12 and config.attention_sinks and config.quantization == "mxfp4"
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (32, 4, 2880)
+    assert config.moe.swiglu_limit == 7.0 and config.moe.swiglu_alpha == 1.702
