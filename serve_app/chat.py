@@ -18,9 +18,11 @@ from serve_app.context import ServingContext
 from serve_app.generation import ChoiceResult, GenerationRun
 from serve_app.logprobs import ChatLogprobs
 from serve_app.protocol import ChatCompletionRequest
+from serve_app.reasoning import decodes_special_tokens
 from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
 from serve_app.structured import Constraints, chat_constraints, with_grammar
+from serve_app.reasoning import QWEN3
 from serve_app.tool_parsers import HERMES
 from serve_app.tools import render_for_template
 
@@ -36,10 +38,13 @@ async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[Gen
     token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len,
                                                 tools=tools)
     params = with_grammar(to_sampling_params(body, len(token_ids), ctx.card, ctx.limits), constraints)
+    plan = _output_plan(constraints, token_ids, ctx)
+    keep_special = plan.reasoning_prompt_tail is not None and decodes_special_tokens(plan.reasoning_parser)
     run = ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings,
-                        timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None)
+                        timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None,
+                        skip_special_tokens=not keep_special)
     await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
-    return run, _output_plan(constraints, token_ids, ctx)
+    return run, plan
 
 
 def _output_plan(constraints: Constraints, token_ids: list[int], ctx: ServingContext) -> OutputPlan:
@@ -54,7 +59,7 @@ def _output_plan(constraints: Constraints, token_ids: list[int], ctx: ServingCon
     tool_parser = HERMES
     if tools is not None and tools.mode == "auto" and ctx.tokenizer.chat_template_renders_tools:
         tool_parser = ctx.card.tool_call_parser
-    return OutputPlan(tools, tail, tool_parser)
+    return OutputPlan(tools, tail, tool_parser, ctx.card.reasoning_parser or QWEN3)
 
 
 def _logprobs_builder(body: ChatCompletionRequest, ctx: ServingContext) -> ChatLogprobs | None:

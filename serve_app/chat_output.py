@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.reasoning import ReasoningParser, split_reasoning
+from serve_app.reasoning import QWEN3, make_reasoning_parser, split_reasoning
 from serve_app.tool_parsers import HERMES, ToolStreamer, make_tool_streamer, parse_calls
 from serve_app.tools import ToolPlan
 
@@ -32,6 +32,7 @@ class OutputPlan:
     tools: ToolPlan | None  # the request's tools; None: no tools
     reasoning_prompt_tail: str | None  # the prompt's last text when reasoning is parsed; None: not parsed
     tool_parser: str = HERMES  # the format tool calls are read in (serve_app/tool_parsers.py)
+    reasoning_parser: str = QWEN3  # the reasoning parser when reasoning is parsed (serve_app/reasoning.py)
 
     @property
     def parses_calls(self) -> bool:
@@ -42,7 +43,7 @@ def chat_message(text: str, finish_reason: str | None, plan: OutputPlan) -> tupl
     """(message, finish_reason) of a whole chat choice."""
     reasoning = None
     if plan.reasoning_prompt_tail is not None:
-        reasoning, text = split_reasoning(text, plan.reasoning_prompt_tail)
+        reasoning, text = split_reasoning(text, plan.reasoning_prompt_tail, plan.reasoning_parser)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if plan.reasoning_prompt_tail is not None:
         if reasoning is not None and not text:
@@ -63,7 +64,7 @@ class ChatStreams:
 
     def __init__(self, plan: OutputPlan) -> None:
         self._plan = plan
-        self._reasoning: dict[int, ReasoningParser] = {}
+        self._reasoning: dict[int, Any] = {}  # index -> its ReasoningParser or HarmonyParser
         self._tools: dict[int, ToolStreamer] = {}
 
     def feed(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
@@ -73,7 +74,8 @@ class ChatStreams:
         if plan.reasoning_prompt_tail is not None:
             parser = self._reasoning.get(index)
             if parser is None:
-                parser = self._reasoning[index] = ReasoningParser.for_prompt(plan.reasoning_prompt_tail)
+                parser = self._reasoning[index] = make_reasoning_parser(plan.reasoning_parser,
+                                                                        plan.reasoning_prompt_tail)
             pieces = parser.feed(text) if text else []
             if finish_reason is not None:
                 pieces += parser.finish()

@@ -178,10 +178,11 @@ class AppArgs(BaseModel):
         description="Placement group strategy of the workers: spread (best effort over nodes), strict_spread "
         "(one worker per node, fails if too few nodes), pack, or none (no placement group).",
     )
-    reasoning_parser: Literal["auto", "none", "qwen3"] = Field(
+    reasoning_parser: Literal["auto", "none", "qwen3", "harmony"] = Field(
         "auto", description="How chat replies' reasoning is parsed into reasoning_content (serve_app/reasoning.py): "
-        "auto: qwen3 when the chat template writes <think> tags, else none; none: never (the thought stays in "
-        "content); qwen3: <think>...</think>. Reported in /v1/models.",
+        "auto: harmony when the chat template writes <|channel|>, qwen3 when it writes <think> tags, else none; "
+        "none: never (the thought stays in content); qwen3: <think>...</think>; harmony: gpt-oss's analysis "
+        "channel. Reported in /v1/models.",
     )
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto", description="The format of tool calls in 'auto' replies of chat templates that render tools "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,8 +42,14 @@ class ServingContext:
         stop_strings: list[str],
         timeout_s: float | None = None,
         client_timeout: bool = False,
+        skip_special_tokens: bool = True,
     ) -> GenerationRun:
-        """One engine request per prompt; choice indexes run prompt by prompt, n each."""
+        """One engine request per prompt; choice indexes run prompt by prompt, n each. The text
+        is decoded without special tokens, or with them (skip_special_tokens False: a harmony
+        reply, whose markers the chat route parses away)."""
+        decode = self.tokenizer.decode_on_loop
+        if not skip_special_tokens:
+            decode = functools.partial(self.tokenizer.decode_on_loop, skip_special_tokens=False)
         requests, trackers = [], []
         first_index = 0
         for prompt_index, (token_ids, sampling) in enumerate(zip(prompts, params)):
@@ -51,7 +58,7 @@ class ServingContext:
             trackers.append(
                 make_request_tracker(
                     request_id, token_ids, sampling.n, first_index,
-                    self.tokenizer.decode_on_loop, stop_strings, hidden,
+                    decode, stop_strings, hidden,
                 )
             )
             requests.append(EngineRequest(request_id, token_ids, sampling))

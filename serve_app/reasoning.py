@@ -7,8 +7,9 @@ over the whole text, so both agree exactly).
 
 The parser is chosen from the chat template (choose_reasoning_parser): a template whose
 text mentions `<think>` and `</think>` (Qwen3, SmolLM3, DeepSeek-R1 distills) gets
-"qwen3"; any other template gets None, and the output is content exactly as without a
-parser. The tags must reach the text: in these families they are ordinary added tokens,
+"qwen3"; one that writes harmony's `<|channel|>` (gpt-oss) gets "harmony"
+(serve_app/harmony.py: the `analysis` channel is the reasoning); any other template gets
+None, and the output is content exactly as without a parser. The tags must reach the text: in these families they are ordinary added tokens,
 not special ones, so the detokenizer keeps them.
 
 Where the thought starts:
@@ -43,10 +44,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from serve_app.harmony import HARMONY_MARKER, HarmonyParser, split_harmony
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 QWEN3 = "qwen3"
-REASONING_PARSERS = (QWEN3,)  # names an app config may pick
+HARMONY = "harmony"
+REASONING_PARSERS = (QWEN3, HARMONY)  # names an app config may pick
 
 Kind = Literal["reasoning", "content"]
 Piece = tuple[Kind, str]  # (kind, text), text never empty
@@ -55,15 +59,30 @@ Piece = tuple[Kind, str]  # (kind, text), text never empty
 def choose_reasoning_parser(chat_template: str | None, override: str | None = "auto",
                             tags_reach_text: bool = True) -> str | None:
     """The parser for this template: override "none" -> None, a parser name -> it, "auto"
-    (or None) -> "qwen3" when the template writes think tags, else None. tags_reach_text
-    False (the tokenizer makes the tags special tokens, which decoding skips): None, since
-    the parser would never see `</think>` and would call every reply a thought."""
-    if not tags_reach_text or override == "none":
+    (or None) -> "harmony" when the template writes harmony's channels, "qwen3" when it writes
+    think tags, else None. tags_reach_text False (the tokenizer makes the think tags special
+    tokens, which decoding skips): no "qwen3", since the parser would never see `</think>` and
+    would call every reply a thought. (harmony's markers are special tokens too: a harmony
+    reply is decoded with them kept, decodes_special_tokens.)"""
+    if override == "none":
         return None
-    if override not in (None, "auto"):
-        return override
     template = chat_template or ""
-    return QWEN3 if THINK_OPEN in template and THINK_CLOSE in template else None
+    if override in (None, "auto"):
+        thinks = THINK_OPEN in template and THINK_CLOSE in template
+        override = HARMONY if HARMONY_MARKER in template else QWEN3 if thinks else None
+    if override == QWEN3 and not tags_reach_text:
+        return None
+    return override
+
+
+def decodes_special_tokens(parser: str | None) -> bool:
+    """Whether a reply parsed by `parser` is decoded with its special tokens (harmony's markers)."""
+    return parser == HARMONY
+
+
+def make_reasoning_parser(parser: str, prompt_tail: str) -> ReasoningParser | HarmonyParser:
+    """A fresh streaming parser of that name for one choice."""
+    return HarmonyParser() if parser == HARMONY else ReasoningParser.for_prompt(prompt_tail)
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
@@ -142,8 +161,10 @@ class ReasoningParser:
             self.buffer = ""
 
 
-def split_reasoning(text: str, prompt_tail: str) -> tuple[str | None, str]:
+def split_reasoning(text: str, prompt_tail: str, parser_name: str = QWEN3) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole choice's text, as the stream would give them."""
+    if parser_name == HARMONY:
+        return split_harmony(text)
     parser = ReasoningParser.for_prompt(prompt_tail)
     pieces = parser.feed(text) + parser.finish()
     reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")

@@ -19,24 +19,28 @@ from scheduler.outputs import EngineRequest, FinishReason, RequestOutput, TokenL
 EOS_ID = 256
 SPECIAL_TOKENS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
 VOCAB_SIZE = 259
+# gpt-oss's harmony markers as special tokens, for a ByteTokenizer(special_tokens=HARMONY_SPECIAL_TOKENS)
+HARMONY_SPECIAL_TOKENS = {**SPECIAL_TOKENS, 259: "<|start|>", 260: "<|channel|>", 261: "<|message|>", 262: "<|end|>"}
 
 
 class ByteTokenizer:
     eos_token_id = EOS_ID
 
-    def __init__(self, chat_template: str = "chatml", generation_prompt: str = "<|im_start|>assistant\n") -> None:
+    def __init__(self, chat_template: str = "chatml", generation_prompt: str = "<|im_start|>assistant\n",
+                 special_tokens: dict[int, str] | None = None) -> None:
         self.chat_template = chat_template  # its text is what the server reads (think tags, tools)
         self.generation_prompt = generation_prompt  # e.g. "<|im_start|>assistant\n<think>\n" for a thinking model
+        self.special_tokens = special_tokens or SPECIAL_TOKENS  # id -> text, each one token
 
     def encode(self, text: str, add_special_tokens: bool = True, truncation: bool = False,
                max_length: int | None = None) -> list[int]:
         ids: list[int] = []
         rest = text
         while rest:
-            special = next((i for i, s in SPECIAL_TOKENS.items() if rest.startswith(s)), None)
+            special = next((i for i, s in self.special_tokens.items() if rest.startswith(s)), None)
             if special is not None:
                 ids.append(special)
-                rest = rest[len(SPECIAL_TOKENS[special]):]
+                rest = rest[len(self.special_tokens[special]):]
             else:
                 ids.extend(rest[0].encode())
                 rest = rest[1:]
@@ -46,11 +50,11 @@ class ByteTokenizer:
         parts: list[str] = []
         pending = bytearray()
         for token_id in token_ids:
-            if token_id in SPECIAL_TOKENS:
+            if token_id in self.special_tokens:
                 parts.append(pending.decode("utf-8", errors="replace"))
                 pending.clear()
                 if not skip_special_tokens:
-                    parts.append(SPECIAL_TOKENS[token_id])
+                    parts.append(self.special_tokens[token_id])
             else:
                 pending.append(token_id)
         parts.append(pending.decode("utf-8", errors="replace"))

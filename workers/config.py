@@ -2,15 +2,20 @@
 
 Parsed once from a local model directory (config.json, plus generation_config.json for
 EOS ids when present). The shape numbers are common to every family; what a family changes
-in the layer comes from its entry in workers/families.py (mixtral and qwen3_moe with
+in the layer comes from its entry in workers/families.py (mixtral, qwen3_moe and gpt_oss with
 mixture-of-experts MLPs, workers/moe.py).
+
+Quantized checkpoints are refused, except gpt-oss's MXFP4 experts (quant_method "mxfp4"),
+which are dequantized to the model's dtype at load (workers/mxfp4.py).
 
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
 "llama3", "dynamic" (NTK), which equals the default inside the original context
-length, so for "dynamic" the usable context is capped at max_position_embeddings, and
+length, so for "dynamic" the usable context is capped at max_position_embeddings,
 "longrope" (Phi-3): short_factor for positions inside original_max_position_embeddings,
-long_factor past it (workers/rope.py). `partial_rotary_factor` (top level or inside the
+long_factor past it, and "yarn" (gpt-oss): frequencies blended between the original and the
+interpolated ones by beta_fast / beta_slow, cos and sin scaled by an attention factor
+(workers/rope.py). `partial_rotary_factor` (top level or inside the
 rope dict) rotates only the first part of each head.
 """
 
@@ -30,7 +35,7 @@ SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
 MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
 # config.json's activation names -> ours (gated MLPs: act(gate) * up)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 
 
 class ModelConfigError(ValueError):
@@ -40,13 +45,16 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     rope_type: str  # one of SUPPORTED_ROPE_TYPES
-    factor: float = 1.0  # position (linear) or wavelength (llama3) scale factor
+    factor: float = 1.0  # position (linear, yarn) or wavelength (llama3) scale factor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3 / dynamic / longrope: pretraining context
+    original_max_position_embeddings: int | None = None  # llama3 / dynamic / longrope / yarn: pretraining context
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors inside the original context
     long_factor: tuple[float, ...] = ()  # longrope: the same past it
-    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin are multiplied by it
+    beta_fast: float = 32.0  # yarn: rotations per original context above which a frequency is kept as is
+    beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated (divided by factor)
+    truncate: bool = True  # yarn: the correction range rounded outward to whole dimensions
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,8 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_scale: float = 1.0
     moe: MoeTraits | None = None  # the mixture-of-experts MLP and its layers (workers/moe.py); None: dense only
+    attention_sinks: bool = False  # a learned sink logit per head in each attention softmax (gpt-oss)
+    quantization: str | None = None  # "mxfp4": the experts' weights are MXFP4 blocks and scales (gpt-oss); None: none
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -152,11 +162,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
-        quantization = raw.get("quantization_config")
-        if quantization is not None:
-            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-            raise ModelConfigError(f"quantized checkpoints ({method!r}) are not supported yet; serve the unquantized "
-                                   "weights (docs/models.md)")
+        quantization = _quantization(raw)
         missing = [
             key
             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -216,7 +222,24 @@ class ModelConfig:
             attention_scale=traits.attention_scale,
             logits_scale=traits.logits_scale,
             moe=traits.moe,
+            attention_sinks=traits.attention_sinks,
+            quantization=quantization,
         )
+
+
+# model_type -> the quant_method its checkpoints may carry (dequantized at load)
+QUANTIZATIONS = {"gpt_oss": "mxfp4"}
+
+
+def _quantization(raw: dict) -> str | None:
+    quantization = raw.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+    if method != QUANTIZATIONS.get(raw["model_type"]):
+        raise ModelConfigError(f"quantized checkpoints ({method!r}) are not supported yet; serve the unquantized "
+                               "weights (docs/models.md)")
+    return method
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -267,6 +290,8 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
         raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings")
     if rope_type == "longrope":
         scaling = _longrope(raw, params, scaling)
+    if rope_type == "yarn":
+        scaling = _yarn(raw, params, scaling)
     local_theta = float((local or {}).get("rope_theta", raw.get("rope_local_base_freq", theta)))
     return theta, scaling, partial, local_theta
 
@@ -283,6 +308,30 @@ def _longrope(raw: dict, params: dict, scaling: RopeScaling) -> RopeScaling:
     return dataclasses.replace(scaling, factor=float(factor), short_factor=tuple(map(float, params["short_factor"])),
                                long_factor=tuple(map(float, params["long_factor"])),
                                attention_factor=float(attention_factor))
+
+
+def _yarn(raw: dict, params: dict, scaling: RopeScaling) -> RopeScaling:
+    """yarn's numbers with transformers' defaults (_compute_yarn_parameters): the original context
+    from the top level, else the rope dict, else max_position_embeddings; factor, when absent, the
+    ratio of the two; the attention factor, when absent, from factor (and mscale / mscale_all_dim)."""
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    original = int(raw.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings") or max_positions)
+    factor = float(params.get("factor") or max_positions / original)
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim) if mscale and mscale_all_dim
+                            else mscale_of(factor))
+    return dataclasses.replace(scaling, factor=factor, original_max_position_embeddings=original,
+                               attention_factor=float(attention_factor),
+                               beta_fast=float(params.get("beta_fast") or 32.0),
+                               beta_slow=float(params.get("beta_slow") or 1.0),
+                               truncate=bool(params.get("truncate", True)))
 
 
 def _eos_token_ids(raw: dict, generation: dict) -> tuple[int, ...]:

@@ -32,6 +32,12 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     qwen3_moe   qwen3's attention; MoE MLPs (softmax, top k, renormalised iff `norm_topk_prob`)
                 in every `decoder_sparse_step`-th layer except `mlp_only_layers`, which keep a
                 dense MLP of `intermediate_size`
+    gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
+                (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
+                yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
+                top k logits, then a softmax over those k; experts with biases, stored [E, in, out]
+                with gate and up interleaved (or MXFP4 blocks and scales, dequantized at load), and a
+                clamped SwiGLU (swiglu_limit, swiglu_alpha)
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -65,11 +71,13 @@ class FamilyTraits:
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
     attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
+    attention_sinks: bool = False  # each attention layer has a learned sink logit per head (self_attn.sinks)
     logits_scale: float = 1.0  # logits are multiplied by it
     moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
 
 
 ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")
+EXPERT_LAYOUTS = ("stacked", "gpt_oss")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +93,23 @@ class MoeTraits:
     scoring: str = "softmax_topk"  # "softmax_topk": softmax over every expert's logit, then the top k;
     #                                "topk_softmax": the top k logits, then softmax over those k
     renormalize: bool = True  # softmax_topk: the k weights are divided by their sum
-    router_bias: bool = False  # the router's logits carry a bias (its tensor {block}.gate.bias)
+    router_bias: bool = False  # the router's logits carry a bias (its tensor {block}.{router}.bias)
+    router: str = "gate"  # the router's name: model.layers.N.{block}.{router}.weight
     block: str = "mlp"  # classic names: model.layers.N.{block}.gate.weight, {block}.experts.E.{projection}.weight
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    expert_layout: str = "stacked"  # "stacked": transformers' fused [E, out, in] tensors or the classic ones;
+    #                                 "gpt_oss": [E, in, out], gate and up interleaved, biases, or MXFP4
+    activation: str | None = None  # the experts' gated activation (workers/layer_ops.py); None: the model's
+    swiglu_alpha: float = 1.702  # activation "swiglu_oai": the sigmoid's gain
+    swiglu_limit: float = 7.0  # activation "swiglu_oai": the clamp on gate (above) and up (both sides)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise FamilyError(f"{self.top_k} experts per token out of {self.num_experts} experts")
         if self.scoring not in ROUTER_SCORINGS:
             raise FamilyError(f"router scoring {self.scoring!r} is not one of {ROUTER_SCORINGS}")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise FamilyError(f"expert layout {self.expert_layout!r} is not one of {EXPERT_LAYOUTS}")
 
 
 def _llama(raw: dict) -> FamilyTraits:
@@ -155,10 +171,11 @@ def _phi3(raw: dict) -> FamilyTraits:
                         fused_projections=True)
 
 
-def _layer_windows(raw: dict) -> tuple[int | None, ...]:
-    """Each layer's window from layer_types ("sliding_attention" / "full_attention")."""
+def _layer_windows(raw: dict, default_types: list[str] | None = None) -> tuple[int | None, ...]:
+    """Each layer's window from layer_types ("sliding_attention" / "full_attention"), or
+    default_types where the config has none."""
     num_layers, window = int(raw["num_hidden_layers"]), raw.get("sliding_window")
-    types = raw.get("layer_types")
+    types = raw.get("layer_types") or default_types
     if types is None or len(types) != num_layers:
         raise FamilyError(f"{raw['model_type']} needs layer_types, one per layer ({num_layers})")
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
@@ -222,6 +239,21 @@ def _qwen3_moe(raw: dict) -> FamilyTraits:
     return replace(_qwen3(raw), moe=moe)
 
 
+def _gpt_oss(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    alternating = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(num_layers)]
+    moe = MoeTraits(
+        num_experts=int(raw.get("num_local_experts", 128)),
+        top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
+        intermediate_size=int(raw["intermediate_size"]), layers=(True,) * num_layers,
+        scoring="topk_softmax", router_bias=True, router="router", expert_layout="gpt_oss", activation="swiglu_oai",
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)), swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+    )
+    bias = bool(raw.get("attention_bias", True))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, layer_windows=_layer_windows(raw, alternating),
+                        attention_sinks=True, moe=moe)
+
+
 FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -235,4 +267,5 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "gemma3_text": _gemma3_text,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "gpt_oss": _gpt_oss,
 }

@@ -6,7 +6,8 @@
     normed = ops.rms_norm(delta, weight, eps)                             # a branch's output normed (may be in place)
     ops.head_rms_norm(qkv, q_norm, k_norm, num_heads, num_kv_heads, eps, whole)  # q/k norms, in place
     q, k, v = ops.rope(qkv, positions, rope, num_heads, num_kv_heads)   # q and k rotated; v as is
-    act = ops.gated_mul(gate_up, "silu")                                  # or "gelu_tanh" (Gemma)
+    act = ops.gated_mul(gate_up, "silu")                                  # or "gelu_tanh" (Gemma), or
+    act = ops.gated_mul(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)    # gpt-oss's experts' clamped SwiGLU
 
 TorchOps is plain torch: the reference, and the path on GPUs. NativeOps calls our C kernels
 (workers/kernels/csrc/layer_ops.c): each step is one pass over its rows instead of three to
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
 from workers.rope import RotaryEmbedding, apply_rotary
+
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU, as its checkpoints use it
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -78,9 +81,15 @@ class TorchOps:
 
     split_qkv = staticmethod(split_qkv)
 
-    def gated_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        """act(gate) * up of [gate, up] rows; act SiLU or GELU's tanh form."""
+    def gated_mul(self, gate_up: torch.Tensor, activation: str, alpha: float = SWIGLU_ALPHA,
+                  limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+        """act(gate) * up of [gate, up] rows; act SiLU or GELU's tanh form; or gpt-oss's clamped
+        SwiGLU ("swiglu_oai", transformers' GptOssExperts._apply_gate): gate clamped to at most
+        limit, up to [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
         gate, up = gate_up.chunk(2, dim=-1)
+        if activation == "swiglu_oai":
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            return gate * torch.sigmoid(gate * alpha) * (up + 1)
         return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
@@ -137,12 +146,13 @@ class NativeOps:
             head_dim, int(whole), eps, DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
         ), "rayllm_head_rms_norm")
 
-    def gated_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    def gated_mul(self, gate_up: torch.Tensor, activation: str, alpha: float = SWIGLU_ALPHA,
+                  limit: float = SWIGLU_LIMIT) -> torch.Tensor:
         assert gate_up.is_contiguous()
         num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_rows, width, dtype=gate_up.dtype)
         check_status(self.library.rayllm_gated_mul(
-            gate_up.data_ptr(), out.data_ptr(), num_rows, width, ACTIVATION_CODES[activation],
+            gate_up.data_ptr(), out.data_ptr(), num_rows, width, ACTIVATION_CODES[activation], alpha, limit,
             DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
         ), "rayllm_gated_mul")
         return out

@@ -188,7 +188,8 @@ def inline_chat_template(model_dir: Path) -> None:
 
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in model_dir, cast to dtype, by HF name."""
+    """Every tensor of every *.safetensors file in model_dir, by HF name: floating-point ones cast
+    to dtype, integer ones as they are (gpt-oss's MXFP4 blocks and scales, uint8)."""
     files = safetensors_files(model_dir)
     if not files:
         raise ModelPathError(f"model directory {model_dir} has no *.safetensors weight files")
@@ -197,7 +198,8 @@ def read_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Ten
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
-                    tensors[name] = reader.get_tensor(name).to(dtype)
+                    tensor = reader.get_tensor(name)
+                    tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         except (SafetensorError, OSError, RuntimeError) as error:
             raise ModelPathError(f"cannot read weight file {file}: expected safetensors ({error})") from None
     return tensors

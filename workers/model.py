@@ -13,8 +13,8 @@ layers (Gemma 3), per-layer sliding windows and attention soft-capping (the atte
 backend's), final logit soft-capping (Gemma 2), an embedding
 multiplier, a residual multiplier (folded into the o_proj and down_proj weights at load), an
 attention scale and a logits scale (Granite).
-In some or all layers a mixture of experts takes the dense MLP's place (Mixtral, Qwen3-MoE:
-workers/moe.py's moe_mlp).
+In some or all layers a mixture of experts takes the dense MLP's place (Mixtral, Qwen3-MoE,
+gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
@@ -273,11 +273,17 @@ class _WeightReader:
         self.tensors.pop(name, None)
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.residual_branch(self.take(name, shape))
+
+    def residual_branch(self, tensor: torch.Tensor) -> torch.Tensor:
         """An o_proj or down_proj tensor times the family's residual multiplier (Granite), so
         that the layer's residual adds need no multiply of their own."""
-        tensor = self.take(name, shape)
         multiplier = self.config.residual_multiplier
         return tensor if multiplier == 1.0 else (tensor.float() * multiplier).to(tensor.dtype)
+
+    @staticmethod
+    def error(message: str) -> WeightError:
+        return WeightError(message)
 
     def layer(self, index: int) -> LayerWeights:
         c = self.config
@@ -325,6 +331,7 @@ class _WeightReader:
             local_rope=c.uses_local_rope(index),
             window=c.layer_window(index),
             softcap=c.attention_softcap,
+            sinks=self.take(attn + "sinks", (c.num_heads,)) if c.attention_sinks else None,
             moe=moe,
         )
 

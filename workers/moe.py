@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP: a router picks top_k experts per token, and each token's MLP
-output is the weighted sum of those experts' gated-SiLU MLPs. Plain functions over the
+output is the weighted sum of those experts' gated MLPs (SiLU, or gpt-oss's clamped SwiGLU). Plain functions over the
 model's linear backend and layer ops, so on CPU each expert's products are our packed ones.
 
     weights, expert_ids = route(router_logits, traits)           # [tokens, k] fp32, [tokens, k] int64
@@ -15,7 +15,8 @@ The experts (only those this step's tokens chose run; an expert with no token co
 
     pairs (token, slot) sorted by expert id        argsort of expert_ids.flatten(), stable
     rows = x[token of each sorted pair]            one gather: each expert's rows are a contiguous run
-    out_e = down_e(silu(gate_e(rows_e)) * up_e(rows_e))    gate and up fused, one product per expert
+    out_e = down_e(act(gate_e(rows_e)) * up_e(rows_e))     gate and up fused, one product per expert
+                                                   (each with its bias where the family has one: gpt-oss)
     delta[token] += weight(token, slot) * out_e    one index_add_ in fp32, in expert order per token
 
 The per-expert loop reads each expert's token count on the host, so a MoE layer cannot be
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.families import MoeTraits
+from workers.mxfp4 import GROUP_SIZE, dequantize_mxfp4
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,8 @@ class MoeWeights:
     router_bias: torch.Tensor | None  # [num_experts] fp32, added to the router's logits
     gate_up: tuple[object, ...]  # per expert [2 * intermediate, hidden], packed: gate rows then up rows
     down: tuple[object, ...]  # per expert [hidden, intermediate], packed
+    gate_up_bias: tuple[torch.Tensor, ...] | None = None  # per expert [2 * intermediate]: gate's then up's (gpt-oss)
+    down_bias: tuple[torch.Tensor, ...] | None = None  # per expert [hidden]
 
 
 def route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +68,15 @@ def router_logits(x: torch.Tensor, weights: MoeWeights, linear_backend) -> torch
 
 def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activation: str = "silu") -> torch.Tensor:
     """The MoE MLP of the normed hidden states x [tokens, hidden] -> [tokens, hidden] in x's dtype."""
-    routing, expert_ids = route(router_logits(x, weights, linear_backend), weights.traits)
-    return run_experts(x, routing, expert_ids, weights, linear_backend.linear,
-                       lambda gate_up: ops.gated_mul(gate_up, activation))
+    traits = weights.traits
+    routing, expert_ids = route(router_logits(x, weights, linear_backend), traits)
+    if traits.activation == "swiglu_oai":
+        def act_mul(gate_up):
+            return ops.gated_mul(gate_up, "swiglu_oai", alpha=traits.swiglu_alpha, limit=traits.swiglu_limit)
+    else:
+        def act_mul(gate_up):
+            return ops.gated_mul(gate_up, traits.activation or activation)
+    return run_experts(x, routing, expert_ids, weights, linear_backend.linear, act_mul)
 
 
 def run_experts(x: torch.Tensor, routing: torch.Tensor, expert_ids: torch.Tensor, weights: MoeWeights,
@@ -88,8 +98,10 @@ def run_experts(x: torch.Tensor, routing: torch.Tensor, expert_ids: torch.Tensor
     outputs, start = [], 0
     for expert, count in enumerate(counts):
         if count:
-            gate_up = linear(rows[start:start + count], weights.gate_up[expert], None)
-            outputs.append(linear(act_mul(gate_up), weights.down[expert], None))
+            gate_up_bias = None if weights.gate_up_bias is None else weights.gate_up_bias[expert]
+            down_bias = None if weights.down_bias is None else weights.down_bias[expert]
+            gate_up = linear(rows[start:start + count], weights.gate_up[expert], gate_up_bias)
+            outputs.append(linear(act_mul(gate_up), weights.down[expert], down_bias))
             start += count
     unsorted = torch.empty_like(order)
     unsorted[order] = torch.arange(order.numel(), device=order.device)  # each pair's row among the sorted ones
@@ -100,32 +112,82 @@ def run_experts(x: torch.Tensor, routing: torch.Tensor, expert_ids: torch.Tensor
 
 def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeWeights:
     """Layer `index`'s router and experts out of a checkpoint through the model's weight reader
-    (workers/model.py: take, take_fused, take_residual_branch, pack; a missing tensor raises its
-    WeightError naming it). Two layouts: transformers' fused one (model.layers.N.mlp.gate.weight,
-    mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I]), and the classic
-    per-expert tensors under the family's names (MoeTraits.block, expert_projections)."""
-    num_experts, width = traits.num_experts, traits.intermediate_size
+    (workers/model.py: take, take_fused, residual_branch, pack; a missing tensor raises its
+    WeightError naming it). Three layouts: transformers' fused one (model.layers.N.mlp.gate.weight,
+    mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I]); the classic
+    per-expert tensors under the family's names (MoeTraits.block, expert_projections); and
+    gpt-oss's (MoeTraits.expert_layout, _read_gpt_oss_experts)."""
     prefix = f"model.layers.{index}."
-    fused = prefix + "mlp.experts.gate_up_proj"
-    if fused in reader.tensors:
-        gate = prefix + "mlp.gate."
-        stacked_gate_up = reader.take(fused, (num_experts, 2 * width, hidden))
-        stacked_down = reader.take_residual_branch(prefix + "mlp.experts.down_proj", (num_experts, hidden, width))
-        gate_up, down = list(stacked_gate_up.unbind(0)), list(stacked_down.unbind(0))
+    gate_up_bias = down_bias = None
+    if traits.expert_layout == "gpt_oss":
+        gate_up, down, gate_up_bias, down_bias = _read_gpt_oss_experts(reader, prefix, traits, hidden)
+        router_name = f"{prefix}{traits.block}.{traits.router}."
     else:
-        block = prefix + traits.block + "."
-        gate = block + "gate."
-        gate_name, up_name, down_name = traits.expert_projections
-        gate_up, down = [], []
-        for expert in range(num_experts):
-            names = f"{block}experts.{expert}."
-            gate_up.append(reader.take_fused([f"{names}{gate_name}.weight", f"{names}{up_name}.weight"],
-                                             [(width, hidden)] * 2))
-            down.append(reader.take_residual_branch(f"{names}{down_name}.weight", (hidden, width)))
-    router = reader.take(gate + "weight", (num_experts, hidden))
-    router_bias = reader.take(gate + "bias", (num_experts,)).float() if traits.router_bias else None
+        gate_up, down, router_name = _read_stacked_experts(reader, prefix, traits, hidden)
+    router = reader.take(router_name + "weight", (traits.num_experts, hidden))
+    router_bias = reader.take(router_name + "bias", (traits.num_experts,)).float() if traits.router_bias else None
     return MoeWeights(
         traits=traits, router=reader.pack(router), router_bias=router_bias,
         gate_up=tuple(reader.pack(w.contiguous()) for w in gate_up),
         down=tuple(reader.pack(w.contiguous()) for w in down),
+        gate_up_bias=None if gate_up_bias is None else tuple(b.contiguous() for b in gate_up_bias),
+        down_bias=None if down_bias is None else tuple(b.contiguous() for b in down_bias),
     )
+
+
+def _read_stacked_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, str]:
+    """(gate_up per expert, down per expert, the router's name) in transformers' fused layout or the classic one."""
+    num_experts, width = traits.num_experts, traits.intermediate_size
+    fused = prefix + "mlp.experts.gate_up_proj"
+    if fused in reader.tensors:
+        stacked_gate_up = reader.take(fused, (num_experts, 2 * width, hidden))
+        stacked_down = reader.residual_branch(reader.take(prefix + "mlp.experts.down_proj",
+                                                          (num_experts, hidden, width)))
+        return list(stacked_gate_up.unbind(0)), list(stacked_down.unbind(0)), prefix + "mlp.gate."
+    block = prefix + traits.block + "."
+    gate_name, up_name, down_name = traits.expert_projections
+    gate_up, down = [], []
+    for expert in range(num_experts):
+        names = f"{block}experts.{expert}."
+        gate_up.append(reader.take_fused([f"{names}{gate_name}.weight", f"{names}{up_name}.weight"],
+                                         [(width, hidden)] * 2))
+        down.append(reader.residual_branch(reader.take(f"{names}{down_name}.weight", (hidden, width))))
+    return gate_up, down, block + "gate."
+
+
+def _read_gpt_oss_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, list, list]:
+    """gpt-oss's experts: mlp.experts.gate_up_proj [E, H, 2 * I] with gate and up interleaved
+    (column 2j is gate j, 2j + 1 is up j), gate_up_proj_bias [E, 2 * I] likewise, down_proj
+    [E, I, H], down_proj_bias [E, H]; or, for each projection, MXFP4 {proj}_blocks and
+    {proj}_scales (workers/mxfp4.py) already [E, out, in]. Returned as ours: per expert
+    [2 * I, H] with the gate rows then the up rows, [2 * I] biases likewise, [H, I] and [H]."""
+    num_experts, width = traits.num_experts, traits.intermediate_size
+    experts = prefix + f"{traits.block}.experts."
+    stacked_gate_up_bias = reader.take(experts + "gate_up_proj_bias", (num_experts, 2 * width))
+    stacked_down_bias = reader.residual_branch(reader.take(experts + "down_proj_bias", (num_experts, hidden)))
+    dtype = stacked_gate_up_bias.dtype  # the model's (the loader casts floating tensors to it)
+    stacked_gate_up = _take_expert_matrix(reader, experts + "gate_up_proj", num_experts, hidden, 2 * width, dtype)
+    stacked_down = reader.residual_branch(_take_expert_matrix(reader, experts + "down_proj", num_experts, width,
+                                                              hidden, dtype))
+
+    def halves(interleaved: torch.Tensor) -> torch.Tensor:  # [E, 2 * I, ...] rows: gate j, up j, ... -> gates, ups
+        return torch.cat((interleaved[:, 0::2], interleaved[:, 1::2]), dim=1)
+
+    return (list(halves(stacked_gate_up).unbind(0)), list(stacked_down.unbind(0)),
+            list(halves(stacked_gate_up_bias).unbind(0)), list(stacked_down_bias.unbind(0)))
+
+
+def _take_expert_matrix(reader, name: str, num_experts: int, num_in: int, num_out: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """[E, out, in] from gpt-oss's [E, in, out] tensor `name`, or from its MXFP4 blocks and scales."""
+    if name + "_blocks" not in reader.tensors and (name in reader.tensors or reader.config.quantization is None):
+        return reader.take(name, (num_experts, num_in, num_out)).transpose(1, 2)
+    if num_in % GROUP_SIZE:
+        raise reader.error(f"{name}_blocks: an input width of {num_in} is not a multiple of {GROUP_SIZE}")
+    groups = num_in // GROUP_SIZE
+    blocks = reader.take(name + "_blocks", (num_experts, num_out, groups, GROUP_SIZE // 2))
+    scales = reader.take(name + "_scales", (num_experts, num_out, groups))
+    for tensor, what in ((blocks, "_blocks"), (scales, "_scales")):
+        if tensor.dtype != torch.uint8:
+            raise reader.error(f"{name}{what} is {tensor.dtype}, expected uint8 (MXFP4)")
+    return dequantize_mxfp4(blocks, scales, dtype)

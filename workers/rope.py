@@ -11,6 +11,11 @@ grows past the original context; a paged cache cannot rewrite the keys it holds,
 position's row of the table is chosen by the position itself: rows below
 original_max_position_embeddings use short_factor, rows from it on use long_factor. Inside the
 original context the two agree exactly.
+
+yarn (gpt-oss) keeps the high frequencies (more than beta_fast rotations over the original
+context), divides the low ones (fewer than beta_slow) by factor, and blends linearly by
+dimension between the two; cos and sin are multiplied by its attention factor. One table for
+every position, as transformers computes it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling, lon
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(theta**exponents, rotary_dim, theta, scaling)
     # "default", and "dynamic", which equals the default up to the original context length
     return inv_freq
 
@@ -53,6 +60,25 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.T
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_frequencies(wavelength_bases: torch.Tensor, rotary_dim: int, theta: float,
+                      scaling: RopeScaling) -> torch.Tensor:
+    """wavelength_bases: theta ** (2i / rotary_dim), the default frequencies' inverses."""
+    # the dimension at which a frequency makes num_rotations turns over the original context
+    def correction_dim(num_rotations: float) -> float:
+        original = scaling.original_max_position_embeddings
+        return rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation); 0: divided by factor (interpolation)
+    return 1.0 / (scaling.factor * wavelength_bases) * (1 - keep) + 1.0 / wavelength_bases * keep
 
 
 class RotaryEmbedding:

@@ -13,11 +13,12 @@ from pydantic import ValidationError
 
 from serve_app.api import create_api
 from serve_app.config import AppArgs
-from serve_app.testing import ByteTokenizer, ScriptedEngine, make_test_context, text_tokens
+from serve_app.testing import HARMONY_SPECIAL_TOKENS, ByteTokenizer, ScriptedEngine, make_test_context, text_tokens
 
 pytestmark = pytest.mark.anyio
 
 THINK_TEMPLATE = "{{- '<think>\\n\\n</think>\\n\\n' if enable_thinking is false }}"  # enough for detection
+HARMONY_TEMPLATE = "{{- '<|start|>assistant<|channel|>final<|message|>' }}"  # enough for detection
 OPENS_THINK = "<|im_start|>assistant\n<think>\n"  # a template that opens the thought itself
 USER = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -32,9 +33,13 @@ def anyio_backend() -> str:
 
 async def post(body: dict, output: str, reasoning_parser: str | None = "qwen3",
                generation_prompt: str = "<|im_start|>assistant\n",
-               path: str = "/v1/chat/completions") -> httpx.Response:
-    engine = ScriptedEngine(responder=lambda request, index: text_tokens(output))
-    tokenizer = ByteTokenizer(THINK_TEMPLATE if reasoning_parser else "chatml", generation_prompt)
+               path: str = "/v1/chat/completions", harmony: bool = False) -> httpx.Response:
+    if harmony:  # gpt-oss: harmony's markers are special tokens, in the output as in the template
+        tokenizer = ByteTokenizer(HARMONY_TEMPLATE, "<|start|>assistant", special_tokens=HARMONY_SPECIAL_TOKENS)
+        engine = ScriptedEngine(responder=lambda request, index: tokenizer.encode(output))
+    else:
+        engine = ScriptedEngine(responder=lambda request, index: text_tokens(output))
+        tokenizer = ByteTokenizer(THINK_TEMPLATE if reasoning_parser else "chatml", generation_prompt)
     ctx = make_test_context(engine, max_model_len=4096, tokenizer=tokenizer, reasoning_parser=reasoning_parser)
     transport = httpx.ASGITransport(app=create_api(ctx))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -140,3 +145,29 @@ async def test_each_choice_of_a_stream_has_its_own_parser_and_logprobs_still_cov
         assert joined([d["delta"] for d in deltas], "content") == "Hello"
         num_logprobs = sum(len((d["logprobs"] or {}).get("content") or []) for d in deltas)
         assert num_logprobs == len(output.encode()) + 1  # every byte and the end-of-sequence token
+
+
+HARMONY_OUTPUT = ("<|channel|>analysis<|message|>The user greets.<|end|>"
+                  "<|start|>assistant<|channel|>final<|message|>Hello there!")
+
+
+@pytest.mark.anyio
+async def test_harmony_analysis_is_reasoning_and_no_marker_reaches_the_reply() -> None:
+    """gpt-oss: the markers are special tokens (decoding would skip them, leaving
+    "analysisThe user greets.assistantfinalHello there!"); the route keeps them for the parser."""
+    choice, deltas = await whole_and_streamed({}, HARMONY_OUTPUT, reasoning_parser="harmony", harmony=True)
+    assert choice["message"] == {"role": "assistant", "content": "Hello there!", "reasoning_content": "The user greets."}
+    assert joined(deltas, "reasoning_content") == "The user greets." and joined(deltas, "content") == "Hello there!"
+    assert not any("<|" in (delta.get("content") or "") + (delta.get("reasoning_content") or "") for delta in deltas)
+    kinds = [key for delta in deltas for key in ("reasoning_content", "content") if delta.get(key)]
+    assert kinds.index("content") > kinds.index("reasoning_content") and kinds.count("reasoning_content") > 1
+    # 20 tokens: the two markers, "analysis" and ten bytes of the thought
+    cut = await whole_and_streamed({"max_tokens": 20}, HARMONY_OUTPUT, reasoning_parser="harmony", harmony=True)
+    assert cut[0]["message"]["reasoning_content"] == "The user g" and cut[0]["message"]["content"] is None
+    assert cut[0]["finish_reason"] == "length"
+
+
+@pytest.mark.anyio
+async def test_harmony_text_is_decoded_without_markers_when_not_parsed() -> None:
+    choice, _ = await whole_and_streamed({}, HARMONY_OUTPUT, reasoning_parser=None, harmony=True)
+    assert choice["message"] == {"role": "assistant", "content": "analysisThe user greets.assistantfinalHello there!"}

@@ -6,6 +6,8 @@ our kernels bit for bit, step by step."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from runner_helpers import (HfOracle, assert_greedy_matches, assert_logprobs_match_hf, greedy, make_runner,
@@ -14,7 +16,7 @@ from test_native_forward import compare_every_step
 from tiny_model import build_tiny_model_dir
 
 from scheduler.sampling_params import SamplingParams
-from workers.config import ModelConfig
+from workers.config import ModelConfig, RopeScaling
 from workers.kernels.native import native_available
 
 FAMILIES = {
@@ -143,3 +145,63 @@ def test_longrope_past_the_original_context_uses_long_factor():
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=seq_len)
         expected = (positions[rows] * inv_freq[None, :]).cos() * attention_factor
         torch.testing.assert_close(rope.cos_f32[rows, : config.rotary_dim // 2], expected)
+
+
+YARN_CASES = {
+    # gpt-oss-20b/120b's own numbers (head_dim 64, theta 150000, 4096 tokens original, not truncated)
+    "gpt-oss": dict(head_dim=64, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                                        beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                        original_max_position_embeddings=4096)),
+    # the correction range rounded outward (transformers' default), a small head and other betas
+    "truncated": dict(head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                          beta_fast=16.0, beta_slow=2.0,
+                                                          original_max_position_embeddings=256)),
+    # the attention factor from mscale / mscale_all_dim
+    "mscale": dict(head_dim=32, max_position_embeddings=8192,
+                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, mscale=1.0,
+                                        mscale_all_dim=0.5, original_max_position_embeddings=1024)),
+    # an explicit attention factor
+    "attention_factor": dict(head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=500.0, factor=8.0,
+                                                                 attention_factor=0.7, truncate=False,
+                                                                 original_max_position_embeddings=128)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_yarn_equals_transformers(case):
+    """yarn's inverse frequencies, attention factor and cos/sin tables, exactly as transformers'
+    _compute_yarn_parameters and its rotary embedding compute them."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from workers.rope import RotaryEmbedding, inverse_frequencies
+
+    settings = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    hf_config = AutoConfig.for_model("gpt_oss", **dict(settings, **YARN_CASES[case]))
+    config = ModelConfig.from_dict(hf_config.to_dict())
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    scaling = config.rope_scaling
+    assert scaling.rope_type == "yarn" and scaling.attention_factor == attention_factor
+    ours = inverse_frequencies(config.rotary_dim, config.rope_theta, scaling)
+    assert torch.equal(ours, inv_freq)
+    assert not torch.equal(ours, inverse_frequencies(config.rotary_dim, config.rope_theta, RopeScaling("default")))
+    rope = RotaryEmbedding(config, 4096, torch.float32, "cpu")
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    half = config.rotary_dim // 2
+    torch.testing.assert_close(rope.cos_f32[:, :half], freqs.cos() * attention_factor, rtol=0, atol=0)
+    torch.testing.assert_close(rope.signed_sin_f32[:, half:], freqs.sin() * attention_factor, rtol=0, atol=0)
+
+
+def test_yarn_stays_longrope_for_phi3_only():
+    raw = dict(model_type="phi3", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, original_max_position_embeddings=512,
+               rope_scaling=dict(type="yarn", short_factor=[1.0] * 8, long_factor=[2.0] * 8))
+    assert ModelConfig.from_dict(raw).rope_scaling.rope_type == "longrope"
+    llama = dict(raw, model_type="llama", rope_scaling=dict(rope_type="yarn", factor=2.0))
+    scaling = ModelConfig.from_dict(llama).rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 2.0, 512)
+    assert scaling.attention_factor == pytest.approx(0.1 * math.log(2.0) + 1.0) and scaling.truncate
+    # no factor: max_position_embeddings over the original context (transformers' default)
+    no_factor = dict(llama, max_position_embeddings=4096, rope_scaling=dict(rope_type="yarn"))
+    scaling = ModelConfig.from_dict(no_factor).rope_scaling
+    assert (scaling.factor, scaling.beta_fast, scaling.beta_slow) == (8.0, 32.0, 1.0)

@@ -105,14 +105,32 @@ def test_rope(ops, dtype, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
 def test_gated_mul(ops, dtype, activation):
     reference, native = ops
     gate_up = (3 * torch.randn(70, 2 * 52)).to(dtype)  # a width past the SIMD bodies' multiples, rows on two threads
-    expected = reference.gated_mul(gate_up, activation)
-    torch.testing.assert_close(native.gated_mul(gate_up, activation), expected, **TOLERANCE[dtype])
-    other = reference.gated_mul(gate_up, "gelu_tanh" if activation == "silu" else "silu")
-    assert not torch.allclose(other.float(), expected.float(), atol=1e-2)  # the activation is the one asked for
+    clamp = dict(alpha=1.5, limit=4.0) if activation == "swiglu_oai" else {}  # a limit the values pass
+    expected = reference.gated_mul(gate_up, activation, **clamp)
+    torch.testing.assert_close(native.gated_mul(gate_up, activation, **clamp), expected, **TOLERANCE[dtype])
+    for other in {"silu", "gelu_tanh", "swiglu_oai"} - {activation}:  # the activation is the one asked for
+        assert not torch.allclose(reference.gated_mul(gate_up, other).float(), expected.float(), atol=1e-2)
+    if clamp:  # the alpha and limit asked for, not the defaults
+        assert not torch.allclose(native.gated_mul(gate_up, activation).float(), expected.float(), atol=1e-2)
+
+
+def test_clamped_swiglu_equals_transformers_gpt_oss_experts():
+    """gpt-oss's clamped SwiGLU on [gate | up] halves equals transformers' on its interleaved
+    columns (gate = [..., ::2], up = [..., 1::2]), clamps included."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts = GptOssExperts(AutoConfig.for_model("gpt_oss", hidden_size=16, intermediate_size=24, swiglu_limit=3.0))
+    interleaved = 4 * torch.randn(33, 2 * 24, generator=torch.Generator().manual_seed(5))
+    assert bool((interleaved.abs() > 3.0).any())  # the clamps are reached
+    halves = torch.cat((interleaved[:, 0::2], interleaved[:, 1::2]), dim=1)
+    expected = experts._apply_gate(interleaved)
+    ours = TorchOps().gated_mul(halves, "swiglu_oai", alpha=experts.alpha, limit=experts.limit)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
 
 
 def test_selection():

@@ -45,7 +45,7 @@ def test_qwen2_has_qkv_bias_only_and_mistral_window_caps_length():
 
 @pytest.mark.parametrize("raw,message", [
     (dict(LLAMA, model_type="gpt2"), "model_type 'gpt2' is not supported"),
-    (dict(LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn'"),
+    (dict(LLAMA, rope_scaling={"rope_type": "su", "factor": 4.0}), "rope scaling 'su'"),  # phi3's name only
     ({"model_type": "llama"}, "missing keys"),
     (dict(LLAMA, num_key_value_heads=3), "not a multiple"),
     (dict(LLAMA, hidden_act="gelu"), "activation 'gelu' is not supported"),

@@ -1,7 +1,7 @@
 """Mixture-of-experts layers (workers/moe.py, the mixtral and qwen3_moe families).
 
 The router against a float64 reference and against transformers' own router modules (Mixtral,
-Qwen3-MoE, and gpt-oss's top-k-then-softmax with a bias, for the family to come); the experts
+Qwen3-MoE, and gpt-oss's top-k-then-softmax with a bias); the experts
 against a float64 sum over every expert, running only the experts the tokens chose; and tiny
 random checkpoints built with transformers' classes, whose greedy tokens and logprobs equal
 transformers' on the torch path and on our CPU kernels and products (the Python layer loop:
@@ -42,6 +42,13 @@ CHECKPOINTS = {
     # 4 layers: 0 and 2 dense (mlp_only_layers, width 128), 1 and 3 MoE (top 3 of 5, renormalised)
     "qwen3_moe-dense-layers": dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=5, num_experts_per_tok=3,
                                    moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[0, 2]),
+    # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
+    # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
+    # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=4.0,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=256)),
 }
 PATHS = {
     "torch": dict(attention_backend="torch", layer_ops="torch", linear_backend="torch"),

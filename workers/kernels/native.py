@@ -118,7 +118,8 @@ def native_library() -> ctypes.CDLL:
 
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype argument of every entry point (csrc/simd.h)
-ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}  # rayllm_gated_mul's activation (csrc/entry_points.h)
+# rayllm_gated_mul's activation (csrc/entry_points.h): act(gate) * up; "swiglu_oai" is gpt-oss's clamped SwiGLU
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 
 def check_status(status: int, entry_point: str) -> None:
@@ -233,8 +234,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _I32],
     # qkv, q_weight, k_weight, num_rows, num_heads, num_kv_heads, head_dim, whole, eps, dtype, num_threads
     "rayllm_head_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32, _F32, _I32, _I32],
-    # gate_up, out, num_rows, width, activation, dtype, num_threads
-    "rayllm_gated_mul": [_P, _P, _I64, _I64, _I32, _I32, _I32],
+    # gate_up, out, num_rows, width, activation, alpha, limit, dtype, num_threads
+    "rayllm_gated_mul": [_P, _P, _I64, _I64, _I32, _F32, _F32, _I32, _I32],
     # x, out, num_rows, width, num_threads
     "rayllm_argmax": [_P, _P, _I64, _I64, _I32],
     # x, w, bias, out, num_rows, N, K, dtype, out_dtype, num_threads

@@ -40,9 +40,9 @@ int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const flo
 int rayllm_head_rms_norm(void *qkv, const void *q_weight, const void *k_weight, int64_t num_rows, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int32_t whole, float eps, int32_t dtype,
                          int32_t num_threads);
-enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 }; /* rayllm_gated_mul's activation */
-int rayllm_gated_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t activation,
-                     int32_t dtype, int32_t num_threads);
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1, ACTIVATION_SWIGLU_OAI = 2 }; /* rayllm_gated_mul's activation */
+int rayllm_gated_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t activation, float alpha,
+                     float limit, int32_t dtype, int32_t num_threads);
 int rayllm_gemv(const void *x, const void *w, const void *bias, void *out, int64_t num_rows, int64_t N, int64_t K,
                 int32_t dtype, int32_t out_dtype, int32_t num_threads);
 int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, float *out, int64_t num_rows, int64_t N,

@@ -115,7 +115,8 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
             status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
         if (!status) status = linear(a, x, layer->gate_up, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
-        if (!status) status = rayllm_gated_mul(a->gate_up, a->act, T, inter, a->activation, a->dtype, a->num_threads);
+        if (!status)
+            status = rayllm_gated_mul(a->gate_up, a->act, T, inter, a->activation, 0.0f, 0.0f, a->dtype, a->num_threads);
         if (!status) status = linear(a, a->act, layer->down, layer->down_bias, a->delta, hidden, inter);
         if (!status && layer->mlp_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->mlp_out_norm, a->delta, T, hidden, a->eps, a->dtype,

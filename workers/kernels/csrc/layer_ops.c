@@ -3,7 +3,7 @@
  *
  *   rayllm_add_rms_norm   residual += delta (optional); out = rms_norm(residual) * weight
  *   rayllm_rope           rotate q and k inside the fused qkv rows (rotate_half convention)
- *   rayllm_silu_mul       out = silu(gate) * up, gate and up the two halves of each row
+ *   rayllm_gated_mul      out = act(gate) * up, gate and up the two halves of each row
  *   rayllm_gemv           out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m
  *
  * Tensors are fp32 or bf16 (dtype 0 / 1), one dtype per call; arithmetic is fp32 and bf16
@@ -185,16 +185,21 @@ typedef struct {
     void *out;
     int64_t width;
     int32_t dtype, activation;
+    float alpha, limit; /* ACTIVATION_SWIGLU_OAI's */
 } GatedJob;
 
-/* Both activations are g / (1 + exp(-z)): z = g for SiLU, and for GELU's tanh form
- * z = 2 sqrt(2 / pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)). */
+/* Every activation is g / (1 + exp(-z)): z = g for SiLU, and for GELU's tanh form
+ * z = 2 sqrt(2 / pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)).
+ * gpt-oss's clamped SwiGLU first clamps g to at most limit and up to [-limit, limit], then
+ * takes z = alpha g and multiplies by (up + 1) instead of up. */
 #define GELU_K2 1.5957691216057308f /* 2 sqrt(2 / pi) */
 #define GELU_C 0.044715f
 
 static void gated_row(const void *context, int64_t t) {
     const GatedJob *j = context;
     const int bf16 = j->dtype == DTYPE_BF16, gelu = j->activation == ACTIVATION_GELU_TANH;
+    const int oai = j->activation == ACTIVATION_SWIGLU_OAI;
+    const float alpha = j->alpha, limit = j->limit;
     const int64_t elem = bf16 ? 2 : 4, width = j->width;
     const int32_t dtype = j->dtype;
     const char *gate = (const char *)j->gate_up + t * 2 * width * elem, *up = gate + width * elem;
@@ -202,38 +207,57 @@ static void gated_row(const void *context, int64_t t) {
     int64_t i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= width; i += 16) {
-        const __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
+        __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
         __m512 z = g;
         if (gelu)
             z = _mm512_mul_ps(_mm512_set1_ps(GELU_K2),
                               _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_C), g), _mm512_mul_ps(g, g), g));
+        if (oai) {
+            g = _mm512_min_ps(g, _mm512_set1_ps(limit));
+            u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
+            u = _mm512_add_ps(u, _mm512_set1_ps(1.0f));
+            z = _mm512_mul_ps(_mm512_set1_ps(alpha), g);
+        }
         const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
         store16(dst + i * elem, _mm512_mul_ps(act, u), bf16);
     }
 #elif defined(RAYLLM_AVX2)
     for (; i + 8 <= width; i += 8) {
-        const __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);
+        __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);
         __m256 z = g;
         if (gelu)
             z = _mm256_mul_ps(_mm256_set1_ps(GELU_K2),
                               _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_C), g), _mm256_mul_ps(g, g), g));
+        if (oai) {
+            g = _mm256_min_ps(g, _mm256_set1_ps(limit));
+            u = _mm256_max_ps(_mm256_min_ps(u, _mm256_set1_ps(limit)), _mm256_set1_ps(-limit));
+            u = _mm256_add_ps(u, _mm256_set1_ps(1.0f));
+            z = _mm256_mul_ps(_mm256_set1_ps(alpha), g);
+        }
         const __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), z))));
         store8(dst + i * elem, _mm256_mul_ps(act, u), bf16);
     }
 #endif
     for (; i < width; i++) {
-        const float g = load_element(gate, i, dtype), u = load_element(up, i, dtype);
-        const float z = gelu ? GELU_K2 * (g + GELU_C * g * g * g) : g;
+        float g = load_element(gate, i, dtype), u = load_element(up, i, dtype), z = g;
+        if (gelu) z = GELU_K2 * (g + GELU_C * g * g * g);
+        if (oai) {
+            g = fminf(g, limit);
+            u = fmaxf(fminf(u, limit), -limit) + 1.0f;
+            z = alpha * g;
+        }
         store_element(dst, i, g / (1.0f + expf(-z)) * u, dtype);
     }
 }
 
 /* gate_up: [num_rows, 2 * width] (gate, then up); out: [num_rows, width] = act(gate) * up, act
- * SiLU (ACTIVATION_SILU) or GELU's tanh form (ACTIVATION_GELU_TANH, Gemma). */
-int rayllm_gated_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t activation,
-                     int32_t dtype, int32_t num_threads) {
-    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return 1;
-    const GatedJob job = {gate_up, out, width, dtype, activation};
+ * SiLU (ACTIVATION_SILU), GELU's tanh form (ACTIVATION_GELU_TANH, Gemma), or gpt-oss's clamped
+ * SwiGLU (ACTIVATION_SWIGLU_OAI, with alpha and limit; the others ignore them). */
+int rayllm_gated_mul(const void *gate_up, void *out, int64_t num_rows, int64_t width, int32_t activation, float alpha,
+                     float limit, int32_t dtype, int32_t num_threads) {
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH && activation != ACTIVATION_SWIGLU_OAI)
+        return 1;
+    const GatedJob job = {gate_up, out, width, dtype, activation, alpha, limit};
     for_each_row(gated_row, &job, num_rows, num_threads);
     return 0;
 }
