@@ -55,6 +55,7 @@ from serve_app.tokenizer import TokenizerService
 from serve_app.tool_parsers import choose_tool_call_parser
 from scheduler.actor import ACTOR_NAMESPACE, RayMetrics, create_scheduler, scheduler_actor_name
 from workers.actor import WorkerResources, create_worker, worker_actor_name
+from workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -277,9 +278,21 @@ class OpenAIIngress:
             self._ctx.draining = True
 
 
+def check_local_model(model: str | None) -> None:
+    """Reads a local checkpoint's config.json now, so that one we cannot serve (a family we do
+    not know, a quantized one) fails the build with one line (ModelConfigError) instead of
+    failing each worker's constructor, retried by Serve, behind a traceback in the status.
+    The default model and a path this node lacks (only the worker nodes have it) are left to
+    the workers."""
+    if model is not None and Path(model, "config.json").is_file():
+        ModelConfig.from_model_dir(Path(model))
+
+
 def build_app(args: dict[str, Any]) -> Application:
-    """The application from validated args; checks resources now when Ray is up."""
+    """The application from validated args; checks the model's config and, when Ray is up, the
+    resources now."""
     app_args = AppArgs.model_validate(args or {})
+    check_local_model(app_args.model)
     if not app_args.api_keys:  # the one environment read: keys travel on as SecretStr args
         app_args.api_keys = [SecretStr(key) for key in api_keys_from_env()]
     if ray.is_initialized():

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import torch
 
 from scheduler.sampling_params import GrammarSpec
@@ -108,6 +107,10 @@ class GrammarMatchers:
     def allowed_tokens(self, rows: list[int], matchers: list[llguidance.LLMatcher],
                        device: torch.device) -> AllowedTokens:
         """One bitmask row per matcher (all filled in one call), for the logits rows given."""
+        # imported on first use: llguidance.torch loads torch.compile's machinery, seconds of every
+        # worker's start that only grammar requests need
+        import llguidance.torch
+
         assert rows and len(rows) == len(matchers)
         started = time.perf_counter()
         self.tokenizer  # noqa: B018 (builds the executor with the tokenizer)

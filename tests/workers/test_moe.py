@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from families_catalog import MOE_FAMILIES
 from runner_helpers import (HfOracle, assert_greedy_matches, assert_logprobs_match_hf, greedy, make_runner,
                             prompts_of_lengths, run_requests, run_with_logprobs)
 from safetensors.torch import load_file, save_file
@@ -30,26 +31,7 @@ from workers.loader import ModelPathError
 from workers.model import PagedLlamaModel, WeightError
 from workers.moe import MoeWeights, route, router_logits, run_experts
 
-CHECKPOINTS = {
-    # 6 experts, top 2, renormalised; the classic per-expert tensors (block_sparse_moe.experts.E.w1/w3/w2)
-    "mixtral": dict(model_type="mixtral", num_local_experts=6, num_experts_per_tok=2),
-    # the same in transformers' own layout (mlp.experts.gate_up_proj / down_proj, 3-D)
-    "mixtral-fused": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, seed=1,
-                          save_original_format=False),
-    # q/k norms, 8 experts of width 48, top 2 not renormalised (Qwen3-30B-A3B's norm_topk_prob is true: next)
-    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                      norm_topk_prob=False),
-    # 4 layers: 0 and 2 dense (mlp_only_layers, width 128), 1 and 3 MoE (top 3 of 5, renormalised)
-    "qwen3_moe-dense-layers": dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=5, num_experts_per_tok=3,
-                                   moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[0, 2]),
-    # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
-    # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
-    # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
-    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=4.0,
-                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
-                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=256)),
-}
+CHECKPOINTS = MOE_FAMILIES
 PATHS = {
     "torch": dict(attention_backend="torch", layer_ops="torch", linear_backend="torch"),
     "cpu": dict(attention_backend="cpu"),  # our attention, C ops and packed products; the Python layer loop

@@ -1,0 +1,76 @@
+"""Every model family the tests build as a tiny random checkpoint, in one place.
+
+Each entry maps a name (also the checkpoint directory's name) to transformers config overrides
+for tests/tiny_model.py's build_tiny_model_dir, `model_type` included. The worker tests
+(tests/workers/test_families.py) compare every path on FAMILIES; the served test
+(tests/integration/test_families_served.py) serves every entry of SERVED_FAMILIES over HTTP.
+A new family goes into one of the dicts here (or a new dict joined into SERVED_FAMILIES), and
+both tests pick it up.
+"""
+
+from __future__ import annotations
+
+# Llama and the families that run on Llama's layer unchanged but for biases and a context cap
+LLAMA_FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral"),
+    "qwen2": dict(model_type="qwen2"),  # q, k and v biases
+}
+
+# the families beyond Llama (workers/families.py)
+FAMILIES = {
+    # per-head q/k norms (a head_dim that is not hidden / heads), and again with attention biases
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+    "qwen3-bias": dict(model_type="qwen3", attention_bias=True),
+    # layers 1 and 3 of 4 without RoPE (transformers' default interval, here 2)
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
+    "granite": dict(model_type="granite", embedding_multiplier=4.0, residual_multiplier=0.4,
+                    attention_multiplier=0.09, logits_scaling=3.0),
+    # sandwich norms x (1 + w), GELU-tanh MLPs, scaled embeddings, windows of 8 on layers 0 and 2 (prompts
+    # run past them), attention and final logits soft-capped hard enough to change tokens
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
+    # as Gemma 2 without soft-caps, plus per-head q/k norms and a local RoPE base on the sliding layers
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                             sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+    # the text model inside a multimodal checkpoint (a vision tower and projector beside it, skipped)
+    "gemma3": dict(model_type="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # norms after each branch, q/k norms over the whole projection
+    "olmo2": dict(model_type="olmo2"),
+    # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
+    # (the attention factor scales cos and sin everywhere)
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                      short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.0, 3.0, 4.5])),
+}
+
+# mixtures of experts (tests/workers/test_moe.py)
+MOE_FAMILIES = {
+    # 6 experts, top 2, renormalised; the classic per-expert tensors (block_sparse_moe.experts.E.w1/w3/w2)
+    "mixtral": dict(model_type="mixtral", num_local_experts=6, num_experts_per_tok=2),
+    # the same in transformers' own layout (mlp.experts.gate_up_proj / down_proj, 3-D)
+    "mixtral-fused": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, seed=1,
+                          save_original_format=False),
+    # q/k norms, 8 experts of width 48, top 2 not renormalised (Qwen3-30B-A3B's norm_topk_prob is true: next)
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=False),
+    # 4 layers: 0 and 2 dense (mlp_only_layers, width 128), 1 and 3 MoE (top 3 of 5, renormalised)
+    "qwen3_moe-dense-layers": dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=5, num_experts_per_tok=3,
+                                   moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[0, 2]),
+    # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
+    # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
+    # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=4.0,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=256)),
+}
+
+# every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
+SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "gpt_oss")}
+SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
+assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
+
