@@ -18,9 +18,12 @@ The experts (only those this step's tokens chose run; an expert with no token co
     out_e = down_e(silu(gate_e(rows_e)) * up_e(rows_e))    gate and up fused, one product per expert
     delta[token] += weight(token, slot) * out_e    one index_add_ in fp32, in expert order per token
 
-The per-expert loop reads each expert's token count on the host, so a MoE layer cannot be
-captured in a CUDA graph (it says so; the runner then runs decode steps eagerly). A grouped
-GEMM over every expert in one launch (vLLM's fused-MoE Triton kernel) is the GPU path to come.
+The per-expert loop reads each expert's token count on the host, so it cannot be captured in
+a CUDA graph (it says so). On CUDA, read_moe_weights also keeps the experts stacked
+(MoeWeights.stacked; the per-expert weights are views of them, no second copy) and moe_mlp runs
+workers/kernels/triton_moe.py's fused_moe instead: one grouped-GEMM launch per projection over
+every chosen expert with no host sync, so decode steps of a MoE model can be captured
+(tests/gpu/test_gpu.py checks the capture on a GPU).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class MoeWeights:
     router_bias: torch.Tensor | None  # [num_experts] fp32, added to the router's logits
     gate_up: tuple[object, ...]  # per expert [2 * intermediate, hidden], packed: gate rows then up rows
     down: tuple[object, ...]  # per expert [hidden, intermediate], packed
+    # CUDA only: (gate_up [E, 2 * intermediate, hidden], down [E, hidden, intermediate]) for the fused
+    # Triton kernel, gate_up and down above being views of them; None elsewhere (the per-expert loop)
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +71,10 @@ def router_logits(x: torch.Tensor, weights: MoeWeights, linear_backend) -> torch
 def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activation: str = "silu") -> torch.Tensor:
     """The MoE MLP of the normed hidden states x [tokens, hidden] -> [tokens, hidden] in x's dtype."""
     routing, expert_ids = route(router_logits(x, weights, linear_backend), weights.traits)
+    if weights.stacked is not None and x.is_cuda:
+        from workers.kernels.triton_moe import fused_moe  # triton only where CUDA runs
+
+        return fused_moe(x, *weights.stacked, routing, expert_ids, activation)
     return run_experts(x, routing, expert_ids, weights, linear_backend.linear,
                        lambda gate_up: ops.gated_mul(gate_up, activation))
 
@@ -109,11 +119,12 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
         stacked_gate_up = reader.take(fused, (num_experts, 2 * width, hidden))
         stacked_down = reader.take_residual_branch(prefix + "mlp.experts.down_proj", (num_experts, hidden, width))
         gate_up, down = list(stacked_gate_up.unbind(0)), list(stacked_down.unbind(0))
+        stacked = (stacked_gate_up, stacked_down)
     else:
         block = prefix + traits.block + "."
         gate = block + "gate."
         gate_name, up_name, down_name = traits.expert_projections
-        gate_up, down = [], []
+        gate_up, down, stacked = [], [], None
         for expert in range(num_experts):
             names = f"{block}experts.{expert}."
             gate_up.append(reader.take_fused([f"{names}{gate_name}.weight", f"{names}{up_name}.weight"],
@@ -121,8 +132,14 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
             down.append(reader.take_residual_branch(f"{names}{down_name}.weight", (hidden, width)))
     router = reader.take(gate + "weight", (num_experts, hidden))
     router_bias = reader.take(gate + "bias", (num_experts,)).float() if traits.router_bias else None
+    if torch.device(reader.device).type != "cuda":
+        stacked = None
+    elif stacked is None:  # the torch backend's packed form is the tensor itself: views, not copies
+        stacked = (torch.stack(gate_up), torch.stack(down))
+        gate_up, down = list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
     return MoeWeights(
         traits=traits, router=reader.pack(router), router_bias=router_bias,
         gate_up=tuple(reader.pack(w.contiguous()) for w in gate_up),
         down=tuple(reader.pack(w.contiguous()) for w in down),
+        stacked=stacked,
     )

@@ -1,7 +1,7 @@
 """The fused mixture-of-experts kernel (workers/kernels/triton_moe.py) in Triton's interpreter
 on CPU tensors: the alignment's invariants, the grouped GEMM and fused_moe against a float64
 reference (the maths of workers/moe.py's run_experts), fused_moe against run_experts itself on
-the same weights and in a tiny model's greedy decoding.
+the same weights, and the CUDA-only stacking of experts at load (workers/moe.py).
 
 The interpreter is switched on exactly as in tests/workers/test_triton_kernels.py (see its
 docstring): TRITON_INTERPRET=1 before triton's first import on a machine without CUDA, the
@@ -41,7 +41,7 @@ import triton.language.standard  # noqa: E402
 from workers.families import MoeTraits  # noqa: E402
 from workers.layer_ops import TorchOps  # noqa: E402
 from workers.linear import TorchLinear  # noqa: E402
-from workers.moe import MoeWeights, route, run_experts  # noqa: E402
+from workers.moe import MoeWeights, moe_mlp, read_moe_weights, route, run_experts  # noqa: E402
 
 IN_PROCESS = isinstance(triton.language.standard.zeros, InterpretedFunction)
 NOT_IN_PROCESS_REASON = (
@@ -323,3 +323,62 @@ def test_model_greedy_with_fused_moe_equals_torch_path(moe, tmp_path, monkeypatc
     tokens = kc.greedy_generate(ModelRunner(config), prompts, max_tokens=6, chunk_size=16)
     assert calls and max(calls) > len(prompts), "no prefill chunk ran the fused kernel"
     assert tokens == expected
+
+
+# ----------------------------------------------------------------------------- loading (workers/moe.py)
+
+
+class _Reader:
+    """The model's weight reader (workers/model.py _WeightReader) on CPU tensors, claiming `device`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: str) -> None:
+        self.tensors, self.device, self.pack = tensors, device, TorchLinear().pack
+        self.config = SimpleNamespace(residual_multiplier=1.0)
+
+    def take(self, name, shape):
+        tensor = self.tensors.pop(name)
+        assert tuple(tensor.shape) == shape
+        return tensor.contiguous()
+
+    def take_fused(self, names, shapes):
+        return torch.cat([self.take(name, shape) for name, shape in zip(names, shapes)])
+
+    def take_residual_branch(self, name, shape):
+        return self.take(name, shape)
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_experts_are_stacked_at_load_for_cuda_only(layout, device):
+    """A CUDA model keeps [E, N, K] stacks for the fused kernel, its per-expert weights views of
+    them (one copy in memory); elsewhere nothing changes. moe_mlp on CPU tensors runs the
+    per-expert loop whatever the weights hold."""
+    traits = MoeTraits(num_experts=3, top_k=2, intermediate_size=WIDTH, layers=(True,), block="block_sparse_moe",
+                       expert_projections=("w1", "w3", "w2"), scoring="softmax_topk", renormalize=True,
+                       router_bias=False)
+    generator = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(3, WIDTH, HIDDEN, generator=generator), torch.randn(3, WIDTH, HIDDEN, generator=generator)
+    down = torch.randn(3, HIDDEN, WIDTH, generator=generator)
+    if layout == "fused":
+        tensors = {"model.layers.0.mlp.experts.gate_up_proj": torch.cat([gate, up], dim=1),
+                   "model.layers.0.mlp.experts.down_proj": down,
+                   "model.layers.0.mlp.gate.weight": torch.randn(3, HIDDEN)}
+    else:
+        tensors = {"model.layers.0.block_sparse_moe.gate.weight": torch.randn(3, HIDDEN)}
+        for e in range(3):
+            names = f"model.layers.0.block_sparse_moe.experts.{e}."
+            tensors.update({names + "w1.weight": gate[e], names + "w3.weight": up[e], names + "w2.weight": down[e]})
+    weights = read_moe_weights(_Reader(tensors, device), 0, traits, HIDDEN)
+    for e in range(3):
+        assert torch.equal(weights.gate_up[e], torch.cat([gate[e], up[e]])) and torch.equal(weights.down[e], down[e])
+    if device == "cpu":
+        assert weights.stacked is None
+        return
+    stacked_gate_up, stacked_down = weights.stacked
+    assert stacked_gate_up.shape == (3, 2 * WIDTH, HIDDEN) and stacked_down.shape == (3, HIDDEN, WIDTH)
+    for e in range(3):
+        assert weights.gate_up[e].data_ptr() == stacked_gate_up[e].data_ptr()
+        assert weights.down[e].data_ptr() == stacked_down[e].data_ptr()
+    x = torch.randn(4, HIDDEN, generator=generator)
+    plain = MoeWeights(traits, weights.router, None, weights.gate_up, weights.down)
+    assert torch.equal(moe_mlp(x, weights, TorchLinear(), TorchOps()), moe_mlp(x, plain, TorchLinear(), TorchOps()))
