@@ -32,8 +32,9 @@ The kernel (_moe_gemm_kernel), program (M-tile, N-tile), grid (tiles for the wor
     down launch:    A = the activated rows (row of pair p is p), C = [num_pairs, H], times routing
     out = C.view(T, k, H).sum(1)                                    fp32 sum of each token's k rows
 
-Consecutive programs take consecutive M-tiles of one N-tile, so an expert's weight tile is read
-once from memory by the programs of its M-tiles and served from L2 to the rest.
+Program ids run M-tiles fastest, so the programs of one expert's M-tiles read the same weight
+tile close together in time (for L2 to serve the repeats). There is no further tile swizzle
+and no autotuning: the tile sizes are fixed by _choose_blocks, untuned on a GPU so far.
 
 CUDA graphs: nothing here reads a tensor on the host (no .item(), .tolist(), bincount or
 nonzero), the grid and every buffer depend only on T, k, E and the weights' shapes, and tiles
