@@ -19,9 +19,12 @@ The experts (only those this step's tokens chose run; an expert with no token co
                                                    (each with its bias where the family has one: gpt-oss)
     delta[token] += weight(token, slot) * out_e    one index_add_ in fp32, in expert order per token
 
-The per-expert loop reads each expert's token count on the host, so a MoE layer cannot be
-captured in a CUDA graph (it says so; the runner then runs decode steps eagerly). A grouped
-GEMM over every expert in one launch (vLLM's fused-MoE Triton kernel) is the GPU path to come.
+The per-expert loop reads each expert's token count on the host, so it cannot be captured in
+a CUDA graph (it says so). On CUDA, read_moe_weights also keeps the experts stacked
+(MoeWeights.stacked; the per-expert weights are views of them, no second copy) and moe_mlp runs
+workers/kernels/triton_moe.py's fused_moe instead: one grouped-GEMM launch per projection over
+every chosen expert with no host sync, so decode steps of a MoE model can be captured
+(tests/gpu/test_gpu.py checks the capture on a GPU).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class MoeWeights:
     down: tuple[object, ...]  # per expert [hidden, intermediate], packed
     gate_up_bias: tuple[torch.Tensor, ...] | None = None  # per expert [2 * intermediate]: gate's then up's (gpt-oss)
     down_bias: tuple[torch.Tensor, ...] | None = None  # per expert [hidden]
+    # CUDA only: (gate_up [E, 2 * intermediate, hidden], down [E, hidden, intermediate]) for the fused
+    # Triton kernel, gate_up and down above being views of them; None elsewhere (the per-expert loop)
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +76,10 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activatio
     """The MoE MLP of the normed hidden states x [tokens, hidden] -> [tokens, hidden] in x's dtype."""
     traits = weights.traits
     routing, expert_ids = route(router_logits(x, weights, linear_backend), traits)
+    if weights.stacked is not None and x.is_cuda:
+        from workers.kernels.triton_moe import fused_moe  # triton only where CUDA runs
+
+        return fused_moe(x, *weights.stacked, routing, expert_ids, traits.activation or activation)
     if traits.activation == "swiglu_oai":
         def act_mul(gate_up):
             return ops.gated_mul(gate_up, "swiglu_oai", alpha=traits.swiglu_alpha, limit=traits.swiglu_limit)
@@ -126,12 +136,19 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
         gate_up, down, router_name = _read_stacked_experts(reader, prefix, traits, hidden)
     router = reader.take(router_name + "weight", (traits.num_experts, hidden))
     router_bias = reader.take(router_name + "bias", (traits.num_experts,)).float() if traits.router_bias else None
+    stacked = None
+    # CUDA: the fused Triton kernel reads the experts stacked (the per-expert tensors become views of
+    # the stack); it has no expert biases or clamped SwiGLU, so gpt-oss runs the per-expert loop there
+    if torch.device(reader.device).type == "cuda" and gate_up_bias is None and traits.activation != "swiglu_oai":
+        stacked = (torch.stack(gate_up), torch.stack(down))
+        gate_up, down = list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
     return MoeWeights(
         traits=traits, router=reader.pack(router), router_bias=router_bias,
         gate_up=tuple(reader.pack(w.contiguous()) for w in gate_up),
         down=tuple(reader.pack(w.contiguous()) for w in down),
         gate_up_bias=None if gate_up_bias is None else tuple(b.contiguous() for b in gate_up_bias),
         down_bias=None if down_bias is None else tuple(b.contiguous() for b in down_bias),
+        stacked=stacked,
     )
 
 

@@ -9,6 +9,12 @@ Run it on a GPU node, in its own process so nothing has flipped triton to the in
 
     pytest tests/gpu -m "gpu and not big" -ra     # add -m "gpu" to include the slow default-model test
 
+Fused mixture of experts (end of file; workers/kernels/triton_moe.py): against float64, replayed
+from a CUDA graph, and a tiny Mixtral's greedy tokens eager and from graphs against the CPU
+path. Written after the run above, on a machine without a GPU: they have not run on one yet
+(the kernel is checked in the interpreter, tests/workers/test_triton_moe.py, and compiled for
+sm_80/sm_90 by tests/gpu/cuda_compile.py).
+
 CUDA graphs: test_runner_greedy_cuda_graphs_equal_eager captures the decode graphs
 (workers/cuda_graphs.py) and compares greedy tokens with the eager runner. Its static-buffer
 padding logic is also tested on CPU without capture (tests/workers/test_decode_graphs.py).
@@ -322,3 +328,102 @@ def test_runner_seeded_sampling_on_cuda_same_alone_and_batched(tmp_path):
     alone = run_requests(prompts[:1], [seeded])[0]
     others = [SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=9)]
     assert run_requests(prompts, [seeded] + others)[0] == alone
+
+
+# ----------------------------------------------------------------------------- fused mixture of experts
+
+
+def _moe_case(num_tokens: int, num_experts: int, top_k: int, hidden: int, width: int, dtype, seed: int = 0):
+    """x, stacked experts [E, 2I, H] / [E, H, I], softmax-top-k routing on CUDA; the last expert is
+    never chosen and holds NaN (a read of it shows)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * width, hidden, generator=generator) / hidden ** 0.5
+    down = torch.randn(num_experts, hidden, width, generator=generator) / width ** 0.5
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    logits[:, -1] = float("-inf")
+    gate_up[-1], down[-1] = float("nan"), float("nan")
+    routing, expert_ids = torch.topk(torch.softmax(logits, dim=-1), top_k)
+    routing = routing / routing.sum(dim=-1, keepdim=True)
+    return [t.to(DEVICE) for t in (x.to(dtype), gate_up.to(dtype), down.to(dtype), routing, expert_ids)]
+
+
+def _float64_moe(x, gate_up, down, routing, expert_ids) -> torch.Tensor:
+    """Every used expert on its tokens in float64, on the CPU (workers/moe.py's maths)."""
+    x, gate_up, down, routing, expert_ids = (t.cpu() for t in (x, gate_up, down, routing, expert_ids))
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for expert in expert_ids.unique().tolist():
+        gate, up = (x.double() @ gate_up[expert].double().T).chunk(2, dim=-1)
+        weight = (routing.double() * (expert_ids == expert)).sum(dim=-1, keepdim=True)
+        out += weight * ((torch.nn.functional.silu(gate) * up) @ down[expert].double().T)
+    return out
+
+
+MOE_REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # of the largest |result|
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 8, 2), (7, 8, 2), (64, 16, 4), (600, 8, 2)])
+def test_fused_moe_equals_float64(num_tokens, num_experts, top_k, dtype):
+    """Decode-sized (16-row tiles) and prefill-sized (64-row tiles) batches; hidden 320 and
+    width 176 leave masked tails."""
+    from workers.kernels import triton_moe
+
+    case = _moe_case(num_tokens, num_experts, top_k, 320, 176, dtype, seed=num_tokens)
+    out = triton_moe.fused_moe(*case, "silu")
+    torch.cuda.synchronize()
+    assert out.is_cuda and out.dtype == dtype and not out.isnan().any()
+    expected = _float64_moe(*case)
+    err, scale = (out.cpu().double() - expected).abs().max().item(), expected.abs().max().item()
+    assert err <= MOE_REL_TOL[dtype] * scale, f"max abs error {err:.3g} > {MOE_REL_TOL[dtype]} x {scale:.3g}"
+
+
+def test_fused_moe_replays_from_a_cuda_graph():
+    """fused_moe captured once (alignment and both launches: no host sync) and replayed on other
+    routings, from one expert taking every token to the tokens spread out, equals eager runs."""
+    from workers.kernels import triton_moe
+
+    x, gate_up, down, routing, expert_ids = _moe_case(24, 8, 2, 128, 96, torch.bfloat16)
+    static = [x.clone(), routing.clone(), expert_ids.clone()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) outside the capture
+        triton_moe.fused_moe(static[0], gate_up, down, static[1], static[2])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.fused_moe(static[0], gate_up, down, static[1], static[2])
+    generator = torch.Generator().manual_seed(1)
+    skewed = torch.stack([torch.zeros(24, dtype=torch.int64), torch.arange(24) % 6 + 1], dim=1)  # expert 0 for all
+    for new_ids in (skewed, torch.stack([torch.randperm(7, generator=generator)[:2] for _ in range(24)])):
+        new_x = torch.randn(24, 128, generator=generator).to(torch.bfloat16)
+        new_routing = torch.rand(24, 2, generator=generator)
+        for buffer, value in zip(static, (new_x, new_routing, new_ids)):
+            buffer.copy_(value.to(DEVICE))
+        graph.replay()
+        eager = triton_moe.fused_moe(static[0], gate_up, down, static[1], static[2])
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_runner_mixtral_on_cuda_fused_moe_eager_and_graphs_equal_cpu(tmp_path):
+    """A tiny random Mixtral (6 experts, top 2; transformers' classes): on CUDA the layers keep
+    stacked experts and run fused_moe; fp32 greedy tokens eager and replayed from CUDA graphs
+    (explicit sizes, so a failed capture raises) equal the CPU torch path's."""
+    from tiny_model import build_tiny_model_dir
+
+    from workers.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = build_tiny_model_dir(tmp_path / "mixtral", model_type="mixtral", num_local_experts=6,
+                                     num_experts_per_tok=2)
+    prompts = kc.e2e_prompts(vocab_size=300)
+    cpu = ModelRunner(RunnerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
+                                   layer_ops="torch", linear_backend="torch", block_size=16, num_blocks=256))
+    expected = kc.greedy_generate(cpu, prompts, max_tokens=16, chunk_size=16)
+    eager = _runner_greedy(str(model_dir), "triton", "float32", prompts, max_tokens=16)
+    runner = ModelRunner(RunnerConfig(model=str(model_dir), dtype="float32", device=DEVICE, attention_backend="triton",
+                                      block_size=16, num_blocks=256, cuda_graph_batch_sizes=(1, 2, 4, 8)))
+    assert all(layer.moe.stacked is not None for layer in runner.model.layers)
+    graphs = kc.greedy_generate(runner, prompts, max_tokens=16, chunk_size=16)
+    assert sum(runner.decode_graphs.replays.values()) > 0, "no step replayed a graph"
+    assert eager == expected and graphs == eager
