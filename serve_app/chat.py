@@ -18,11 +18,10 @@ from serve_app.context import ServingContext
 from serve_app.generation import ChoiceResult, GenerationRun
 from serve_app.logprobs import ChatLogprobs
 from serve_app.protocol import ChatCompletionRequest
-from serve_app.reasoning import decodes_special_tokens
+from serve_app.reasoning import QWEN3, decodes_special_tokens
 from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
 from serve_app.structured import Constraints, chat_constraints, with_grammar
-from serve_app.reasoning import QWEN3
 from serve_app.tool_parsers import HERMES
 from serve_app.tools import render_for_template
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serve_app.text_pieces import Piece, merge_pieces, partial_suffix
+
 CHANNEL = "<|channel|>"
 MESSAGE = "<|message|>"
 START = "<|start|>"
@@ -35,7 +37,6 @@ BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 REASONING_CHANNEL = "analysis"
 HARMONY_MARKER = CHANNEL  # a chat template that writes it is a harmony one
 
-Piece = tuple[str, str]  # (kind: "reasoning" | "content", text), text never empty
 
 
 @dataclass(slots=True)
@@ -54,7 +55,7 @@ class HarmonyParser:
             before = (self.state, len(self.buffer))
             getattr(self, f"_step_{self.state.lower()}")(pieces)
             if (self.state, len(self.buffer)) == before:
-                return _merge(pieces)
+                return merge_pieces(pieces)
 
     def finish(self) -> list[Piece]:
         held, self.buffer = self.buffer, ""
@@ -82,7 +83,7 @@ class HarmonyParser:
             _emit(pieces, self.kind, self.buffer[:at])
             self.buffer, self.state = self.buffer[at + len(marker):], "HEADER"
             return
-        keep = max(_partial_suffix(self.buffer, marker) for marker in BODY_ENDS)
+        keep = max(partial_suffix(self.buffer, marker) for marker in BODY_ENDS)
         _emit(pieces, self.kind, self.buffer[:len(self.buffer) - keep])
         self.buffer = self.buffer[len(self.buffer) - keep:]
 
@@ -117,21 +118,3 @@ def _channel(header: str) -> str:
 def _emit(pieces: list[Piece], kind: str, text: str) -> None:
     if text:
         pieces.append((kind, text))
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of marker."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
-def _merge(pieces: list[Piece]) -> list[Piece]:
-    merged: list[Piece] = []
-    for kind, text in pieces:
-        if merged and merged[-1][0] == kind:
-            merged[-1] = (kind, merged[-1][1] + text)
-        else:
-            merged.append((kind, text))
-    return merged

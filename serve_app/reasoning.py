@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from serve_app.harmony import HARMONY_MARKER, HarmonyParser, split_harmony
+from serve_app.text_pieces import merge_pieces, partial_suffix
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -109,7 +110,7 @@ class ReasoningParser:
             before = (self.state, len(self.buffer))
             getattr(self, f"_step_{self.state.lower()}")(pieces)
             if (self.state, len(self.buffer)) == before:
-                return _merge(pieces)
+                return merge_pieces(pieces)
 
     def finish(self) -> list[Piece]:
         """What is held at the end of the choice: a partial tag is text of its state."""
@@ -139,7 +140,7 @@ class ReasoningParser:
             self.buffer = self.buffer[end + len(THINK_CLOSE):]
             self.state = "AFTER"
             return
-        keep = _partial_suffix(self.buffer, THINK_CLOSE)
+        keep = partial_suffix(self.buffer, THINK_CLOSE)
         body = self.buffer[:len(self.buffer) - keep]
         sent = body.rstrip()  # trailing whitespace waits: it may come right before </think>
         self._emit(sent, pieces)
@@ -170,21 +171,3 @@ def split_reasoning(text: str, prompt_tail: str, parser_name: str = QWEN3) -> tu
     reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
     content = "".join(piece for kind, piece in pieces if kind == "content")
     return reasoning or None, content
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of marker."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
-def _merge(pieces: list[Piece]) -> list[Piece]:
-    merged: list[Piece] = []
-    for kind, text in pieces:
-        if merged and merged[-1][0] == kind:
-            merged[-1] = (kind, merged[-1][1] + text)
-        else:
-            merged.append((kind, text))
-    return merged
