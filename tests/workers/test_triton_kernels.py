@@ -59,6 +59,8 @@ _KERNEL_MODULES = ("workers.kernels.triton_cache", "workers.kernels.triton_atten
 
 
 import kernel_cases as kc  # noqa: E402  (tests/kernel_cases.py; tests/ is on sys.path via tests/conftest.py)
+from families_catalog import SERVED_FAMILIES  # noqa: E402
+from tiny_model import build_tiny_model_dir  # noqa: E402
 
 
 def _import_interpreted_kernels() -> SimpleNamespace:
@@ -377,6 +379,27 @@ def test_runner_greedy_triton_equals_torch_with_attention_variants(kernels, tmp_
         tokens[name] = kc.greedy_generate(runner, prompts, max_tokens=8, chunk_size=16)
     assert tokens["triton"] == tokens["torch"]
     assert tokens["torch"] != tokens["plain"], "the variants changed no token: the check is vacuous"
+
+
+@pytest.mark.parametrize("family", sorted(SERVED_FAMILIES))
+def test_every_family_greedy_through_triton_equals_torch(kernels, tmp_path, monkeypatch, family):
+    """Each family's tiny checkpoint (tests/families_catalog.py) generates the same greedy tokens
+    with the interpreted Triton attention as with the torch reference (torch ops and products
+    both times, as on a GPU), prompts running past the families' windows in chunks."""
+    model_runner = pytest.importorskip("workers.model_runner", reason="workers.model_runner is not importable")
+    model_dir = build_tiny_model_dir(tmp_path / family, **SERVED_FAMILIES[family])
+    monkeypatch.setitem(sys.modules, "workers.kernels.triton_attention", kernels.attention_module)
+    vocab_size = model_runner.ModelConfig.from_model_dir(model_dir).vocab_size
+    prompts = kc.e2e_prompts(vocab_size=vocab_size)
+    assert max(map(len, prompts)) > max(traits.get("sliding_window", 0) for traits in SERVED_FAMILIES.values())
+    tokens = {}
+    for name in ("torch", "triton"):
+        config = model_runner.RunnerConfig(model=str(model_dir), dtype="float32", attention_backend=name,
+                                           layer_ops="torch", linear_backend="torch", block_size=16, num_blocks=64)
+        runner = model_runner.ModelRunner(config)
+        assert (runner.model.attention is kernels.attention_module) == (name == "triton")
+        tokens[name] = kc.greedy_generate(runner, prompts, max_tokens=6, chunk_size=16)
+    assert tokens["triton"] == tokens["torch"]
 
 
 # ----------------------------------------------------------------------------- CUDA compilation
