@@ -134,9 +134,9 @@ def timing_attention(model):
     backend, ops = model.attention, model.ops
 
     def timed(function):
-        def call(*args):
+        def call(*args, **kwargs):
             started = time.perf_counter()
-            out = function(*args)
+            out = function(*args, **kwargs)
             spent[0] += time.perf_counter() - started
             return out
         return call
