@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve_app.text_pieces import Piece, merge_pieces, partial_suffix
+from serve_app.text_pieces import Piece, merge_pieces, partial_suffix, run_states
 
 CHANNEL = "<|channel|>"
 MESSAGE = "<|message|>"
@@ -50,12 +50,7 @@ class HarmonyParser:
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
-        pieces: list[Piece] = []
-        while True:
-            before = (self.state, len(self.buffer))
-            getattr(self, f"_step_{self.state.lower()}")(pieces)
-            if (self.state, len(self.buffer)) == before:
-                return merge_pieces(pieces)
+        return merge_pieces(run_states(self, []))
 
     def finish(self) -> list[Piece]:
         held, self.buffer = self.buffer, ""

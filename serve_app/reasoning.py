@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from serve_app.harmony import HARMONY_MARKER, HarmonyParser, split_harmony
-from serve_app.text_pieces import merge_pieces, partial_suffix
+from serve_app.text_pieces import merge_pieces, partial_suffix, run_states
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -105,12 +105,7 @@ class ReasoningParser:
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
-        pieces: list[Piece] = []
-        while True:
-            before = (self.state, len(self.buffer))
-            getattr(self, f"_step_{self.state.lower()}")(pieces)
-            if (self.state, len(self.buffer)) == before:
-                return merge_pieces(pieces)
+        return merge_pieces(run_states(self, []))
 
     def finish(self) -> list[Piece]:
         """What is held at the end of the choice: a partial tag is text of its state."""

@@ -1,7 +1,10 @@
-"""What the reasoning parsers (serve_app/reasoning.py, serve_app/harmony.py) share: a reply's
-text cut into (kind, text) pieces as it streams, and the two helpers over them."""
+"""What the streaming text parsers share (serve_app/reasoning.py, serve_app/harmony.py,
+serve_app/tool_calls.py, serve_app/tool_parsers.py): a reply's text cut into (kind, text)
+pieces as it streams, the helpers over them, and the loop that runs a parser's states."""
 
 from __future__ import annotations
+
+from typing import Any
 
 Piece = tuple[str, str]  # (kind: "reasoning" | "content", text), text never empty
 
@@ -24,3 +27,14 @@ def merge_pieces(pieces: list[Piece]) -> list[Piece]:
         else:
             merged.append((kind, text))
     return merged
+
+
+def run_states(parser: Any, out: list) -> list:
+    """Runs parser._step_<state>(out) over parser.buffer until a step changes neither the state
+    nor the buffer's length (it needs more text); returns out. A parser's feed() appends the new
+    text to its buffer and calls this."""
+    while True:
+        before = (parser.state, len(parser.buffer))
+        getattr(parser, f"_step_{parser.state.lower()}")(out)
+        if (parser.state, len(parser.buffer)) == before:
+            return out

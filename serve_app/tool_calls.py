@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.text_pieces import run_states
 from serve_app.tools import CALL_CLOSE, CALL_OPEN
 
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -117,12 +118,7 @@ class ToolCallStreamer:
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Chat deltas ({"content": ...} or {"tool_calls": [...]}) for the new text."""
         self.buffer += text
-        deltas: list[dict[str, Any]] = []
-        while True:
-            before = (self.state, len(self.buffer))
-            getattr(self, f"_step_{self.state.lower()}")(deltas)
-            if (self.state, len(self.buffer)) == before:
-                return _merge(deltas)
+        return _merge(run_states(self, []))
 
     def finish(self) -> list[dict[str, Any]]:
         """The held-back text at the end of the choice (an unfinished call's text is content)."""

@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from serve_app.text_pieces import run_states
 from serve_app.tool_calls import JsonScanner, ToolCallStreamer, parse_tool_calls, tool_call_json
 
 HERMES = "hermes"
@@ -104,12 +105,7 @@ class JsonCallsStreamer:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.buffer += text
-        deltas: list[dict[str, Any]] = []
-        while True:
-            before = (self.state, len(self.buffer))
-            getattr(self, f"_step_{self.state.lower()}")(deltas)
-            if (self.state, len(self.buffer)) == before:
-                return deltas
+        return run_states(self, [])
 
     def finish(self) -> list[dict[str, Any]]:
         """Held text at the end: before any call it is content; after calls, only words are."""
