@@ -78,6 +78,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.gguf_weight import GgufWeight, gguf_linear
 from workers.huge_pages import HugeArena
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 
@@ -92,10 +93,13 @@ PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
 class TorchLinear:
     name = "torch"
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.contiguous()
+    def pack(self, weight: torch.Tensor | GgufWeight) -> torch.Tensor | GgufWeight:
+        return weight if isinstance(weight, GgufWeight) else weight.contiguous()
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, GgufWeight):
+            return gguf_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -105,10 +109,15 @@ class TorchLinear:
 class OneDnnLinear(TorchLinear):
     name = "onednn"
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor | GgufWeight) -> torch.Tensor | GgufWeight:
+        if isinstance(weight, GgufWeight):
+            return weight
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, GgufWeight):
+            return gguf_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -171,7 +180,9 @@ class NativeLinear:
         placed = self.arena.empty(tuple(panels.shape), panels.dtype)
         return placed.copy_(panels)
 
-    def pack(self, weight: torch.Tensor) -> DualWeight | PanelWeight:
+    def pack(self, weight: torch.Tensor | GgufWeight) -> DualWeight | PanelWeight | GgufWeight:
+        if isinstance(weight, GgufWeight):  # kept in its GGUF type: gguf_linear's kernels read the blocks
+            return weight
         if self.has_panels and weight.dtype == torch.float32:
             return self._panel_weight(weight, pack_panels(weight))
         if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
@@ -195,6 +206,8 @@ class NativeLinear:
                  out_dtype: torch.dtype) -> torch.Tensor:
         """Our kernel where it takes this many rows (panels up to their limit, the GEMV up to
         GEMV_MAX_ROWS), else oneDNN's prepacked GEMM."""
+        if isinstance(weight, GgufWeight):
+            return gguf_linear(x, weight, bias).to(out_dtype)
         rows = x.shape[0]
         if rows == 0:  # nothing to multiply (and a PanelWeight may have no oneDNN copy to ask)
             out_features = weight.out_features if isinstance(weight, PanelWeight) else weight.plain.shape[0]

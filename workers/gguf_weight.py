@@ -1,0 +1,113 @@
+"""A projection weight kept in a GGUF quantization type, row by row as the file holds it.
+
+A GGUF tensor of type Q4_1 (for example) stores each output row as blocks: 32 weights in 20
+bytes (an fp16 scale, an fp16 minimum, 16 bytes of 4-bit values). GgufWeight keeps exactly those
+bytes, [out_features, bytes_per_row] uint8, so a product reads the file's 4.5 bits per weight
+instead of a dequantized copy's 16 or 32.
+
+    weight = GgufWeight(GGMLType.Q4_1, out_features=576, in_features=576, blocks=row_bytes)
+    y = gguf_linear(x, weight, bias)         # x [rows, in] -> [rows, out], in x's dtype
+    full = dequantize(weight)                # fp32 [out, in]: the reference, and dtype float32's path
+
+gguf_linear runs our C kernels where they are built for this type (workers/kernels/gguf.py),
+else this file's reference (dequantize, then F.linear), which is exact and slow.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class GGMLType(enum.IntEnum):
+    """ggml's type codes (the numbers in a GGUF file) of the types we serve."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# (weights per block, bytes per block) of each quantized type, as ggml defines them
+BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.Q4_0: (32, 18),
+    GGMLType.Q4_1: (32, 20),
+    GGMLType.Q8_0: (32, 34),
+    GGMLType.Q4_K: (256, 144),
+    GGMLType.Q5_K: (256, 176),
+    GGMLType.Q6_K: (256, 210),
+}
+QUANTIZED_TYPES = tuple(BLOCK_LAYOUT)
+
+
+def row_bytes(ggml_type: GGMLType, in_features: int) -> int:
+    per_block, block_bytes = BLOCK_LAYOUT[ggml_type]
+    if in_features % per_block:
+        raise ValueError(f"a {ggml_type.name} row of {in_features} weights is not a whole number of "
+                         f"{per_block}-weight blocks")
+    return in_features // per_block * block_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GgufWeight:
+    ggml_type: GGMLType
+    out_features: int
+    in_features: int
+    blocks: torch.Tensor  # uint8 [out_features, row_bytes(ggml_type, in_features)], contiguous
+
+    def __post_init__(self) -> None:
+        expected = (self.out_features, row_bytes(self.ggml_type, self.in_features))
+        if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != expected:
+            raise ValueError(f"{self.ggml_type.name} weight [{self.out_features}, {self.in_features}] needs uint8 "
+                             f"blocks of shape {expected}, got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def rows(self, index: torch.Tensor | slice) -> GgufWeight:
+        """The weight of the chosen output rows (a permutation, a slice) in the same type."""
+        blocks = self.blocks[index].contiguous()
+        return GgufWeight(self.ggml_type, blocks.shape[0], self.in_features, blocks)
+
+
+def concat_rows(weights: list[GgufWeight]) -> GgufWeight:
+    """One weight whose rows are each weight's rows in turn (q, k, v -> qkv); one type and width."""
+    first = weights[0]
+    if any(w.ggml_type != first.ggml_type or w.in_features != first.in_features for w in weights):
+        raise ValueError("fused GGUF weights must share one type and input width, got "
+                         + ", ".join(f"{w.ggml_type.name}[{w.out_features}, {w.in_features}]" for w in weights))
+    blocks = torch.cat([w.blocks for w in weights]).contiguous()
+    return GgufWeight(first.ggml_type, blocks.shape[0], first.in_features, blocks)
+
+
+def dequantize(weight: GgufWeight) -> torch.Tensor:
+    """fp32 [out, in]: the gguf package's own dequantization of the blocks (the reference)."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(weight.blocks.numpy(), GGMLQuantizationType(int(weight.ggml_type)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape)
+
+
+def reference_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantize(weight).T (+ bias) in fp32, returned in x's dtype."""
+    out = F.linear(x.float(), dequantize(weight), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias) -> [rows, out] in x's dtype."""
+    return reference_linear(x, weight, bias)
