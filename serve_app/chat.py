@@ -22,7 +22,7 @@ from serve_app.reasoning import QWEN3, decodes_special_tokens
 from serve_app.sse import ChunkEnvelope
 from serve_app.sampling import to_sampling_params
 from serve_app.structured import Constraints, chat_constraints, with_grammar
-from serve_app.tool_parsers import HERMES
+from serve_app.tool_parsers import HARMONY, HERMES
 from serve_app.tools import render_for_template
 
 PROMPT_TAIL_TOKENS = 32  # prompt tokens decoded to see whether the template opened a thought
@@ -58,6 +58,8 @@ def _output_plan(constraints: Constraints, token_ids: list[int], ctx: ServingCon
     tool_parser = HERMES
     if tools is not None and tools.mode == "auto" and ctx.tokenizer.chat_template_renders_tools:
         tool_parser = ctx.card.tool_call_parser
+        if tool_parser == HARMONY and (tail is None or ctx.card.reasoning_parser != HARMONY):
+            tool_parser = HERMES  # harmony's calls are read from its markers, which only its reasoning parser keeps
     return OutputPlan(tools, tail, tool_parser, ctx.card.reasoning_parser or QWEN3)
 
 

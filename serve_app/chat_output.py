@@ -10,6 +10,9 @@ The text a choice generates goes through up to two parsers, in this order:
 - the tool-call parser (serve_app/tool_parsers.py: hermes, llama3_json or mistral) when
   the request has tools and a tool_choice other than "none".
 
+gpt-oss's harmony is the exception: its one parser (serve_app/harmony.py) reads reasoning,
+content and function calls from the channel markers, and HarmonyCalls turns them into deltas.
+
 With neither, the message is {"role": "assistant", "content": text} and each delta
 {"content": text}, exactly as before either existed. With a reasoning parser the message
 always carries "reasoning_content" (null when the model did not think).
@@ -20,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.reasoning import QWEN3, make_reasoning_parser, split_reasoning
+from serve_app.harmony import HarmonyCalls, harmony_message
+from serve_app.reasoning import HARMONY, QWEN3, make_reasoning_parser, split_reasoning
 from serve_app.tool_parsers import HERMES, ToolStreamer, make_tool_streamer, parse_calls
 from serve_app.tools import ToolPlan
 
@@ -38,13 +42,29 @@ class OutputPlan:
     def parses_calls(self) -> bool:
         return self.tools is not None and self.tools.parses_calls
 
+    @property
+    def harmony_calls(self) -> bool:
+        """Function calls are read by the harmony parser, with the reasoning (module docstring)."""
+        return (self.parses_calls and self.tool_parser == HARMONY and self.reasoning_parser == HARMONY
+                and self.reasoning_prompt_tail is not None)
+
 
 def chat_message(text: str, finish_reason: str | None, plan: OutputPlan) -> tuple[dict[str, Any], str | None]:
     """(message, finish_reason) of a whole chat choice."""
+    if plan.harmony_calls:
+        assert plan.tools is not None
+        reasoning, content, calls = harmony_message(text, plan.tools.allowed_names, plan.tools.max_calls)
+        empty = not content and (calls or reasoning is not None)  # the model only thought or called
+        message: dict[str, Any] = {"role": "assistant", "content": None if empty else content,
+                                   "reasoning_content": reasoning}
+        if not calls:
+            return message, finish_reason
+        message["tool_calls"] = calls
+        return message, TOOL_CALLS_FINISH_REASON if finish_reason == "stop" else finish_reason
     reasoning = None
     if plan.reasoning_prompt_tail is not None:
         reasoning, text = split_reasoning(text, plan.reasoning_prompt_tail, plan.reasoning_parser)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    message = {"role": "assistant", "content": text}
     if plan.reasoning_prompt_tail is not None:
         if reasoning is not None and not text:
             message["content"] = None  # the model only thought
@@ -75,7 +95,8 @@ class ChatStreams:
             parser = self._reasoning.get(index)
             if parser is None:
                 parser = self._reasoning[index] = make_reasoning_parser(plan.reasoning_parser,
-                                                                        plan.reasoning_prompt_tail)
+                                                                        plan.reasoning_prompt_tail,
+                                                                        calls=plan.harmony_calls)
             pieces = parser.feed(text) if text else []
             if finish_reason is not None:
                 pieces += parser.finish()
@@ -93,7 +114,10 @@ class ChatStreams:
                                                                tools.max_calls)
         deltas: list[dict[str, Any]] = []
         for kind, piece in pieces:
-            deltas += [{"reasoning_content": piece}] if kind == "reasoning" else streamer.feed(piece)
+            if isinstance(streamer, HarmonyCalls):
+                deltas += streamer.feed_piece(kind, piece)
+            else:
+                deltas += [{"reasoning_content": piece}] if kind == "reasoning" else streamer.feed(piece)
         if finish_reason is None:
             return deltas, None
         deltas += streamer.finish()

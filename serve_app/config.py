@@ -184,9 +184,10 @@ class AppArgs(BaseModel):
         "none: never (the thought stays in content); qwen3: <think>...</think>; harmony: gpt-oss's analysis "
         "channel. Reported in /v1/models.",
     )
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "harmony"] = Field(
         "auto", description="The format of tool calls in 'auto' replies of chat templates that render tools "
-        "(serve_app/tool_parsers.py): auto: mistral when the template writes [TOOL_CALLS], llama3_json when it "
+        "(serve_app/tool_parsers.py): auto: harmony when the template writes <|channel|> (gpt-oss: read with "
+        "the harmony reasoning parser), mistral when it writes [TOOL_CALLS], llama3_json when it "
         "writes <|python_tag|> (or an ipython role with \"parameters\"), else hermes (<tool_call> tags). "
         "Reported in /v1/models.",
     )

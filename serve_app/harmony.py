@@ -1,4 +1,5 @@
-"""gpt-oss's "harmony" output: its `analysis` channel becomes `reasoning_content`.
+"""gpt-oss's "harmony" output: its `analysis` channel becomes `reasoning_content`, and its
+function calls become `tool_calls`.
 
 A gpt-oss reply is a run of messages, each a header and a body. The prompt ends with
 `<|start|>assistant`, so the first header starts at its channel:
@@ -9,9 +10,15 @@ A gpt-oss reply is a run of messages, each a header and a body. The prompt ends 
 (one line here; the model writes no newlines between them). A header runs up to `<|message|>`
 and names its channel after `<|channel|>` (`commentary` headers may go on with ` to=...` and
 `<|constrain|>json`). A body runs up to `<|end|>`, `<|return|>` or `<|call|>`, or to the end of
-the text. `analysis` bodies are reasoning; every other channel's body (`final`, and
-`commentary`: a preamble, or a tool call's arguments, which are not parsed into tool_calls
-yet) is content. The markers are special tokens, so the route decodes a harmony reply with
+the text. `analysis` bodies are reasoning; every other channel's body (`final`, and a
+`commentary` preamble) is content. A message addressed to a function is a tool call:
+
+    <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+
+(the recipient may also stand before the channel: `<|start|>assistant to=functions.NAME<|channel|>
+commentary json<|message|>...`). A parser made with calls=True gives its name as a
+("tool_call", NAME) piece and its body as ("tool_args", ...) pieces, which HarmonyCalls turns
+into tool_calls deltas; without it (a request with no tools) the body is content, as written. The markers are special tokens, so the route decodes a harmony reply with
 its special tokens kept (the EOS tokens `<|return|>` and `<|call|>` are never in the text:
 they end the choice), and no marker reaches the message.
 
@@ -26,9 +33,12 @@ cuts (the parser holds back a tail that could still become a marker).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from serve_app.text_pieces import Piece, merge_pieces, partial_suffix, run_states
+from serve_app.tool_calls import calls_from_deltas, is_json_object, tool_call_json
 
 CHANNEL = "<|channel|>"
 MESSAGE = "<|message|>"
@@ -36,7 +46,8 @@ START = "<|start|>"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 REASONING_CHANNEL = "analysis"
 HARMONY_MARKER = CHANNEL  # a chat template that writes it is a harmony one
-
+TOOL_CALL, TOOL_ARGS = "tool_call", "tool_args"  # the piece kinds of a function call (calls=True)
+FUNCTION_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 
 
 @dataclass(slots=True)
@@ -47,6 +58,7 @@ class HarmonyParser:
     buffer: str = ""  # text held back in the current state
     kind: str = "content"  # BODY: the kind of the current message's text
     first: bool = True  # HEADER: no message has been read yet
+    calls: bool = False  # messages to functions are tool calls (module docstring); False: content
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
@@ -69,6 +81,10 @@ class HarmonyParser:
             return
         header, self.buffer = self.buffer[:end], self.buffer[end + len(MESSAGE):]
         self.kind = "reasoning" if _channel(header) == REASONING_CHANNEL else "content"
+        function = FUNCTION_RECIPIENT.search(header) if self.calls else None
+        if function is not None:
+            pieces.append((TOOL_CALL, function.group(1)))
+            self.kind = TOOL_ARGS
         self.state, self.first = "BODY", False
 
     def _step_body(self, pieces: list[Piece]) -> None:
@@ -93,6 +109,58 @@ def split_harmony(text: str) -> tuple[str | None, str]:
     pieces = parser.feed(text) + parser.finish()
     reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
     return reasoning or None, "".join(piece for kind, piece in pieces if kind == "content")
+
+
+@dataclass(slots=True)
+class HarmonyCalls:
+    """One choice's harmony pieces (a parser with calls=True) as chat deltas: a call to an
+    allowed function opens a tool call and its body streams as the call's arguments; calls past
+    max_calls are dropped; a call to a function the request did not offer stays content."""
+
+    allowed_names: tuple[str, ...]
+    max_calls: int | None = None
+    num_calls: int = 0  # calls sent so far
+    target: str = "content"  # where the current message's tool_args go: "call", "content" or "drop"
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return [{"content": text}] if text else []
+
+    def feed_piece(self, kind: str, text: str) -> list[dict[str, Any]]:
+        if kind == TOOL_CALL:
+            if text not in self.allowed_names:
+                self.target = "content"
+                return []
+            if self.max_calls is not None and self.num_calls >= self.max_calls:
+                self.target = "drop"
+                return []
+            self.target = "call"
+            self.num_calls += 1
+            return [{"tool_calls": [{"index": self.num_calls - 1, **tool_call_json(text, "")}]}]
+        if kind == TOOL_ARGS:
+            if self.target == "call":
+                return [{"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": text}}]}]
+            return self.feed(text) if self.target == "content" else []
+        return [{"reasoning_content": text}] if kind == "reasoning" else self.feed(text)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return []
+
+
+def harmony_message(text: str, allowed_names: tuple[str, ...],
+                    max_calls: int | None = None) -> tuple[str | None, str, list[dict[str, Any]]]:
+    """(reasoning or None, content, tool calls) of a whole choice's text. Calls whose arguments
+    are not a JSON object make it a reply without calls (their bodies are content), as with the
+    other parsers' broken calls."""
+    parser = HarmonyParser(calls=True)
+    calls_reader = HarmonyCalls(allowed_names, max_calls)
+    deltas = [delta for kind, piece in parser.feed(text) + parser.finish()
+              for delta in calls_reader.feed_piece(kind, piece)]
+    reasoning = "".join(delta.get("reasoning_content", "") for delta in deltas)
+    calls = calls_from_deltas(deltas)
+    if not all(is_json_object(call["function"]["arguments"]) for call in calls):
+        reasoning_only, content = split_harmony(text)
+        return reasoning_only, content, []
+    return reasoning or None, "".join(delta.get("content", "") for delta in deltas), calls
 
 
 def _could_be_header(text: str) -> bool:

@@ -81,9 +81,10 @@ def decodes_special_tokens(parser: str | None) -> bool:
     return parser == HARMONY
 
 
-def make_reasoning_parser(parser: str, prompt_tail: str) -> ReasoningParser | HarmonyParser:
-    """A fresh streaming parser of that name for one choice."""
-    return HarmonyParser() if parser == HARMONY else ReasoningParser.for_prompt(prompt_tail)
+def make_reasoning_parser(parser: str, prompt_tail: str, calls: bool = False) -> ReasoningParser | HarmonyParser:
+    """A fresh streaming parser of that name for one choice (calls: harmony's function calls
+    come out as tool-call pieces, serve_app/harmony.py)."""
+    return HarmonyParser(calls=calls) if parser == HARMONY else ReasoningParser.for_prompt(prompt_tail)
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:

@@ -20,7 +20,8 @@ EOS_ID = 256
 SPECIAL_TOKENS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
 VOCAB_SIZE = 259
 # gpt-oss's harmony markers as special tokens, for a ByteTokenizer(special_tokens=HARMONY_SPECIAL_TOKENS)
-HARMONY_SPECIAL_TOKENS = {**SPECIAL_TOKENS, 259: "<|start|>", 260: "<|channel|>", 261: "<|message|>", 262: "<|end|>"}
+HARMONY_SPECIAL_TOKENS = {**SPECIAL_TOKENS, 259: "<|start|>", 260: "<|channel|>", 261: "<|message|>", 262: "<|end|>",
+                          263: "<|constrain|>"}
 
 
 class ByteTokenizer:

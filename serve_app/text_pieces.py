@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-Piece = tuple[str, str]  # (kind: "reasoning" | "content", text), text never empty
+Piece = tuple[str, str]  # (kind: "reasoning" | "content" | harmony's call kinds, text), text never empty
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -19,10 +19,10 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 def merge_pieces(pieces: list[Piece]) -> list[Piece]:
-    """Neighbouring pieces of one kind joined."""
+    """Neighbouring pieces of one kind joined (a call's name, harmony's "tool_call", never is)."""
     merged: list[Piece] = []
     for kind, text in pieces:
-        if merged and merged[-1][0] == kind:
+        if merged and merged[-1][0] == kind and kind != "tool_call":
             merged[-1] = (kind, merged[-1][1] + text)
         else:
             merged.append((kind, text))

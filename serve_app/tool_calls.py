@@ -44,6 +44,23 @@ def tool_call_json(name: str, arguments: str, call_id: str | None = None) -> dic
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def calls_from_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The whole calls that a stream's tool_calls deltas add up to (a delta with an id opens one)."""
+    calls: list[dict[str, Any]] = []
+    for call in (call for delta in deltas for call in delta.get("tool_calls", [])):
+        if "id" in call:
+            calls.append(tool_call_json(call["function"]["name"], "", call["id"]))
+        calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+    return calls
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def parse_tool_calls(text: str, allowed_names: tuple[str, ...],
                      max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a whole choice's text; no calls unless every block parses.

@@ -6,9 +6,12 @@
     llama3_json  [<|python_tag|>] {"name": ..., "parameters": {...}} [; {...}]*   (Llama 3.x;
                  "arguments" is accepted for "parameters")
     mistral      [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]   (Mistral, Mixtral)
+    harmony      <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+                 (gpt-oss; read by the harmony reasoning parser: serve_app/harmony.py)
 
-choose_tool_call_parser reads the template: "[TOOL_CALLS]" -> mistral, "<|python_tag|>" or
-an "ipython" role with "parameters" -> llama3_json, anything else -> hermes. The parser
+choose_tool_call_parser reads the template: harmony's "<|channel|>" -> harmony, "[TOOL_CALLS]"
+-> mistral, "<|python_tag|>" or an "ipython" role with "parameters" -> llama3_json, anything
+else -> hermes. The parser
 reads "auto" replies of templates that render tools themselves; forced calls (tool_choice
 "required" or named) follow the grammar's format, hermes, whatever the template, and so do
 replies to our own tools prompt.
@@ -33,18 +36,19 @@ what it sent, so there the calls read so far stand and the rest is content.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from serve_app.harmony import HARMONY_MARKER, HarmonyCalls
 from serve_app.text_pieces import run_states
-from serve_app.tool_calls import JsonScanner, ToolCallStreamer, parse_tool_calls, tool_call_json
+from serve_app.tool_calls import JsonScanner, ToolCallStreamer, calls_from_deltas, is_json_object, parse_tool_calls, tool_call_json
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
 MISTRAL = "mistral"
-TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)
+HARMONY = "harmony"
+TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL, HARMONY)
 HEAD_LIMIT = 256  # characters a call's head may take before the reply counts as content
 
 
@@ -61,6 +65,8 @@ def choose_tool_call_parser(chat_template: str | None, override: str | None = "a
     if override not in (None, "auto"):
         return override
     template = chat_template or ""
+    if HARMONY_MARKER in template:
+        return HARMONY
     if "[TOOL_CALLS]" in template:
         return MISTRAL
     if "<|python_tag|>" in template or ("ipython" in template and '"parameters"' in template):
@@ -212,6 +218,8 @@ def _could_be_head(buffer: str) -> bool:
 def make_tool_streamer(parser: str, allowed_names: tuple[str, ...], max_calls: int | None) -> ToolStreamer:
     if parser == HERMES:
         return ToolCallStreamer(allowed_names, max_calls=max_calls)
+    if parser == HARMONY:
+        return HarmonyCalls(allowed_names, max_calls)
     return JsonCallsStreamer(FORMATS[parser], allowed_names, max_calls=max_calls)
 
 
@@ -224,19 +232,8 @@ def parse_calls(parser: str, text: str, allowed_names: tuple[str, ...],
     deltas = streamer.feed(text) + streamer.finish()
     if streamer.broken:
         return text, []
-    calls: list[dict[str, Any]] = []
-    for call in (call for delta in deltas for call in delta.get("tool_calls", [])):
-        if "id" in call:
-            calls.append(tool_call_json(call["function"]["name"], "", call["id"]))
-        calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
-    if not calls or not all(_is_object(call["function"]["arguments"]) for call in calls):
+    calls = calls_from_deltas(deltas)
+    if not calls or not all(is_json_object(call["function"]["arguments"]) for call in calls):
         return text, []
     content = "".join(delta.get("content", "") for delta in deltas).strip()
     return content or None, calls
-
-
-def _is_object(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except json.JSONDecodeError:
-        return False

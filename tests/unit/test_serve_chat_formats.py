@@ -19,6 +19,7 @@ pytestmark = pytest.mark.anyio
 
 THINK_TEMPLATE = "{{- '<think>\\n\\n</think>\\n\\n' if enable_thinking is false }}"  # enough for detection
 HARMONY_TEMPLATE = "{{- '<|start|>assistant<|channel|>final<|message|>' }}"  # enough for detection
+HARMONY_TOOLS_TEMPLATE = HARMONY_TEMPLATE + "{#- renders tools: namespace functions #}"
 OPENS_THINK = "<|im_start|>assistant\n<think>\n"  # a template that opens the thought itself
 USER = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -33,14 +34,17 @@ def anyio_backend() -> str:
 
 async def post(body: dict, output: str, reasoning_parser: str | None = "qwen3",
                generation_prompt: str = "<|im_start|>assistant\n",
-               path: str = "/v1/chat/completions", harmony: bool = False) -> httpx.Response:
+               path: str = "/v1/chat/completions", harmony: bool = False,
+               tool_call_parser: str = "hermes") -> httpx.Response:
     if harmony:  # gpt-oss: harmony's markers are special tokens, in the output as in the template
-        tokenizer = ByteTokenizer(HARMONY_TEMPLATE, "<|start|>assistant", special_tokens=HARMONY_SPECIAL_TOKENS)
+        template = HARMONY_TOOLS_TEMPLATE if tool_call_parser == "harmony" else HARMONY_TEMPLATE
+        tokenizer = ByteTokenizer(template, "<|start|>assistant", special_tokens=HARMONY_SPECIAL_TOKENS)
         engine = ScriptedEngine(responder=lambda request, index: tokenizer.encode(output))
     else:
         engine = ScriptedEngine(responder=lambda request, index: text_tokens(output))
         tokenizer = ByteTokenizer(THINK_TEMPLATE if reasoning_parser else "chatml", generation_prompt)
-    ctx = make_test_context(engine, max_model_len=4096, tokenizer=tokenizer, reasoning_parser=reasoning_parser)
+    ctx = make_test_context(engine, max_model_len=4096, tokenizer=tokenizer, reasoning_parser=reasoning_parser,
+                            tool_call_parser=tool_call_parser)
     transport = httpx.ASGITransport(app=create_api(ctx))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         if path == "/v1/models":
@@ -171,3 +175,69 @@ async def test_harmony_analysis_is_reasoning_and_no_marker_reaches_the_reply() -
 async def test_harmony_text_is_decoded_without_markers_when_not_parsed() -> None:
     choice, _ = await whole_and_streamed({}, HARMONY_OUTPUT, reasoning_parser=None, harmony=True)
     assert choice["message"] == {"role": "assistant", "content": "analysisThe user greets.assistantfinalHello there!"}
+
+
+GPT_OSS_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                '{"city":"Rome"}')  # <|call|> ends the choice: an end-of-sequence token, never in the text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("output", [
+    GPT_OSS_CALL,
+    # the recipient before the channel, and a preamble to the user first
+    ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant to=functions.get_weather"
+     '<|channel|>commentary json<|message|>{"city":"Rome"}'),
+])
+async def test_gpt_oss_function_calls_become_tool_calls(output) -> None:
+    choice, deltas = await whole_and_streamed({"tools": [WEATHER]}, output, reasoning_parser="harmony",
+                                              harmony=True, tool_call_parser="harmony")
+    message = choice["message"]
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Rome"}'}
+    assert choice["finish_reason"] == "tool_calls" and deltas[-1]["finish_reason"] == "tool_calls"
+    streamed_calls = [call for delta in deltas for call in delta.get("tool_calls") or []]
+    assert [c["function"]["name"] for c in streamed_calls if "id" in c] == ["get_weather"]
+    assert "".join(c["function"].get("arguments", "") for c in streamed_calls) == '{"city":"Rome"}'
+    assert joined(deltas, "reasoning_content") == message["reasoning_content"]
+    assert joined(deltas, "content") == message["content"]
+    if "analysis" in output:
+        assert message["reasoning_content"] == "Need the weather." and message["content"] is None
+    else:
+        assert message["content"] == "Let me look." and message["reasoning_content"] is None
+    assert not any("<|" in json.dumps(delta) for delta in deltas)
+
+
+@pytest.mark.anyio
+async def test_gpt_oss_calls_to_unknown_functions_and_without_tools_stay_content() -> None:
+    unknown = GPT_OSS_CALL.replace("get_weather", "launch_rockets")
+    choice, deltas = await whole_and_streamed({"tools": [WEATHER]}, unknown, reasoning_parser="harmony",
+                                              harmony=True, tool_call_parser="harmony")
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"] == '{"city":"Rome"}'
+    assert choice["finish_reason"] == "stop" and not any(delta.get("tool_calls") for delta in deltas)
+    choice, _ = await whole_and_streamed({}, GPT_OSS_CALL, reasoning_parser="harmony", harmony=True,
+                                         tool_call_parser="harmony")
+    assert choice["message"] == {"role": "assistant", "content": '{"city":"Rome"}',
+                                 "reasoning_content": "Need the weather."}
+
+
+@pytest.mark.anyio
+async def test_gpt_oss_parallel_calls_and_the_one_call_limit() -> None:
+    second = '<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
+    output = GPT_OSS_CALL + second
+    choice, deltas = await whole_and_streamed({"tools": [WEATHER]}, output, reasoning_parser="harmony",
+                                              harmony=True, tool_call_parser="harmony")
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"city":"Rome"}', '{"city":"Oslo"}']
+    assert [c["index"] for d in deltas for c in d.get("tool_calls") or [] if "id" in c] == [0, 1]
+    choice, deltas = await whole_and_streamed({"tools": [WEATHER], "parallel_tool_calls": False}, output,
+                                              reasoning_parser="harmony", harmony=True, tool_call_parser="harmony")
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"city":"Rome"}']
+    assert "".join(c["function"].get("arguments", "") for d in deltas for c in d.get("tool_calls") or []) == (
+        '{"city":"Rome"}')
+
+
+@pytest.mark.anyio
+async def test_gpt_oss_broken_arguments_leave_the_reply_as_content() -> None:
+    choice, _ = await whole_and_streamed({"tools": [WEATHER]}, GPT_OSS_CALL[:-3], reasoning_parser="harmony",
+                                         harmony=True, tool_call_parser="harmony")
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"] == '{"city":"Rom'

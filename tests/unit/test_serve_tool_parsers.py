@@ -14,6 +14,7 @@ import pytest
 from serve_app.api import create_api
 from serve_app.testing import ByteTokenizer, ScriptedEngine, make_test_context, text_tokens
 from serve_app.tool_parsers import (
+    HARMONY,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -165,6 +166,8 @@ def test_the_parser_is_chosen_from_the_template() -> None:
     assert choose_tool_call_parser(mistral) == MISTRAL
     assert choose_tool_call_parser(qwen) == HERMES and choose_tool_call_parser(None) == HERMES
     assert choose_tool_call_parser(qwen, "mistral") == MISTRAL
+    gpt_oss = "{%- if tools %}namespace functions {%- endif %}<|start|>assistant<|channel|>final<|message|>"
+    assert choose_tool_call_parser(gpt_oss) == HARMONY
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
