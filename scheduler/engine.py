@@ -220,6 +220,7 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._step_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # one step at a time, per loop
         self._next_id = 0  # for generate()'s request ids
+        self._evacuating = False  # evacuate(): no step starts any more
 
     # --- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineRequest, listener: StreamListener | None = None) -> RequestStream:
@@ -371,13 +372,15 @@ class Engine:
         async with self._lock():
             flight: StepInFlight | None = None
             while flight is not None or self.scheduler.has_unfinished_requests():
+                if flight is None and self._evacuating:
+                    break  # evacuate(): the requests move elsewhere
                 try:
                     if flight is None:
                         flight = self._launch()
                         if flight is None:
                             await asyncio.sleep(0)  # nothing can run now: let aborts and new requests in
                             continue
-                    following = self._launch(ahead=True) if ahead else None
+                    following = self._launch(ahead=True) if ahead and not self._evacuating else None
                 except _SchedulerFailed:  # its streams got the error and it starts empty
                     if flight is not None:
                         await _discard(flight)  # handed out by the failed state: its result means nothing
@@ -400,7 +403,8 @@ class Engine:
                     flight = following
                 else:
                     try:
-                        flight = self._launch() if self.scheduler.has_unfinished_requests() else None
+                        flight = (self._launch() if self.scheduler.has_unfinished_requests() and not self._evacuating
+                                  else None)
                     except _SchedulerFailed:
                         flight = None
                 self._deliver(landed, outputs)
@@ -443,6 +447,16 @@ class Engine:
         """Removes every unfinished request and its stream; the KV accounting starts empty."""
         streams, self._streams = self._streams, {}
         return Migration(self.scheduler.take_requests_for_migration(), streams)
+
+    async def evacuate(self) -> Migration:
+        """Stops stepping (the step in flight lands and its tokens are delivered first), then
+        takes every unfinished request as take_for_migration does: a retiring worker's requests
+        move to another one, their streams going on. No step starts here afterwards."""
+        self._evacuating = True
+        task = self._loop_task
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+        return self.take_for_migration()
 
     def adopt(self, migration: Migration) -> None:
         """Continues migrated requests here; their streams go on without a duplicate or a gap.

@@ -17,6 +17,12 @@
   n>1 requests are routed once: their worker's Scheduler forks the children there.
 - Dead workers (TimedRunner.alive False) are never chosen; with none alive, add_request
   raises NoLiveWorkerError (the ingress answers 503).
+- Elastic workers (the Ray shell applies scheduler/autoscale.py's decisions): each worker has a
+  state, `starting` (add_worker: loading, takes no requests), `serving` (mark_serving: the
+  router may place requests on it), `draining` (retire: no new requests; its own finish for up
+  to the drain timeout, then the rest move to serving workers by the migration path below, so
+  no stream fails or changes its text) and `retired` (gone; its index is never reused).
+  wait_for_serving() lets a request that finds no serving worker wait for one to start.
 - abort() frees the request's blocks at once. An abort that arrives before its request
   (calls from one caller may interleave on an async actor) is remembered and the request is
   refused when it shows up.
@@ -53,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 NUM_REMEMBERED_ABORTS = 4096  # aborts of not-yet-seen request ids kept for the race above
 GAP_WINDOW_S = 1.0  # a pause between steps longer than this is idleness (no work), not a gap
+STARTING, SERVING, DRAINING, RETIRED = "starting", "serving", "draining", "retired"  # a worker's states
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -74,7 +81,9 @@ class SchedulerStatus:
     num_steps: int  # engine steps completed, all workers
     draining: bool = False  # shutting down: new requests are refused, open ones finish
     num_rejected_requests: int = 0  # refused by admission since start (queue full, draining)
-    num_migrated_requests: int = 0  # client requests moved off a dead worker since start
+    num_migrated_requests: int = 0  # client requests moved off a dead (or retired) worker since start
+    num_starting_workers: int = 0  # workers loading (elastic workers), not counted in num_workers
+    can_wake: bool = False  # with no live worker, a request waits for one to start (scale from zero)
 
 
 class TimedRunner:
@@ -199,7 +208,9 @@ class EngineGroup:
         self.runners = runners
         self.admission = admission or Admission(AdmissionConfig(max_num_seqs=engines[0].config.max_num_seqs))
         self.worker_restart_timeout_s = worker_restart_timeout_s  # parked requests wait this long for a live worker
-        self.num_migrated_requests = 0  # client requests moved off a dead worker
+        self.num_migrated_requests = 0  # client requests moved off a dead (or retired) worker
+        self.states: list[str] = [SERVING] * len(engines)  # per worker (module docstring)
+        self.can_wake = False  # set by an elastic shell: requests wait for a worker instead of a 503
         self._parked: list[Migration] = []  # requests of dead workers while no worker is alive
         self._unpark_task: asyncio.Task[None] | None = None
         for index, engine in enumerate(engines):
@@ -222,7 +233,7 @@ class EngineGroup:
         if request.request_id in self._early_aborts:
             self._early_aborts.remove(request.request_id)
             return None
-        live = [engine.scheduler.load() for engine, runner in zip(self.engines, self.runners) if runner.alive]
+        live = [self.engines[index].scheduler.load() for index in sorted(self.serving())]
         self.admission.check(live, len(request.prompt_token_ids))  # DrainingError, QueueFullError
         index = self._pick_engine(request)
         engine = self.engines[index]
@@ -232,10 +243,14 @@ class EngineGroup:
         self._owner[request.request_id] = index
         return stream
 
+    def serving(self) -> set[int]:
+        """Indices of the workers that take new requests: serving and not known dead."""
+        return {i for i, (runner, state) in enumerate(zip(self.runners, self.states)) if runner.alive and state == SERVING}
+
     def _pick_engine(self, request: EngineRequest) -> int:
-        alive = {i for i, runner in enumerate(self.runners) if runner.alive}
+        alive = self.serving()
         if not alive:
-            raise NoLiveWorkerError(f"none of the {len(self.runners)} workers is alive")
+            raise NoLiveWorkerError(f"none of the {self.num_workers()} workers is serving")
         if not request.prompt_token_ids:  # the scheduler refuses it with a ValueError
             return min(alive)
         schedulers = {i: engine.scheduler for i, engine in enumerate(self.engines)}
@@ -289,7 +304,7 @@ class EngineGroup:
         self._place(migration)
 
     def _place(self, migration: Migration) -> None:
-        alive = {i for i, runner in enumerate(self.runners) if runner.alive}
+        alive = self.serving()
         if not alive:
             self._parked.append(migration)
             if self._unpark_task is None or self._unpark_task.done():
@@ -311,11 +326,11 @@ class EngineGroup:
         """Waits for a worker to come back (Ray restarts it; the ping marks it alive)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.worker_restart_timeout_s
-        while self._parked and not any(runner.alive for runner in self.runners) and loop.time() < deadline:
+        while self._parked and not self.serving() and loop.time() < deadline:
             await asyncio.sleep(0.1)
         parked, self._parked = self._parked, []
         for migration in parked:
-            if any(runner.alive for runner in self.runners):
+            if self.serving():
                 self._place(migration)
                 continue
             error = NoLiveWorkerError(f"no worker came back within {self.worker_restart_timeout_s:g}s")
@@ -340,6 +355,69 @@ class EngineGroup:
             return True
         return False
 
+    # --- elastic workers ---------------------------------------------------------------------
+    def num_workers(self) -> int:
+        """Workers starting, serving or draining (retired ones are gone)."""
+        return sum(state != RETIRED for state in self.states)
+
+    def add_worker(self, engine: Engine, runner: TimedRunner) -> int:
+        """A new worker, `starting` until mark_serving; returns its index (never reused)."""
+        index = len(self.engines)
+        if engine.on_runner_error is None:
+            engine.on_runner_error = functools.partial(self._on_runner_error, index)
+        self.engines.append(engine)
+        self.runners.append(runner)
+        self.states.append(STARTING)
+        return index
+
+    def mark_serving(self, index: int) -> None:
+        """The worker has loaded and warmed up: the router may place requests on it."""
+        assert self.states[index] == STARTING, (index, self.states[index])
+        self.states[index] = SERVING
+
+    async def wait_for_serving(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Waits up to timeout_s for a serving worker; whether there is one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.serving() and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return bool(self.serving())
+
+    async def retire(self, index: int, drain_timeout_s: float, poll_s: float = 0.05) -> int:
+        """Drains the worker: no new requests from now on; its own ones finish for up to
+        drain_timeout_s, then the rest move to serving workers (recomputed from prompt + tokens
+        so far, their streams going on) or wait for one (worker_restart_timeout_s). Returns how
+        many client requests moved. The worker's actor is the caller's to end afterwards."""
+        assert self.states[index] in (STARTING, SERVING), (index, self.states[index])
+        self.states[index] = DRAINING
+        engine, runner = self.engines[index], self.runners[index]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while engine.has_unfinished_requests() and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        migration = await engine.evacuate()
+        if migration.streams:
+            logger.info("worker %d retires: moving %d requests that outlived the drain timeout",
+                        index, len(migration.streams))
+            self.num_migrated_requests += len(migration.streams)
+            self._place(migration)
+        self.states[index] = RETIRED
+        runner.alive = False
+        engine.close()
+        runner.close()
+        return len(migration.streams)
+
+    def unique_cached_blocks(self) -> dict[int, int]:
+        """Per serving or draining worker: cached prefix blocks no other serving worker holds
+        (what retiring it would lose)."""
+        cached = {i: set(self.engines[i].scheduler.kv.pool.cached) for i, state in enumerate(self.states)
+                  if state in (SERVING, DRAINING)}
+        unique = {}
+        for index, mine in cached.items():
+            others = set().union(*(blocks for i, blocks in cached.items() if i != index and self.states[i] == SERVING))
+            unique[index] = len(mine - others)
+        return unique
+
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuses new requests from now on (DrainingError), lets the open ones finish for up
         to timeout_s, then aborts the rest; returns how many were aborted."""
@@ -362,8 +440,8 @@ class EngineGroup:
         pending = [r for r, e in zip(self.runners, self.engines) if e.has_unfinished_requests()]
         stalls = [runner.seconds_without_progress(now) for runner in pending]
         return SchedulerStatus(
-            num_workers=len(self.runners),
-            num_live_workers=sum(runner.alive for runner in self.runners),
+            num_workers=sum(state in (SERVING, DRAINING) for state in self.states),
+            num_live_workers=len(self.serving()),
             num_running=sum(load.num_running_seqs for load in loads),
             num_waiting=sum(load.num_waiting_reqs for load in loads),
             num_unfinished_requests=len(self._owner),
@@ -374,10 +452,14 @@ class EngineGroup:
             draining=self.admission.draining,
             num_rejected_requests=self.admission.num_rejected_total,
             num_migrated_requests=self.num_migrated_requests,
+            num_starting_workers=self.states.count(STARTING),
+            can_wake=self.can_wake,
         )
 
     def close(self) -> None:
-        for engine, runner in zip(self.engines, self.runners):
+        for engine, runner, state in zip(self.engines, self.runners, self.states):
+            if state == RETIRED:
+                continue  # closed when it retired
             engine.close()
             runner.close()
 

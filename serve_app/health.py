@@ -78,7 +78,7 @@ class HealthMonitor:
             return HealthReport(False, reason, status)
         if getattr(status, "draining", False):
             return HealthReport(False, "the engine is draining for shutdown", status)
-        if status.num_live_workers == 0:
+        if status.num_live_workers == 0 and not getattr(status, "can_wake", False):
             return HealthReport(False, f"no live workers (0 of {status.num_workers})", status)
         # seconds_since_last_step is None when no worker has work pending (it counts from the
         # later of the last step's end and the moment work arrived): nothing can be stuck then,
