@@ -24,6 +24,13 @@
   (possible: calls from one caller may interleave on an async actor) is remembered and
   the request is refused when it shows up.
 - status() is answered from the actor's own state (no worker call): SchedulerStatus.
+- Elastic workers (an `ElasticWorkers` given at creation: app arguments min_workers and
+  max_workers): every AUTOSCALE_INTERVAL_S the actor hands the group's load to the pure policy
+  (scheduler/autoscale.py) and applies its decision. Up: a new worker actor is created where Ray
+  has room (or stays pending, which Ray's autoscaler sees as demand for a node); it loads and
+  warms up, then serves. Down: the policy's victim drains (EngineGroup.retire: nothing fails or
+  changes its text), then its actor is killed. With no serving worker (scale to zero) a request
+  waits in submit() for one to start instead of a 503.
 - Metrics: the engines report StepStats/RequestStats to one EngineMetrics (scheduler/
   metrics.py), which records them twice: into ray.util.metrics (RayMetrics below: Ray's
   Prometheus export, as ray_rayllm_*) and into a pure MetricStore that published_stats()
@@ -40,15 +47,21 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from scheduler.autoscale import AutoscaleConfig, AutoscalePolicy, ClusterLoad, ScaleDecision, WorkerLoad
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.engine_group import (  # noqa: F401  (SchedulerStatus, NoLiveWorkerError: re-exported)
+    DRAINING,
+    RETIRED,
+    SERVING,
+    STARTING,
     EngineGroup,
     NoLiveWorkerError,
     SchedulerStatus,
@@ -68,6 +81,17 @@ WORKER_PING_TIMEOUT_S = 10.0
 ACTOR_NAMESPACE = "rayllm"  # named scheduler and worker actors live here (ray.get_actor(name, namespace))
 METRICS_INTERVAL_S = 1.0  # gauge refresh (Ray export) and worker node lookups
 NODE_INFO_TIMEOUT_S = 5.0
+AUTOSCALE_INTERVAL_S = 1.0  # how often the autoscaling policy is asked
+
+
+@dataclass(frozen=True)
+class ElasticWorkers:
+    """What the actor needs to add and retire workers (module docstring)."""
+
+    config: AutoscaleConfig
+    spawn: Callable[[int], Any]  # worker index -> a new worker actor handle (it loads in the background)
+    drain_timeout_s: float = 30.0  # a retiring worker's requests finish for this long, then migrate
+    wake_timeout_s: float = 600.0  # a request that finds no serving worker waits this long for one
 
 
 def is_actor_death(error: BaseException) -> bool:
@@ -87,8 +111,9 @@ class SchedulerActor:
 
     def __init__(self, config: SchedulerConfig, workers: list[Any], eos_token_ids: tuple[int, ...],
                  router_config: RouterConfig | None = None, admission_config: AdmissionConfig | None = None,
-                 worker_labels: list[str] | None = None) -> None:
+                 worker_labels: list[str] | None = None, elastic: ElasticWorkers | None = None) -> None:
         self._workers = workers
+        self._config, self._eos_token_ids = config, eos_token_ids
         for worker in workers:  # after a restart of this actor: drop request states the old one left
             worker.reset.remote()
         runners = [TimedRunner(worker, is_death=is_worker_lost) for worker in workers]
@@ -102,6 +127,13 @@ class SchedulerActor:
         self._install_metrics(worker_labels or [str(index) for index in range(len(workers))])
         self._incarnation = uuid.uuid4().hex  # a replica tells a restarted scheduler by it
         self._output_socket: asyncio.Task[str] | None = None  # path of the socket replicas on this node read
+        self._elastic = elastic
+        self._policy = AutoscalePolicy(elastic.config) if elastic is not None else None
+        self._desired = len(workers)  # the policy's latest wish (the fixed count without autoscaling)
+        self._num_waking = 0  # submits waiting for a worker to start (scale from zero)
+        self._scale_tasks: set[asyncio.Task[Any]] = set()  # workers starting or retiring
+        self._autoscale_task: asyncio.Task[None] | None = None
+        self._group.can_wake = elastic is not None
         gc.freeze()  # startup objects leave the GC's scans: no long full-collection pauses between steps
 
     async def ready(self) -> bool:
@@ -117,12 +149,16 @@ class SchedulerActor:
             self._watch_task = loop.create_task(self._watch_workers(), context=contextvars.Context())
         if self._metrics_task is None or self._metrics_task.done():
             self._metrics_task = loop.create_task(self._refresh_metrics_forever(), context=contextvars.Context())
+        if self._policy is not None and (self._autoscale_task is None or self._autoscale_task.done()):
+            self._autoscale_task = loop.create_task(self._autoscale_forever(), context=contextvars.Context())
 
     async def submit(self, request: EngineRequest, channel_id: str) -> bool:
         """Queues the request; its deltas go to outputs(channel_id). False: it was aborted
         before it arrived. Raises what EngineGroup.add_request raises (refusals)."""
         self._ensure_watching()
         channel = self._channels.get(channel_id)
+        if self._elastic is not None and not self._group.serving():
+            await self._wait_for_worker()
         try:
             stream = self._group.add_request(request, self._channels.listener(channel, request.request_id))
         except BaseException:
@@ -188,7 +224,8 @@ class SchedulerActor:
         """Pings idle workers; a restarted worker (new incarnation) gets an empty cache."""
         while True:
             for index, worker in enumerate(self._workers):
-                await self._ping(index, worker)
+                if self._group.states[index] in (SERVING, DRAINING):  # a starting one is awaited by _start_worker
+                    await self._ping(index, worker)
             await asyncio.sleep(WORKER_PING_INTERVAL_S)
 
     async def _ping(self, index: int, worker: Any) -> None:
@@ -260,6 +297,7 @@ class SchedulerActor:
     def _refresh_gauges(self) -> list[WorkerState]:
         workers = self._worker_states()
         self._metrics.refresh_gauges(workers)
+        self._metrics.refresh_workers(workers, self._desired)
         self._metrics.publish_route_counts(self._group.route_counts)
         return workers
 
@@ -267,6 +305,8 @@ class SchedulerActor:
         now = time.monotonic()  # the runners' clock
         states = []
         for index, (engine, runner) in enumerate(zip(self._group.engines, self._group.runners, strict=True)):
+            if self._group.states[index] == RETIRED:
+                continue
             load = engine.scheduler.load()
             node = self._nodes[index][1] if self._nodes[index] is not None else {}
             since = None if runner.last_step_end is None else max(0.0, now - runner.last_step_end)
@@ -276,7 +316,7 @@ class SchedulerActor:
                 num_kv_blocks_used=load.num_usable_blocks - load.num_free_blocks,
                 num_kv_blocks_total=load.num_usable_blocks, num_steps=runner.num_steps,
                 seconds_since_last_step=since, busy_s=runner.busy_s, gap_s=runner.gap_s,
-                node_id=node.get("node_id"), node_ip=node.get("node_ip"),
+                node_id=node.get("node_id"), node_ip=node.get("node_ip"), state=self._group.states[index],
             ))
         return states
 
@@ -295,6 +335,8 @@ class SchedulerActor:
     async def _look_up_nodes(self) -> None:
         """Asks each worker its node once per incarnation (a control-group call: answers mid-step)."""
         for index, worker in enumerate(self._workers):
+            if self._group.states[index] == RETIRED:
+                continue
             known = self._nodes[index]
             if known is not None and known[0] == self._incarnations[index]:
                 continue
@@ -303,6 +345,135 @@ class SchedulerActor:
             except Exception:  # dead or busy: try again on the next refresh
                 continue
             self._nodes[index] = (self._incarnations[index], node)
+
+
+    # --- elastic workers -------------------------------------------------------------------------
+    async def _wait_for_worker(self) -> None:
+        """No worker serves (scaled to zero, or all starting): the policy wakes one and this
+        request waits for it (wake_timeout_s; the ingress's own request timeout may end it sooner)."""
+        assert self._elastic is not None
+        self._num_waking += 1
+        try:
+            self._autoscale_once()  # wake at once, not at the next tick
+            if not await self._group.wait_for_serving(self._elastic.wake_timeout_s):
+                raise NoLiveWorkerError(f"no worker started within {self._elastic.wake_timeout_s:g}s")
+        finally:
+            self._num_waking -= 1
+
+    async def _autoscale_forever(self) -> None:
+        while True:
+            try:
+                self._autoscale_once()
+            except Exception:
+                logger.exception("autoscaling step failed")
+            await asyncio.sleep(AUTOSCALE_INTERVAL_S)
+
+    def cluster_load(self) -> ClusterLoad:
+        """The policy's view of the group now (scheduler/autoscale.py)."""
+        group, now = self._group, time.monotonic()
+        unique = group.unique_cached_blocks()
+        workers, ages = [], []
+        for index, state in enumerate(group.states):
+            if state == RETIRED:
+                continue
+            scheduler = group.engines[index].scheduler
+            load = scheduler.load()
+            ages += [now - request.arrival_time for request in scheduler.waiting]
+            workers.append(WorkerLoad(
+                worker_id=index, state=state, running=load.num_running_seqs, waiting=load.num_waiting_reqs,
+                waiting_prompt_tokens=load.num_waiting_tokens,
+                kv_use=1.0 - load.num_free_blocks / max(1, load.num_usable_blocks),
+                unique_cached_blocks=unique.get(index, 0),
+            ))
+        parked = self._num_waking + sum(len(m.streams) for m in group._parked)
+        return ClusterLoad(tuple(workers), parked, _p90(ages))
+
+    def _autoscale_once(self) -> ScaleDecision | None:
+        if self._policy is None:
+            return None
+        decision = self._policy.decide(time.monotonic(), self.cluster_load())
+        self._desired = decision.desired
+        active = sum(state in (STARTING, SERVING) for state in self._group.states)
+        for _ in range(decision.desired - active):
+            self._start_worker(decision.reason)
+        if decision.retire is not None and decision.desired < active:
+            self._retire_worker(decision.retire, decision.reason)
+        return decision
+
+    def _track(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
+        self._scale_tasks.add(task)
+        task.add_done_callback(self._scale_tasks.discard)
+
+    def _start_worker(self, reason: str) -> None:
+        assert self._elastic is not None
+        index = len(self._group.engines)
+        worker = self._elastic.spawn(index)
+        runner = TimedRunner(worker, is_death=is_worker_lost)
+        engine = Engine(self._config, runner, self._eos_token_ids)
+        engine.worker_label, engine.stats_sink = str(index), self._metrics
+        assert self._group.add_worker(engine, runner) == index
+        self._workers.append(worker)
+        self._incarnations.append(None)
+        self._channel_incarnations.append(None)
+        self._nodes.append(None)
+        self._metrics.on_scale_event("up", reason)
+        logger.info("autoscaling: adding worker %d (%s); it serves once it has loaded", index, reason)
+        self._track(self._bring_up(index, worker, time.monotonic()))
+
+    async def _bring_up(self, index: int, worker: Any, created: float) -> None:
+        """Waits for the new worker to load (Ray may first need a node for it), then lets it serve."""
+        try:
+            info = await worker.model_info.remote()
+        except Exception as error:
+            if self._group.states[index] == STARTING:  # (else: retired while it loaded, and killed)
+                logger.error("worker %d failed to start (%r): retiring it", index, error)
+                await self._group.retire(index, 0.0)
+            return
+        if self._group.states[index] != STARTING:
+            return  # retired while it loaded
+        if info.num_blocks < self._config.num_blocks or info.block_size != self._config.block_size:
+            logger.error("worker %d has %d KV blocks of %d tokens, the group needs %d of %d: retiring it", index,
+                         info.num_blocks, info.block_size, self._config.num_blocks, self._config.block_size)
+            await self._group.retire(index, 0.0)
+            ray.kill(worker)
+            return
+        await self._ping(index, worker)  # its incarnation, and its step socket on this node
+        self._group.mark_serving(index)
+        _set_worker_state(worker, SERVING)
+        seconds = time.monotonic() - created
+        self._metrics.on_worker_started(seconds)
+        logger.info("autoscaling: worker %d serves after %.1fs (placement, load and warm-up)", index, seconds)
+
+    def _retire_worker(self, index: int, reason: str) -> None:
+        assert self._elastic is not None
+        self._metrics.on_scale_event("down", reason)
+        worker = self._workers[index]
+        logger.info("autoscaling: retiring worker %d (%s): draining for up to %gs", index, reason,
+                    self._elastic.drain_timeout_s)
+        _set_worker_state(worker, DRAINING)
+        self._track(self._retire(index, worker))
+
+    async def _retire(self, index: int, worker: Any) -> None:
+        assert self._elastic is not None
+        moved = await self._group.retire(index, self._elastic.drain_timeout_s)
+        ray.kill(worker)
+        logger.info("autoscaling: worker %d retired (%d requests moved to other workers)", index, moved)
+
+
+def _set_worker_state(worker: Any, state: str) -> None:
+    """Tells the worker its state, for its repr in the Ray dashboard (best effort)."""
+    try:
+        worker.set_state.remote(state)
+    except Exception:  # an older worker without it
+        pass
+
+
+def _p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 class RayMetrics:
@@ -365,6 +536,7 @@ def create_scheduler(
     router_config: RouterConfig | None = None,
     admission_config: AdmissionConfig | None = None,
     worker_labels: list[str] | None = None,
+    elastic: ElasticWorkers | None = None,
 ) -> Any:
     """A named SchedulerActor (or the live one of that name); router_config None: defaults.
     worker_labels name the workers in metrics and server info (unique across shards; None: 0..n-1)."""
@@ -375,4 +547,5 @@ def create_scheduler(
         num_cpus=num_cpus,
         max_restarts=max_restarts,
         max_concurrency=10_000,  # async actor: concurrent streams, not threads
-    ).remote(config, workers, eos_token_ids, router_config, admission_config, worker_labels=worker_labels)
+    ).remote(config, workers, eos_token_ids, router_config, admission_config, worker_labels=worker_labels,
+             elastic=elastic)

@@ -75,6 +75,8 @@ def _h(name: str, help: str, buckets: Sequence[float], *labels: str) -> MetricDe
     return MetricDef(PREFIX + name, "histogram", help, labels, tuple(buckets))
 
 
+WORKER_STATES = ("starting", "serving", "draining")  # a live worker's states (scheduler/engine_group.py)
+
 # Recorded by the scheduler actor (one per model or shard). `worker` is the worker's label.
 ENGINE_METRICS: tuple[MetricDef, ...] = (
     _c("requests_finished", "Client requests the engine finished, by finish reason (stop|length|abort|"
@@ -93,6 +95,14 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     _g("kv_cache_blocks_used", "KV cache blocks referenced by requests.", "worker"),
     _g("kv_cache_blocks_capacity", "Usable KV cache blocks, used or not (the pool without its null block).", "worker"),
     _g("worker_alive", "1 when the worker answers (or steps), 0 when it is known dead.", "worker"),
+    _g("workers", "Workers by state: starting (loading, takes no requests), serving, draining (finishing "
+       "its requests before it goes).", "state"),
+    _g("workers_desired", "Workers the autoscaling policy wants, starting and serving (without autoscaling: "
+       "the fixed count)."),
+    _c("scale_events", "Workers added (direction up) or retired (down) by the autoscaling policy, by the "
+       "policy's reason.", "direction", "reason"),
+    _h("worker_start_seconds", "Seconds from an added worker's creation to serving: placement, model load "
+       "and warm-up (after a scale to zero: the wake-up time).", REQUEST_BUCKETS_S),
     _h("time_to_first_token_seconds", "Seconds from arrival at the engine to the first token.",
        LATENCY_BUCKETS_S),
     _h("inter_token_latency_seconds", "Seconds between consecutive tokens of one sequence.",
@@ -220,6 +230,7 @@ class WorkerState:
     gap_s: float = 0.0  # seconds from a step's return to the next step's submission, back to back
     node_id: str | None = None  # the Ray node the worker runs on; None: not known yet
     node_ip: str | None = None
+    state: str = "serving"  # starting | serving | draining (scheduler/engine_group.py)
 
     @property
     def kv_usage(self) -> float:
@@ -286,9 +297,10 @@ class EngineMetrics:
         worker, per finish reason, per routing outcome. Ray's metrics cannot (a counter
         refuses 0); they appear there at the first value, and their gauges at the first refresh."""
         values_of = {"worker": list(worker_labels), "finish_reason": list(FINISH_REASONS),
-                     "outcome": [outcome.value for outcome in RouteOutcome]}
+                     "outcome": [outcome.value for outcome in RouteOutcome], "state": list(WORKER_STATES)}
         for metric in ENGINE_METRICS:
-            assert len(metric.labels) <= 1, metric.name
+            if len(metric.labels) > 1:
+                continue  # (scale events by direction and reason): they appear at the first one
             label_sets = [(value,) for value in values_of[metric.labels[0]]] if metric.labels else [()]
             for labels in label_sets:
                 for backend in self.backends:
@@ -305,6 +317,19 @@ class EngineMetrics:
             self._send("set", PREFIX + "kv_cache_blocks_used", gauges.num_kv_blocks_used, labels)
             self._send("set", PREFIX + "kv_cache_blocks_capacity", gauges.num_kv_blocks_total, labels)
             self._send("set", PREFIX + "worker_alive", 1.0 if gauges.alive else 0.0, labels)
+
+    def refresh_workers(self, workers: Iterable[WorkerState], desired: int) -> None:
+        """Workers by state, and how many the autoscaling policy wants."""
+        states = [worker.state for worker in workers]
+        for state in WORKER_STATES:
+            self._send("set", PREFIX + "workers", states.count(state), (state,))
+        self._send("set", PREFIX + "workers_desired", desired)
+
+    def on_scale_event(self, direction: str, reason: str) -> None:
+        self._send("inc", PREFIX + "scale_events", 1, (direction, reason))
+
+    def on_worker_started(self, seconds: float) -> None:
+        self._send("observe", PREFIX + "worker_start_seconds", seconds)
 
     def publish_route_counts(self, route_counts: Mapping[str, int]) -> None:
         """The router's cumulative decisions by outcome, sent as increments."""

@@ -17,6 +17,7 @@ DEPLOYING forever) and waits for the workers with a deadline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import time
@@ -53,8 +54,8 @@ from serve_app.resume import ResumingEngineClient
 from serve_app.sharding import ShardedEngineClient
 from serve_app.tokenizer import TokenizerService
 from serve_app.tool_parsers import choose_tool_call_parser
-from scheduler.actor import ACTOR_NAMESPACE, RayMetrics, create_scheduler, scheduler_actor_name
-from workers.actor import WorkerResources, create_worker, worker_actor_name
+from scheduler.actor import ACTOR_NAMESPACE, ElasticWorkers, RayMetrics, create_scheduler, scheduler_actor_name
+from workers.actor import WorkerResources, create_worker, spawn_worker, worker_actor_name
 from workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class EngineSupervisor:
     def _create_workers(self, plan: ResourcePlan) -> list[Any]:
         resources = WorkerResources(plan.worker_num_cpus, plan.worker_num_gpus, self._args.worker_num_threads)
         kwargs = runner_kwargs(self._args, plan)
+        self._spawn = functools.partial(spawn_worker, kwargs, resources, self._args.name, ACTOR_NAMESPACE)
         group = self._placement_group
         return [
             create_worker(
@@ -167,12 +169,15 @@ class EngineSupervisor:
             num_blocks=min(info.num_blocks for info in infos),
             max_model_len=min(info.max_model_len for info in infos),
         )
+        autoscale = args.autoscale_config()
+        elastic = None if autoscale is None else ElasticWorkers(
+            autoscale, self._spawn, drain_timeout_s=args.drain_timeout_s, wake_timeout_s=args.startup_timeout_s)
         return [
             create_scheduler(
                 config, [self._workers[index] for index in indices], tuple(infos[0].eos_token_ids),
                 name=scheduler_actor_name(args.name, shard), num_cpus=args.scheduler_num_cpus,
                 router_config=args.router_config(), admission_config=args.admission_config(),
-                worker_labels=[str(index) for index in indices],
+                worker_labels=[str(index) for index in indices], elastic=elastic,
             )
             for shard, indices in enumerate(args.shard_worker_indices())
         ]

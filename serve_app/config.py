@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from scheduler.admission import AdmissionConfig
+from scheduler.autoscale import AutoscaleConfig
 from scheduler.config import SchedulerConfig
 from serve_app.limits import ServerLimits
 from serve_app.protocol import MAX_N
@@ -48,6 +49,33 @@ class AppArgs(BaseModel):
         description="Worker actors, each a full model replica. 'auto' (the shipped YAML): from this node's CPU, "
         "one worker per core on CPUs with native bf16, else one worker with a thread per core; worker_num_cpus and "
         "worker_num_threads follow unless given (serve_app/worker_layout.py).",
+    )
+    min_workers: int | None = Field(
+        None, ge=0, le=64,
+        description="Autoscaling (with max_workers): the fewest workers; 0 lets the last one go after "
+        "scale_down_delay_s idle, and the next request waits for one to start. null: 1 when max_workers is set.",
+    )
+    max_workers: int | None = Field(
+        None, ge=1, le=64,
+        description="Autoscaling: the most workers. null (and min_workers null): a fixed num_workers. With it, "
+        "num_workers is the starting count (clamped into [min_workers, max_workers], at least 1).",
+    )
+    scale_up_delay_s: float = Field(
+        30.0, ge=0,
+        description="Autoscaling: a worker is added once prompts queue, KV use or queue time stay over target "
+        "this long (a shorter burst adds none).",
+    )
+    scale_down_delay_s: float = Field(
+        600.0, ge=0,
+        description="Autoscaling: a worker is retired (drained, then its requests migrate) once the load stays "
+        "well under target this long.",
+    )
+    scale_target_waiting_tokens: int = Field(
+        8192, ge=1,
+        description="Autoscaling target: prompt tokens waiting per serving worker (scheduler/autoscale.py).",
+    )
+    scale_target_queue_time_s: float = Field(
+        2.0, gt=0, description="Autoscaling target: p90 seconds a waiting request has waited to be scheduled.",
     )
     worker_num_cpus: float = Field(
         1.0, gt=0, description="Logical CPUs per worker; torch threads = floor(worker_num_cpus)."
@@ -270,6 +298,35 @@ class AppArgs(BaseModel):
     @property
     def kv_cache_memory_bytes(self) -> int:
         return int(self.kv_cache_memory_gb * GIB)
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> AppArgs:
+        if self.max_workers is None:
+            if self.min_workers is not None:
+                raise ValueError("min_workers needs max_workers: set both for autoscaling, or neither for a "
+                                 "fixed num_workers")
+            return self
+        low = 1 if self.min_workers is None else self.min_workers
+        if low > self.max_workers:
+            raise ValueError(f"min_workers={low} exceeds max_workers={self.max_workers}")
+        if self.num_scheduler_shards != 1:
+            raise ValueError("autoscaling (max_workers) runs with one scheduler shard: set num_scheduler_shards=1")
+        self.num_workers = min(max(self.num_workers, low, 1), self.max_workers)
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_workers is not None
+
+    def autoscale_config(self) -> AutoscaleConfig | None:
+        """The policy's bounds and delays; None: a fixed num_workers."""
+        if self.max_workers is None:
+            return None
+        return AutoscaleConfig(min_workers=1 if self.min_workers is None else self.min_workers,
+                               max_workers=self.max_workers, scale_up_delay_s=self.scale_up_delay_s,
+                               scale_down_delay_s=self.scale_down_delay_s,
+                               target_waiting_tokens_per_worker=self.scale_target_waiting_tokens,
+                               target_queue_time_s=self.scale_target_queue_time_s)
 
     @model_validator(mode="after")
     def _check_shards(self) -> AppArgs:

@@ -143,6 +143,12 @@ def create_worker(
     ).remote(config)
 
 
+def spawn_worker(runner_kwargs: dict[str, Any], resources: WorkerResources, app_name: str, namespace: str,
+                 index: int) -> Any:
+    """Worker `index` of the app, placed wherever Ray has room (autoscaling adds workers with it)."""
+    return create_worker(runner_kwargs, resources, name=worker_actor_name(app_name, index), namespace=namespace)
+
+
 def openmp_env(num_threads: int) -> dict[str, str]:
     """The worker's OpenMP settings. PASSIVE: idle threads sleep instead of spinning, so between
     steps they leave the cores to the ingress and scheduler (unbounded spinning made steps 5-8x
