@@ -46,9 +46,11 @@ Algorithm, in order (the first rule that applies answers):
 6. Otherwise "steady". A timer resets whenever its condition breaks, so a burst shorter than
    scale_up_delay_s adds nothing and a lull shorter than scale_down_delay_s retires nothing.
 
-Victim: among serving and starting workers, the one with the fewest running + waiting
-requests, then the fewest `unique_cached_blocks` (prefix blocks no other serving worker
-holds, lost with it), then the highest worker_id; a starting one only if nothing else.
+Victim: a starting worker first (it holds no request and no cache yet: dropping it loses
+nothing, and it never leaves the cluster with no serving worker while it loads), then among
+serving workers the one with the fewest running + waiting requests, then the fewest
+`unique_cached_blocks` (prefix blocks no other serving worker holds, lost with it), then the
+highest worker_id.
 
 Defaults (AutoscaleConfig), for a GPU deployment:
 - scale_up_delay_s 30 s: long enough to ignore a burst that one batch absorbs, short next to
@@ -274,6 +276,6 @@ class AutoscalePolicy:
 
 def _victim(candidates: list[WorkerLoad]) -> int:
     """The worker whose retirement costs least (see the module docstring)."""
-    victim = min(candidates, key=lambda w: (w.state == "starting", w.running + w.waiting,
+    victim = min(candidates, key=lambda w: (w.state != "starting", w.running + w.waiting,
                                             w.unique_cached_blocks, -w.worker_id))
     return victim.worker_id

@@ -219,8 +219,8 @@ def test_parked_requests_block_scale_down():
     ((worker(0, running=1, unique=50), worker(1, running=1, unique=10), worker(2, running=1, unique=30)), 1),
     # then the highest id
     ((worker(0, running=1, unique=5), worker(3, running=1, unique=5), worker(1, running=1, unique=5)), 3),
-    # a starting worker only if nothing else: not even an idle serving one loses to it
-    ((worker(0, running=9, unique=100), worker(1, "starting")), 0),
+    # a starting worker first: it holds nothing, and the serving ones keep serving while it would load
+    ((worker(0, unique=0), worker(1, "starting")), 1),
     ((worker(4, "starting"), worker(2, "starting")), 4),
     # a draining worker is never chosen again
     ((worker(0, "draining"), worker(1, running=2), worker(2, running=5)), 1),

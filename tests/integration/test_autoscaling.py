@@ -1,0 +1,159 @@
+"""Elastic workers on the session's real local Ray cluster, over real HTTP: an app with
+min_workers 1 and max_workers 2 grows to 2 workers when prompts queue and shrinks back to 1
+when the load stops, with a scale-down while streams are open; an app with min_workers 0 goes
+to zero and the next request wakes a worker. Every greedy text equals the same prompt's text
+from a fixed one-worker run, and no request fails.
+
+Each app is this module's own (route prefixes /elastic and /zero), deleted at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ELASTIC_APP, ELASTIC_PREFIX = "elastic", "rayllm-elastic"
+ZERO_APP, ZERO_PREFIX = "zero", "rayllm-zero"
+
+
+def app_args(tiny_model_dir: Path, prefix: str, **overrides: Any) -> dict[str, Any]:
+    return {
+        "model": str(tiny_model_dir), "served_model_name": "tiny", "name": prefix,
+        "num_workers": 1, "worker_num_cpus": 0.5, "worker_placement": "none",
+        "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
+        "num_kv_blocks": 256, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 2,
+        "dtype": "float32",  # texts are compared across workers and batch shapes: fp32 keeps them exact
+        **overrides,
+    }
+
+
+@dataclass
+class App:
+    url: str
+    prefix: str
+
+    def status(self) -> Any:
+        import ray
+
+        from scheduler.actor import ACTOR_NAMESPACE, scheduler_actor_name
+
+        scheduler = ray.get_actor(scheduler_actor_name(self.prefix), namespace=ACTOR_NAMESPACE)
+        return ray.get(scheduler.status.remote(), timeout=60)
+
+    def wait_for(self, predicate, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            if predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not reached in {timeout_s}s: {status}")
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def apps(server, tiny_model_dir: Path) -> Iterator[tuple[App, App]]:
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    # round robin: the two long streams of the last phase land one on each worker, so the one
+    # that retires has a stream open
+    elastic = build_app(app_args(
+        tiny_model_dir, ELASTIC_PREFIX, min_workers=1, max_workers=2, scale_up_delay_s=0.5, scale_down_delay_s=3.0,
+        scale_target_waiting_tokens=32, drain_timeout_s=0.5, router_policy="round_robin"))
+    zero = build_app(app_args(tiny_model_dir, ZERO_PREFIX, min_workers=0, max_workers=1, scale_down_delay_s=2.0))
+    serve.run(elastic, name=ELASTIC_APP, route_prefix=f"/{ELASTIC_APP}")
+    serve.run(zero, name=ZERO_APP, route_prefix=f"/{ZERO_APP}")
+    try:
+        yield (App(f"{server.direct_url_of(ELASTIC_APP)}/{ELASTIC_APP}", ELASTIC_PREFIX),
+               App(f"{server.direct_url_of(ZERO_APP)}/{ZERO_APP}", ZERO_PREFIX))
+    finally:
+        for name in (ELASTIC_APP, ZERO_APP):
+            if name in serve.status().applications:
+                serve.delete(name)
+
+
+async def complete(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[int, str]:
+    """(status, text) of one greedy stream."""
+    import json
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, (await response.aread()).decode()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                text += [choice["text"] for choice in json.loads(line[6:])["choices"]]
+    return 200, "".join(text)
+
+
+def prompt(i: int) -> str:
+    return f"Request {i}: a story about the number {i * 13} and the sea."
+
+
+def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_token(apps) -> None:
+    """A burst of 16 streams on 2 slots queues prompts: a second worker starts and serves. Two
+    long streams then run, one per worker; the load falls under target and a worker retires while
+    they stream (drain 0.5 s, then migration). Every text equals the fixed one-worker run's."""
+    elastic, _ = apps
+    burst, long = range(16), (100, 101)
+    lengths = {**{i: 150 for i in burst}, **{i: 900 for i in long}}
+
+    async def run() -> tuple[dict[int, str], dict[int, tuple[int, str]], Any, Any, list[int]]:
+        async with httpx.AsyncClient(base_url=elastic.url, timeout=600) as http:
+            expected = {}
+            for i, length in lengths.items():  # the fixed one-worker run: one request at a time
+                status, text = await complete(http, prompt(i), length)
+                assert status == 200, text
+                expected[i] = text
+            assert elastic.status().num_workers == 1
+            loop = asyncio.get_running_loop()
+            tasks = {i: asyncio.create_task(complete(http, prompt(i), lengths[i])) for i in burst}
+            grown = await loop.run_in_executor(None, lambda: elastic.wait_for(
+                lambda s: s.num_workers == 2, 180, "a second serving worker"))
+            tasks.update({i: asyncio.create_task(complete(http, prompt(i), lengths[i])) for i in long})
+            shrunk = await loop.run_in_executor(None, lambda: elastic.wait_for(
+                lambda s: s.num_workers == 1 and s.num_starting_workers == 0, 180, "back to one worker"))
+            still_open = [i for i in long if not tasks[i].done()]
+            results = {i: await task for i, task in tasks.items()}
+            return expected, results, grown, shrunk, still_open
+
+    expected, results, grown, shrunk, still_open = asyncio.run(run())
+    assert all(status == 200 for status, _ in results.values()), results
+    assert {i: text for i, (_, text) in results.items()} == expected
+    assert grown.num_live_workers == 2
+    assert still_open, "the scale-down came after the long streams ended"
+    print(f"scale-down with {len(still_open)} long streams open; {shrunk.num_migrated_requests} requests migrated")
+    final = elastic.wait_for(lambda s: s.num_unfinished_requests == 0, 60, "idle")
+    assert final.num_kv_blocks_free == final.num_kv_blocks_total
+
+
+def test_scale_to_zero_and_the_next_request_wakes_a_worker(apps) -> None:
+    _, zero = apps
+    with httpx.Client(base_url=zero.url, timeout=300) as http:
+        body = {"model": "tiny", "prompt": prompt(3), "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        before = http.post("/v1/completions", json=body)
+        assert before.status_code == 200, before.text
+        zero.wait_for(lambda s: s.num_workers == 0 and s.num_starting_workers == 0, 120, "zero workers")
+        assert http.get("/health").status_code == 200  # scaled to zero is healthy: a request wakes a worker
+        started = time.monotonic()
+        after = http.post("/v1/completions", json=body)
+        woke_in = time.monotonic() - started
+        assert after.status_code == 200, after.text
+        assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+        assert zero.status().num_workers == 1
+        metrics = http.get("/metrics").text
+    starts = [line for line in metrics.splitlines() if line.startswith("rayllm_worker_start_seconds_count")]
+    assert starts and float(starts[0].split()[-1]) >= 1, starts
+    print(f"wake-up: the first request after scale to zero took {woke_in:.1f}s")
