@@ -65,10 +65,11 @@ def apps(server, tiny_model_dir: Path) -> Iterator[tuple[App, App]]:
 
     from serve_app.app import build_app
 
-    # round robin: the two long streams of the last phase land one on each worker, so the one
-    # that retires has a stream open
+    # round robin: the streams of the last phase alternate between the workers, so the one that
+    # retires has a stream open. A worker loads in seconds here, longer while the burst runs: the
+    # scale-down delay leaves it time to serve before a quiet spell would cancel it.
     elastic = build_app(app_args(
-        tiny_model_dir, ELASTIC_PREFIX, min_workers=1, max_workers=2, scale_up_delay_s=0.5, scale_down_delay_s=3.0,
+        tiny_model_dir, ELASTIC_PREFIX, min_workers=1, max_workers=2, scale_up_delay_s=0.5, scale_down_delay_s=15.0,
         scale_target_waiting_tokens=32, drain_timeout_s=0.5, router_policy="round_robin"))
     zero = build_app(app_args(tiny_model_dir, ZERO_PREFIX, min_workers=0, max_workers=1, scale_down_delay_s=2.0))
     serve.run(elastic, name=ELASTIC_APP, route_prefix=f"/{ELASTIC_APP}")
@@ -103,14 +104,15 @@ def prompt(i: int) -> str:
 
 
 def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_token(apps) -> None:
-    """A burst of 16 streams on 2 slots queues prompts: a second worker starts and serves. Two
-    long streams then run, one per worker; the load falls under target and a worker retires while
-    they stream (drain 0.5 s, then migration). Every text equals the fixed one-worker run's."""
+    """A burst of 16 streams on 2 slots queues prompts: a second worker starts and serves. Then
+    two clients keep one stream each open, back to back, with nothing queued: the load is under
+    target and a worker retires while they stream (drain 0.5 s, then migration). Every text
+    equals the same prompt's text in the fixed one-worker run, and none fails."""
     elastic, _ = apps
-    burst, long = range(16), (100, 101)
-    lengths = {**{i: 150 for i in burst}, **{i: 900 for i in long}}
+    burst, trickle = list(range(16)), [100, 101, 102, 103]
+    lengths = {**{i: 150 for i in burst}, **{i: 200 for i in trickle}}
 
-    async def run() -> tuple[dict[int, str], dict[int, tuple[int, str]], Any, Any, list[int]]:
+    async def run() -> tuple[dict[int, str], list[tuple[int, int, str]], Any, Any, int]:
         async with httpx.AsyncClient(base_url=elastic.url, timeout=600) as http:
             expected = {}
             for i, length in lengths.items():  # the fixed one-worker run: one request at a time
@@ -119,22 +121,38 @@ def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_
                 expected[i] = text
             assert elastic.status().num_workers == 1
             loop = asyncio.get_running_loop()
-            tasks = {i: asyncio.create_task(complete(http, prompt(i), lengths[i])) for i in burst}
+            results: list[tuple[int, int, str]] = []
+
+            async def send(i: int) -> None:
+                results.append((i, *await complete(http, prompt(i), lengths[i])))
+
+            tasks = [asyncio.create_task(send(i)) for i in burst]
             grown = await loop.run_in_executor(None, lambda: elastic.wait_for(
                 lambda s: s.num_workers == 2, 180, "a second serving worker"))
-            tasks.update({i: asyncio.create_task(complete(http, prompt(i), lengths[i])) for i in long})
+            await asyncio.gather(*tasks)
+            shrunk_at: list[Any] = []
+            open_at_retire = 0
+
+            async def client(offset: int) -> None:
+                turn = 0
+                while not shrunk_at:
+                    await send(trickle[(offset + 2 * turn) % len(trickle)])
+                    turn += 1
+
+            clients = [asyncio.create_task(client(k)) for k in (0, 1)]
             shrunk = await loop.run_in_executor(None, lambda: elastic.wait_for(
                 lambda s: s.num_workers == 1 and s.num_starting_workers == 0, 180, "back to one worker"))
-            still_open = [i for i in long if not tasks[i].done()]
-            results = {i: await task for i, task in tasks.items()}
-            return expected, results, grown, shrunk, still_open
+            open_at_retire = sum(not c.done() for c in clients)
+            shrunk_at.append(shrunk)
+            await asyncio.gather(*clients)
+            return expected, results, grown, shrunk, open_at_retire
 
-    expected, results, grown, shrunk, still_open = asyncio.run(run())
-    assert all(status == 200 for status, _ in results.values()), results
-    assert {i: text for i, (_, text) in results.items()} == expected
-    assert grown.num_live_workers == 2
-    assert still_open, "the scale-down came after the long streams ended"
-    print(f"scale-down with {len(still_open)} long streams open; {shrunk.num_migrated_requests} requests migrated")
+    expected, results, grown, shrunk, open_at_retire = asyncio.run(run())
+    assert all(status == 200 for _, status, _ in results), results
+    assert all(text == expected[i] for i, _, text in results), [i for i, _, text in results if text != expected[i]]
+    assert len(results) > len(burst) and grown.num_live_workers == 2
+    assert open_at_retire == 2  # streams were open when the worker went
+    print(f"scale-down mid-stream: {shrunk.num_migrated_requests} requests migrated; {len(results)} streams")
     final = elastic.wait_for(lambda s: s.num_unfinished_requests == 0, 60, "idle")
     assert final.num_kv_blocks_free == final.num_kv_blocks_total
 
