@@ -43,6 +43,7 @@ from serve_app.config import (
     worker_bundle,
 )
 from serve_app.context import ServingContext
+from serve_app.data_plane import report_data_plane
 from serve_app.engine_client_ray import RayEngineClient
 from serve_app.health import HealthConfig, HealthMonitor
 from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
@@ -234,7 +235,8 @@ class OpenAIIngress:
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,
-                                   stream_interval=self._args.stream_interval)
+                                   stream_interval=self._args.stream_interval,
+                                   fast_data_plane=report_data_plane().as_json())  # warns once when off
         # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
         # a full collection over them paused this replica's loop for 100-300 ms under load.
         gc.freeze()
