@@ -306,7 +306,7 @@ def build_app(args: dict[str, Any]) -> Application:
     ).bind(plain_args)
     ingress = OpenAIIngress.options(
         name=f"{app_args.name}-ingress",
-        num_replicas=app_args.ingress_replicas,
+        **app_args.ingress_scaling(),  # num_replicas, or Serve's autoscaling_config for a range
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus},
         max_ongoing_requests=app_args.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=grace_s,
