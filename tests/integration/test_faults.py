@@ -292,6 +292,7 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
                 statuses.append(await wait_for_status(http, f"{url}/health", 503, timeout_s=30))
                 new = await http.post(f"{url}/v1/completions", json={"prompt": "new", "max_tokens": 2})
                 assert new.json()["error"]["code"] == "server_draining", new.text
+                assert new.headers.get("retry-after") == "1", (url, dict(new.headers))  # through both paths
                 statuses.append(new.status_code)
             return list(await asyncio.gather(*streams)), statuses, await drained
 
