@@ -8,9 +8,10 @@ the app that create_api returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,7 +22,7 @@ from fastapi.routing import APIRoute
 from serve_app import chat, completions
 from serve_app.auth import ApiKeyMiddleware
 from serve_app.context import ServingContext
-from serve_app.errors import draining_error, install_error_handlers
+from serve_app.errors import UNAVAILABLE_RETRY_AFTER_S, draining_error, error_response, install_error_handlers
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.observability import install_observability
 from serve_app.protocol import (
@@ -61,20 +62,46 @@ def off_loop_json_route(executor: ThreadPoolExecutor) -> type[APIRoute]:
     return OffLoopJSONRoute
 
 
+# Answered as usual while draining: probes and scrapes (/health itself says 503 "draining").
+OPEN_WHILE_DRAINING = frozenset({"/health", "/live", "/metrics", "/v1/server_info"})
+
+
+class DrainingMiddleware:
+    """Once the app is shutting down (ctx.draining), every HTTP request but the probes gets an
+    OpenAI-shaped 503 with Retry-After, unknown paths included (never a 404 from us then)."""
+
+    def __init__(self, app: Any, ctx: ServingContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.ctx.draining and scope.get("path") not in OPEN_WHILE_DRAINING:
+            await error_response(draining_error())(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     """The app; with api_keys, every route but /health, /live and /metrics needs one (auth.py)."""
-    app = FastAPI(title="rayllm-serve", version=ctx.version)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        ctx.draining = True  # the host stops the app (Serve: after its drain): late arrivals get 503
+
+    app = FastAPI(title="rayllm-serve", version=ctx.version, lifespan=lifespan)
     # One thread: parses queue up instead of several threads contending with the loop for the GIL.
     app.router.route_class = off_loop_json_route(ThreadPoolExecutor(1, thread_name_prefix="json"))
     install_error_handlers(app)
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=ctx.limits.max_body_bytes)
+    app.add_middleware(DrainingMiddleware, ctx=ctx)  # after auth: a 503 tells only a client with a key
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))  # added last: runs first
 
     async def generate(endpoint: Any, body: CompletionRequest | ChatCompletionRequest) -> Any:
         """endpoint: the completions or chat module (prepare_stream / complete)."""
-        if ctx.draining:
+        if ctx.draining:  # began after DrainingMiddleware let the request in (its body was read meanwhile)
             raise draining_error()
         if body.stream:
             chunks = await endpoint.prepare_stream(body, ctx)
@@ -124,7 +151,8 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if ctx.draining:
-            return JSONResponse({"status": "unavailable", "reason": "draining for shutdown"}, status_code=503)
+            return JSONResponse({"status": "unavailable", "reason": "draining for shutdown"}, status_code=503,
+                                headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         if ctx.health is None:
             return JSONResponse({"status": "ok", "reason": "no engine monitor configured"})
         report = ctx.health.readiness()

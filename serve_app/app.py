@@ -44,6 +44,7 @@ from serve_app.config import (
     worker_bundle,
 )
 from serve_app.context import ServingContext
+from serve_app.data_plane import report_data_plane
 from serve_app.engine_client_ray import RayEngineClient
 from serve_app.health import HealthConfig, HealthMonitor
 from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
@@ -239,7 +240,8 @@ class OpenAIIngress:
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,
-                                   stream_interval=self._args.stream_interval)
+                                   stream_interval=self._args.stream_interval,
+                                   fast_data_plane=report_data_plane().as_json())  # warns once when off
         # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
         # a full collection over them paused this replica's loop for 100-300 ms under load.
         gc.freeze()
@@ -309,7 +311,7 @@ def build_app(args: dict[str, Any]) -> Application:
     ).bind(plain_args)
     ingress = OpenAIIngress.options(
         name=f"{app_args.name}-ingress",
-        num_replicas=app_args.ingress_replicas,
+        **app_args.ingress_scaling(),  # num_replicas, or Serve's autoscaling_config for a range
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus},
         max_ongoing_requests=app_args.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=grace_s,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from scheduler.admission import AdmissionConfig
 from scheduler.autoscale import AutoscaleConfig
 from scheduler.config import SchedulerConfig
+from serve_app.ingress_scaling import IngressAutoscaling, max_ingress_replicas, parse_ingress_replicas
 from serve_app.limits import ServerLimits
 from serve_app.protocol import MAX_N
 from serve_app.worker_layout import auto_worker_layout, usable_cpus
@@ -219,7 +220,12 @@ class AppArgs(BaseModel):
         "writes <|python_tag|> (or an ipython role with \"parameters\"), else hermes (<tool_call> tags). "
         "Reported in /v1/models.",
     )
-    ingress_replicas: int = Field(1, ge=1, le=64, description="Replicas of the HTTP ingress deployment.")
+    ingress_replicas: Annotated[int, Field(ge=1, le=64)] | IngressAutoscaling = Field(
+        1, description="Replicas of the HTTP ingress deployment: a number (fixed), or a range Serve autoscales in: "
+        "'MIN-MAX' (e.g. '1-4') or a mapping of Serve's autoscaling_config keys (min_replicas, max_replicas, "
+        "target_ongoing_requests, upscale_delay_s, downscale_delay_s; IngressAutoscaling). Resources are checked "
+        "for the most replicas.",
+    )
     stream_interval: int = Field(
         1, ge=1, le=1024, description="Streamed chunks carry at least this many tokens (a choice's first and last "
         "go at once), as vLLM's --stream-interval: fewer chunks, less serving CPU per token, burstier streams.",
@@ -286,7 +292,7 @@ class AppArgs(BaseModel):
             return data
         def value(name: str) -> float:
             return float(data.get(name, cls.model_fields[name].default))  # `serve run` args come as text
-        reserved = (value("ingress_replicas") * value("ingress_num_cpus")
+        reserved = (max_ingress_replicas(data.get("ingress_replicas", 1)) * value("ingress_num_cpus")
                     + value("num_scheduler_shards") * value("scheduler_num_cpus"))
         layout = auto_worker_layout(usable_cpus(), reserved)
         resolved = {**data, "num_workers": layout.num_workers}
@@ -295,9 +301,24 @@ class AppArgs(BaseModel):
                 resolved[name] = getattr(layout, name)
         return resolved
 
+    @field_validator("ingress_replicas", mode="before")
+    @classmethod
+    def _parse_ingress_replicas(cls, value: Any) -> Any:
+        return parse_ingress_replicas(value)
+
     @property
     def kv_cache_memory_bytes(self) -> int:
         return int(self.kv_cache_memory_gb * GIB)
+
+    @property
+    def max_ingress_replicas(self) -> int:
+        return max_ingress_replicas(self.ingress_replicas)
+
+    def ingress_scaling(self) -> dict[str, Any]:
+        """The ingress deployment's options: num_replicas, or Serve's autoscaling_config."""
+        if isinstance(self.ingress_replicas, IngressAutoscaling):
+            return {"autoscaling_config": self.ingress_replicas.serve_config()}
+        return {"num_replicas": self.ingress_replicas}
 
     @model_validator(mode="after")
     def _check_autoscaling(self) -> AppArgs:
@@ -429,12 +450,12 @@ def plan_resources(args: AppArgs, cluster: dict[str, float]) -> ResourcePlan:
     worker_gpus = 1 if use_gpu else 0
     worker_cpus = min(args.worker_num_cpus, 1.0) if use_gpu else args.worker_num_cpus
     scheduler_cpus = args.scheduler_num_cpus * args.num_scheduler_shards
-    total_cpus = args.num_workers * worker_cpus + scheduler_cpus + args.ingress_replicas * args.ingress_num_cpus
+    total_cpus = args.num_workers * worker_cpus + scheduler_cpus + args.max_ingress_replicas * args.ingress_num_cpus
     if total_cpus > cluster_cpus + 1e-9:
         raise ResourceError(
             f"the app needs {total_cpus:g} CPUs ({args.num_workers} workers x {worker_cpus:g} + "
             f"{args.num_scheduler_shards} schedulers x {args.scheduler_num_cpus:g} + "
-            f"{args.ingress_replicas} ingress replicas x "
+            f"{args.max_ingress_replicas} ingress replicas x "
             f"{args.ingress_num_cpus:g}) but the cluster has {cluster_cpus:g}; lower num_workers, "
             f"worker_num_cpus or ingress_replicas, or add nodes"
         )

@@ -33,6 +33,7 @@ class ServingContext:
     observability: Observability | None = None  # metrics, request ids, logs; None: made by create_api
     grammars: Any = None  # serve_app.grammar.GrammarValidator, made on the first structured-output request
     stream_interval: int = 1  # tokens per streamed chunk at least (AppArgs.stream_interval)
+    fast_data_plane: dict[str, Any] | None = None  # serve_app.data_plane's verdict; None: not checked
 
     def start_run(
         self,

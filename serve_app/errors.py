@@ -20,6 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+# Retry-After of a 503 (draining, engine unavailable), seconds: the smallest whole-second hint.
+# While an app is deleted or redeployed, another replica or the new version may take the retry at once.
+UNAVAILABLE_RETRY_AFTER_S = 1
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -59,7 +63,8 @@ class EngineUnavailableError(OpenAIError):
     """The scheduler (or every worker) cannot be reached."""
 
     def __init__(self, message: str = "the engine is unavailable; retry later") -> None:
-        super().__init__(message, 503, code="engine_unavailable")
+        super().__init__(message, 503, code="engine_unavailable",
+                         headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
 
 
 class SchedulerGoneError(EngineUnavailableError):
@@ -72,8 +77,9 @@ def queue_full_error(message: str, retry_after_s: int) -> OpenAIError:
 
 
 def draining_error() -> OpenAIError:
+    """503 with Retry-After: the app (this replica, or the engine behind it) is shutting down."""
     return OpenAIError("the server is shutting down and takes no new requests; retry on another replica",
-                       503, code="server_draining")
+                       503, code="server_draining", headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
 
 
 def error_body(
@@ -117,7 +123,11 @@ def install_error_handlers(app: FastAPI) -> None:
         error = OpenAIError(message, exc.status_code, error_type=_TYPE_BY_STATUS.get(exc.status_code))
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
-    async def on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        if getattr(getattr(request.app.state, "ctx", None), "draining", False):
+            # a failure while the app shuts down (an executor closed, the engine gone) is the shutdown's
+            logger.warning("error while draining, answered 503: %s", f"{type(exc).__name__}: {exc}"[:300])
+            return error_response(draining_error())
         logger.exception("unhandled error in a route")
         error = OpenAIError(f"internal error: {type(exc).__name__}", 500, error_type="server_error")
         return error_response(error)

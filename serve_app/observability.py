@@ -247,5 +247,6 @@ def server_info_json(ctx: ServingContext, obs: Observability) -> dict[str, Any]:
         "reason": None if report is None else report.reason,
         "engine_stats_age_s": None if cache is None else cache.age_s(),
         "engine_stats_error": None if cache is None else cache.last_error,
+        "fast_data_plane": ctx.fast_data_plane,  # {"enabled", "missing"}: Serve's data plane in this replica
         "schedulers": shards,
     }

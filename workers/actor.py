@@ -20,6 +20,7 @@ import logging
 import math
 import threading
 import uuid
+from pathlib import PurePath
 from typing import Any
 
 import ray
@@ -27,7 +28,17 @@ import ray
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, WorkerStateLostError
 
 CONTROL_GROUP = "control"
+# The states a worker's repr shows: starting until its model is loaded, then serving, and
+# draining once the scheduler says so (set_state).
+WORKER_STATES = ("starting", "serving", "draining")
 logger = logging.getLogger(__name__)
+
+
+def describe_worker(model: Any, device: Any, dtype: Any, state: Any) -> str:
+    """`WorkerActor(model=<dir name>, device=..., dtype=..., state=...)`, what the Ray dashboard's
+    actor list shows; `model` is a path (its last part is shown) or None (the default model)."""
+    name = PurePath(str(model)).name if model not in (None, "", "default") else "default"
+    return f"WorkerActor(model={name}, device={device}, dtype={dtype}, state={state})"
 
 
 @ray.remote(concurrency_groups={CONTROL_GROUP: 1})
@@ -35,6 +46,10 @@ class WorkerActor:
     """Options (resources, name, restarts) are given at creation: see create_worker."""
 
     def __init__(self, runner_kwargs: dict[str, Any]) -> None:
+        # what __repr__ shows: the asked-for model, device and dtype until the runner resolves them
+        self._identity = (runner_kwargs.get("model"), runner_kwargs.get("device", "cpu"),
+                          runner_kwargs.get("dtype", "auto"))
+        self._state = "starting"
         # torch loads here, in the worker process, after OMP_NUM_THREADS is set; the
         # processes that create workers never import torch.
         from workers.model_runner import ModelRunner, RunnerConfig
@@ -42,6 +57,9 @@ class WorkerActor:
         from workers.step_server import StepServer
 
         self._runner = ModelRunner(RunnerConfig(**runner_kwargs))
+        info = self._runner.model_info
+        self._identity = (info.model_path, info.device, info.dtype)
+        self._state = "serving"
         self._incarnation = uuid.uuid4().hex
         self._runner_lock = threading.Lock()
         try:
@@ -49,6 +67,23 @@ class WorkerActor:
         except OSError as error:  # no usable temp dir: the scheduler steps us with Ray calls
             logger.warning("no step socket (%r): steps come as Ray calls", error)
             self._step_server = None
+
+    def __repr__(self) -> str:
+        """Model, device, dtype and state; Ray records it for the dashboard's actor list when
+        __init__ returns (so it shows serving there). Reads two attributes; never raises."""
+        try:
+            identity = getattr(self, "_identity", (None, "?", "?"))
+            return describe_worker(*identity, getattr(self, "_state", "starting"))
+        except Exception:  # a repr must not fail: Ray calls it for logs and the dashboard
+            return "WorkerActor(?)"
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def set_state(self, state: str) -> None:
+        """What the scheduler says this worker is doing: serving, or draining before it goes
+        away (shown by __repr__). starting is the state before the model is loaded."""
+        if state not in WORKER_STATES:
+            raise ValueError(f"worker state must be one of {', '.join(WORKER_STATES)}, not {state!r}")
+        self._state = state
 
     def execute(self, scheduler_output: SchedulerOutput, incarnation: str | None = None) -> ModelRunnerOutput:
         """One step. `incarnation`: the one the scheduler's block accounting belongs to; a

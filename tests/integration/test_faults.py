@@ -292,6 +292,7 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
                 statuses.append(await wait_for_status(http, f"{url}/health", 503, timeout_s=30))
                 new = await http.post(f"{url}/v1/completions", json={"prompt": "new", "max_tokens": 2})
                 assert new.json()["error"]["code"] == "server_draining", new.text
+                assert new.headers.get("retry-after") == "1", (url, dict(new.headers))  # through both paths
                 statuses.append(new.status_code)
             return list(await asyncio.gather(*streams)), statuses, await drained
 
@@ -316,19 +317,30 @@ def test_drain_refuses_new_requests_and_open_streams_finish(fault_app: FaultApp)
             loop = asyncio.get_running_loop()
             deleting = loop.run_in_executor(None, lambda: serve.delete(FAULT_APP, _blocking=True))
             refused: list[int | str] = []  # statuses of new requests, in order ("closed": connection refused)
+            via_proxy: list[int | str] = []  # the same through Serve's proxy
+            for_retry: list[httpx.Response] = []  # every 503, either path
             while not (deleting.done() and all(s.done() for s in streams)):
-                try:
-                    response = await http.post("/v1/completions", json={"prompt": "new", "max_tokens": 2})
-                    refused.append(response.status_code)
-                except httpx.TransportError:
-                    refused.append("closed")
+                for url, statuses in ((fault_app.url, refused), (fault_app.proxy_url, via_proxy)):
+                    try:
+                        response = await http.post(f"{url}/v1/completions", json={"prompt": "new", "max_tokens": 2})
+                        statuses.append(response.status_code)
+                        if response.status_code == 503:
+                            for_retry.append(response)
+                    except httpx.TransportError:
+                        statuses.append("closed")
                 await asyncio.sleep(0.2)
             results = list(await asyncio.gather(*streams))
             await deleting
-            return results, refused
+            return results, refused, via_proxy, for_retry
 
-    results, refused = asyncio.run(delete_while_streaming())
+    results, refused, via_proxy, for_retry = asyncio.run(delete_while_streaming())
     assert all(r[0] == 200 and r[2] == "length" for r in results), results
+    # Every 503 of the app is OpenAI-shaped with Retry-After (a narrow window here: the replica's
+    # own port serves until its listener closes); Serve's proxy answers its own 404 once the
+    # controller dropped the route (docs/reliability.md), which no app code reaches.
+    for response in for_retry:
+        assert response.headers.get("retry-after") == "1" and response.json()["error"]["code"], response.text
+    assert set(via_proxy) <= {200, 503, 404, "closed"}, via_proxy
     # Accepted until the drain began, then refused: 503 (draining), 404 (the route is gone) or a
     # closed port; never a 200 after a refusal, never another error.
     first_refusal = next((i for i, code in enumerate(refused) if code != 200), len(refused))

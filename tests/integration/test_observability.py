@@ -402,6 +402,7 @@ def test_server_info_lists_workers_with_node_state_and_kv(server) -> None:
     assert worker["node_ip"] == "127.0.0.1" and worker["state"] in ("idle", "busy")
     assert worker["kv_blocks_total"] == 511 and 0.0 <= worker["kv_usage"] <= 1.0
     assert body["ready"] is True and body["model"] == "tiny"
+    assert body["fast_data_plane"] == {"enabled": True, "missing": []}  # tests/conftest.py exports deploy/serve.env
 
 
 def test_a_fresh_server_lists_every_dashboard_family_with_its_labels_at_zero(server) -> None:

@@ -135,3 +135,26 @@ def test_scripts_export_the_serving_environment_without_overriding_the_callers(t
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in cluster.splitlines()
     for launcher in ("scripts/serve.sh", "bench/peers/ours.sh"):
         assert "scripts/serve-env.sh" in (root / launcher).read_text(), launcher
+
+
+def test_the_grafana_dashboard_is_well_formed_and_has_the_scaling_panels() -> None:
+    """Unique panel ids, no two panels on the same cells of the 24-column grid, and the
+    scaling row's series under Ray's export names (ray_rayllm_*; that every queried series
+    exists on a live server: tests/integration/test_observability.py)."""
+    import json
+
+    panels = json.loads((DEPLOY / "grafana-dashboard.json").read_text())["panels"]
+    assert len({panel["id"] for panel in panels}) == len(panels)
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        for cell in ((x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])):
+            assert cell not in taken, f"{panel['title']} overlaps {taken[cell]}"
+            taken[cell] = panel["title"]
+    by_title = {panel["title"]: panel for panel in panels}
+    workers = " ".join(target["expr"] for target in by_title["Workers"]["targets"])
+    assert 'ray_rayllm_workers{state=~"starting|serving|draining"}' in workers and "by (state)" in workers
+    assert "ray_rayllm_workers_desired" in workers
+    [events] = [target["expr"] for target in by_title["Scale events"]["targets"]]
+    assert "rate(ray_rayllm_scale_events_total[5m])" in events and "by (direction, reason)" in events

@@ -104,6 +104,16 @@ async def test_metrics_show_tokenization_and_engine_stats_from_the_cache() -> No
     assert info["model"] == "test-model"
 
 
+async def test_server_info_reports_the_replicas_data_plane_verdict() -> None:
+    ctx = make_test_context()
+    async with client_for(ctx) as client:
+        assert (await client.get("/v1/server_info")).json()["fast_data_plane"] is None  # not checked in-process
+    ctx.fast_data_plane = {"enabled": False, "missing": ["RAY_SERVE_THROUGHPUT_OPTIMIZED=1"]}
+    async with client_for(ctx) as client:
+        info = (await client.get("/v1/server_info")).json()
+    assert info["fast_data_plane"] == {"enabled": False, "missing": ["RAY_SERVE_THROUGHPUT_OPTIMIZED=1"]}
+
+
 async def test_an_unreachable_engine_keeps_the_last_stats_and_reports_the_error() -> None:
     calls = {"n": 0}
 

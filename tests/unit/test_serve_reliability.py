@@ -12,7 +12,13 @@ import pytest
 
 from serve_app.api import create_api
 from serve_app.auth import KeyChecker, api_keys_from_env
-from serve_app.errors import SchedulerGoneError, queue_full_error
+from serve_app.errors import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    EngineUnavailableError,
+    SchedulerGoneError,
+    draining_error,
+    queue_full_error,
+)
 from serve_app.limits import ServerLimits
 from serve_app.resume import ResumingEngineClient
 from serve_app.testing import ScriptedEngine, make_test_context, text_tokens
@@ -169,7 +175,80 @@ async def test_draining_ingress_refuses_new_requests_and_is_not_ready() -> None:
     async with client(ctx) as http:
         response = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert response.status_code == 503 and error_of(response)["code"] == "server_draining"
-        assert (await http.get("/health")).status_code == 503
+        assert response.headers["retry-after"] == str(UNAVAILABLE_RETRY_AFTER_S)
+        health = await http.get("/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == str(UNAVAILABLE_RETRY_AFTER_S)
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True}),
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"prompt": "x"}),
+    ("GET", "/v1/no-such-route", None),  # not a 404 while draining
+    ("POST", "/v1/completions", {"prompt": 5}),  # not a 400 either: nothing is read
+])
+async def test_every_route_but_the_probes_is_503_with_retry_after_while_draining(method, path, body) -> None:
+    ctx = make_test_context()
+    ctx.draining = True
+    async with client(ctx) as http:
+        response = await http.request(method, path, json=body)
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == str(UNAVAILABLE_RETRY_AFTER_S)
+        assert error_of(response)["code"] == "server_draining"
+        assert error_of(response)["type"] == "service_unavailable_error"
+        for probe in ("/live", "/metrics", "/v1/server_info"):
+            assert (await http.get(probe)).status_code == 200, probe
+
+
+async def test_the_apps_lifespan_shutdown_starts_draining() -> None:
+    """Serve (like any ASGI host) ends the app's lifespan when it stops the replica."""
+    ctx = make_test_context()
+    app = create_api(ctx)
+    incoming: asyncio.Queue = asyncio.Queue()
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    for event in ("lifespan.startup", "lifespan.shutdown"):
+        incoming.put_nowait({"type": event})
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, incoming.get, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert ctx.draining
+    async with client(ctx) as http:
+        assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 503
+
+
+@pytest.mark.parametrize("error, code", [(draining_error(), "server_draining"),
+                                         (EngineUnavailableError(), "engine_unavailable")])
+async def test_an_engine_that_drains_or_is_gone_is_503_with_retry_after(error, code) -> None:
+    ctx = make_test_context()
+    ctx.engine = RefusingClient(error)
+    async with client(ctx) as http:
+        response = await http.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503 and error_of(response)["code"] == code
+        assert response.headers["retry-after"] == str(UNAVAILABLE_RETRY_AFTER_S)
+
+
+async def test_an_unexpected_error_once_draining_began_is_503_not_500() -> None:
+    ctx = make_test_context()
+
+    class FailingAsShutdownBegins(RefusingClient):
+        async def generate(self, request):
+            ctx.draining = True
+            raise RuntimeError("cannot schedule new futures after shutdown")
+            yield  # pragma: no cover
+
+    ctx.engine = FailingAsShutdownBegins(None)
+    # Starlette re-raises after answering (for the server's log): keep the answer
+    transport = httpx.ASGITransport(app=create_api(ctx), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503 and error_of(response)["code"] == "server_draining"
+        assert response.headers["retry-after"] == str(UNAVAILABLE_RETRY_AFTER_S)
+        ctx.draining = False
+        ctx.engine = RefusingClient(RuntimeError("boom"))  # outside a shutdown: a 500
+        assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 500
 
 
 # --- resuming after a scheduler restart -----------------------------------------------------------------
