@@ -76,6 +76,8 @@ def _h(name: str, help: str, buckets: Sequence[float], *labels: str) -> MetricDe
 
 
 WORKER_STATES = ("starting", "serving", "draining")  # a live worker's states (scheduler/engine_group.py)
+SCALE_EVENTS = (("up", "queue"), ("up", "kv"), ("up", "latency"), ("up", "wake"), ("up", "min"),
+                ("down", "idle"), ("down", "max"))  # (direction, reason) of scheduler/autoscale.py's decisions
 
 # Recorded by the scheduler actor (one per model or shard). `worker` is the worker's label.
 ENGINE_METRICS: tuple[MetricDef, ...] = (
@@ -299,9 +301,11 @@ class EngineMetrics:
         values_of = {"worker": list(worker_labels), "finish_reason": list(FINISH_REASONS),
                      "outcome": [outcome.value for outcome in RouteOutcome], "state": list(WORKER_STATES)}
         for metric in ENGINE_METRICS:
-            if len(metric.labels) > 1:
-                continue  # (scale events by direction and reason): they appear at the first one
-            label_sets = [(value,) for value in values_of[metric.labels[0]]] if metric.labels else [()]
+            if metric.labels == ("direction", "reason"):
+                label_sets = list(SCALE_EVENTS)
+            else:
+                assert len(metric.labels) <= 1, metric.name
+                label_sets = [(value,) for value in values_of[metric.labels[0]]] if metric.labels else [()]
             for labels in label_sets:
                 for backend in self.backends:
                     declare = getattr(backend, "declare", None)

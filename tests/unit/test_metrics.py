@@ -209,8 +209,6 @@ def test_declared_series_exist_at_zero_for_every_family_and_label_value() -> Non
     for metric in ALL_METRICS:
         if metric.name == PREFIX + "engine_stats_age_seconds":
             continue  # computed at render time, from the engine stats' age
-        if len(metric.labels) > 1:
-            continue  # scale events by direction and reason: they appear with the first one
         family = families[metric.name]
         assert family.samples, metric.name
         assert all(sample.value == 0 for sample in family.samples), metric.name
@@ -218,7 +216,8 @@ def test_declared_series_exist_at_zero_for_every_family_and_label_value() -> Non
         expected = {"worker": {"0", "1"}, "finish_reason": set(FINISH_REASONS),
                     "outcome": {o.value for o in RouteOutcome}, "op": set(TOKENIZER_OPS),
                     "route": {"/v1/completions", "/v1/chat/completions"}, "status_code": {"200"},
-                    "state": {"starting", "serving", "draining"}}
+                    "state": {"starting", "serving", "draining"}, "direction": {"up", "down"},
+                    "reason": {"queue", "kv", "latency", "wake", "min", "idle", "max"}}
         for position, label in enumerate(metric.labels):
             assert {values[position] for values in label_values} == expected[label], (metric.name, label)
     # recording after a declaration adds to the same series
