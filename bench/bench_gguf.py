@@ -70,6 +70,9 @@ def main() -> None:
           f"{'int8/fp32':>9} {'int8/dense':>10}")
     for out_features, in_features, shape_type in SHAPES:
         ggml_type = shape_type or GGMLType[args.type]
+        if in_features % BLOCK_LAYOUT[ggml_type][0]:  # K-types need whole 256-weight rows: not SmolLM2's 576
+            print(f"{f'{out_features}x{in_features} {ggml_type.name}':>18}   a row is not whole blocks: skipped")
+            continue
         first = random_weight(ggml_type, out_features, in_features)
         copies = max(1, int(args.min_mb * 1e6 / first.nbytes))
         quantized = [first] + [GgufWeight(ggml_type, out_features, in_features, first.blocks.clone())

@@ -13,21 +13,25 @@ Two modes (csrc/gguf_gemm.c says how each works):
           activations), integer dot products; error: x's rounding to 8 bits, a few 1e-3 of the
           output's scale (each output within sum_k |w| s_block / 2, the bound that rounding
           allows: tests/workers/test_gguf_kernels.py).
-DEFAULT_MODE is "int8", chosen by bench/bench_gguf.py at SmolLM2's shapes (AVX2 EPYC shared with
-other work, 1 thread, median of 7, each path's weights streamed from memory; ratios of one run):
+DEFAULT_MODE is "int8", chosen by `bench.bench_gguf --threads 1 --repeats 15` at SmolLM2's shapes
+(an AVX2 EPYC shared with other work, so absolute times are noisy; ratios from one run, each
+path's weights streamed from memory, the paths alternating):
 
     shape (out x in, type)   int8 / fp32 mode     int8 / dense fp32 panels
                              1 row    16 rows     1 row    16 rows
-    576x576 Q4_1             0.66     0.83        0.59     1.61
-    192x576 Q4_1             0.73     0.83        0.68     1.40
-    1536x576 Q4_1            0.63     0.81        0.55     1.43
-    576x1536 Q4_1            0.59     0.77        0.47     1.21
-    49152x576 Q8_0           0.66     0.86        0.59     1.45
+    576x576 Q4_1             0.57     0.73        0.51     1.32
+    192x576 Q4_1             0.67     0.80        0.69     1.46
+    1536x576 Q4_1            0.50     0.82        0.49     1.75
+    576x1536 Q4_1            0.55     0.61        0.63     1.28
+    49152x576 Q8_0           0.55     0.63        0.60     1.46
 
-Both modes are bound by arithmetic, not memory, even at one row (int8 reads the Q4_1 blocks at
-about 5 GB/s, the dense panels read fp32 at 17): widening a block to fp32 costs more
-instructions than the FMAs it feeds, where int8 does four products per instruction. At 16 rows
-the dense fp32 panels (4x the bytes, but one FMA per weight and row) stay ahead of both.
+(An earlier, quieter run of the first version gave 0.59-0.73 at 1 row and 0.77-0.86 at 16.)
+Both modes are bound by arithmetic, not memory, even at one row (int8 reads Q4_1 blocks at 3-6
+GB/s, where the dense panels stream fp32 at 9-14 in the same run): widening a block to fp32
+costs more instructions than the FMAs it feeds, where int8 does four products per instruction.
+At 16 rows the dense fp32 panels (8x the bytes of Q4_1, but one FMA per weight and row and no
+decode) are still 1.3-1.75x faster than int8: a GGUF model's prefill pays for its smaller
+weights there.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ static inline __m256 widen_q(__m128i q8) { return _mm256_cvtepi32_ps(_mm256_cvte
 
 /* GGUF_FP32: rows [m0, m0 + MR) of x times weight row w, into sums[0, MR). */
 static inline __attribute__((always_inline)) void dot_f32(const int type, const GgufJob *job, const uint8_t *w,
-                                                          int64_t m0, const int MR, float *sums) {
+                                                          int64_t m0, const int MR, float *sums, const int stride) {
     const int64_t K = job->K, num_blocks = K / (32 * block_subs(type));
     const float *x = job->x + m0 * K;
     __m256 acc[TILE_ROWS][2];
@@ -236,47 +236,66 @@ static inline __attribute__((always_inline)) void dot_f32(const int type, const 
             const __m256 w2 = _mm256_fmadd_ps(widen_q(q_hi), hi, off);
             const __m256 w3 = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_hi, 8)), hi, off);
             const float *xk = x + (b * block_subs(type) + j) * 32;
+            const int parity = j & 1; /* two sums per row, alternating sub-blocks: half the latency chain */
             for (int i = 0; i < MR; i++) {
                 const float *xr = xk + i * K;
-                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[i][1]);
-                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, acc[i][1]);
+                __m256 part = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
+                part = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, part);
+                part = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, part);
+                part = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, part);
+                acc[i][parity] = _mm256_add_ps(acc[i][parity], part);
             }
         }
     }
-    for (int i = 0; i < MR; i++) sums[i] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+    for (int i = 0; i < MR; i++) sums[i * stride] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
-/* GGUF_INT8: the same from x's int8 blocks. */
+/* GGUF_INT8: sub-block j of `block` (sub-block sb of the row) into the sums acc and offsets. */
+static inline __attribute__((always_inline)) void int8_sub(const int type, const uint8_t *block, const int j,
+                                                           int64_t sb, const int8_t *xq, const float *x_scale,
+                                                           const float *x_sum, int64_t K, int64_t x_blocks,
+                                                           const int MR, __m256 *acc, float *offsets) {
+    const SubScale s = sub_scale(type, block, j);
+    const __m256i q = sub_q(type, block, j);
+    const __m256i u = signed_q(type) ? _mm256_sign_epi8(q, q) : q; /* |q|, x takes q's sign */
+    const __m256 scale = type == GGML_Q6_K ? _mm256_insertf128_ps(_mm256_set1_ps(s.lo), _mm_set1_ps(s.hi), 1)
+                                           : _mm256_set1_ps(s.lo);
+    for (int i = 0; i < MR; i++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + sb * 32));
+        if (signed_q(type)) xv = _mm256_sign_epi8(xv, q);
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(u, xv));
+        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(x_scale[i * x_blocks + sb])), acc[i]);
+        if (!signed_q(type)) offsets[i] += s.off * x_sum[i * x_blocks + sb];
+    }
+}
+
+/* GGUF_INT8: rows [m0, m0 + MR) of x's int8 blocks times weight row w, into sums[i * stride].
+ * Two sums per row, even and odd sub-blocks, to halve the FMA latency chain of a single row. */
 static inline __attribute__((always_inline)) void dot_int8(const int type, const GgufJob *job, const uint8_t *w,
-                                                           int64_t m0, const int MR, float *sums) {
+                                                           int64_t m0, const int MR, float *sums, const int stride) {
     const int64_t K = job->K, num_blocks = K / (32 * block_subs(type)), x_blocks = K / 32;
     const int8_t *xq = job->xq + m0 * K;
     const float *x_scale = job->x_scale + m0 * x_blocks, *x_sum = job->x_sum + m0 * x_blocks;
-    __m256 acc[TILE_ROWS];
-    float offsets[TILE_ROWS] = {0};
-    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *block = w + b * block_bytes(type);
-        for (int j = 0; j < block_subs(type); j++) {
-            const SubScale s = sub_scale(type, block, j);
-            const __m256i q = sub_q(type, block, j);
-            const __m256i u = signed_q(type) ? _mm256_sign_epi8(q, q) : q; /* |q|, x takes q's sign */
-            const __m256 scale = type == GGML_Q6_K
-                                     ? _mm256_insertf128_ps(_mm256_set1_ps(s.lo), _mm_set1_ps(s.hi), 1)
-                                     : _mm256_set1_ps(s.lo);
-            const int64_t sb = b * block_subs(type) + j;
-            for (int i = 0; i < MR; i++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + sb * 32));
-                if (signed_q(type)) xv = _mm256_sign_epi8(xv, q);
-                const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(u, xv));
-                acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(x_scale[i * x_blocks + sb])), acc[i]);
-                if (!signed_q(type)) offsets[i] += s.off * x_sum[i * x_blocks + sb];
-            }
+    __m256 even[TILE_ROWS], odd[TILE_ROWS];
+    float even_offsets[TILE_ROWS] = {0}, odd_offsets[TILE_ROWS] = {0};
+    for (int i = 0; i < MR; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    const int bb = block_bytes(type);
+    if (block_subs(type) == 1) {
+        int64_t b = 0;
+        for (; b + 1 < num_blocks; b += 2) {
+            int8_sub(type, w + b * bb, 0, b, xq, x_scale, x_sum, K, x_blocks, MR, even, even_offsets);
+            int8_sub(type, w + (b + 1) * bb, 0, b + 1, xq, x_scale, x_sum, K, x_blocks, MR, odd, odd_offsets);
         }
+        if (b < num_blocks) int8_sub(type, w + b * bb, 0, b, xq, x_scale, x_sum, K, x_blocks, MR, even, even_offsets);
+    } else {
+        for (int64_t b = 0; b < num_blocks; b++)
+            for (int j = 0; j < 8; j += 2) {
+                int8_sub(type, w + b * bb, j, 8 * b + j, xq, x_scale, x_sum, K, x_blocks, MR, even, even_offsets);
+                int8_sub(type, w + b * bb, j + 1, 8 * b + j + 1, xq, x_scale, x_sum, K, x_blocks, MR, odd, odd_offsets);
+            }
     }
-    for (int i = 0; i < MR; i++) sums[i] = hsum8(acc[i]) + offsets[i];
+    for (int i = 0; i < MR; i++)
+        sums[i * stride] = hsum8(_mm256_add_ps(even[i], odd[i])) + (even_offsets[i] + odd_offsets[i]);
 }
 
 /* x row -> int8 blocks of 32: scale = max |x| / 127, q = round(x / scale), and scale * sum(q). */
@@ -309,7 +328,7 @@ static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *
 }
 #else /* portable C */
 static inline __attribute__((always_inline)) void dot_f32(const int type, const GgufJob *job, const uint8_t *w,
-                                                          int64_t m0, const int MR, float *sums) {
+                                                          int64_t m0, const int MR, float *sums, const int stride) {
     const int64_t K = job->K, num_subs = K / 32;
     float acc[TILE_ROWS] = {0};
     int8_t q[32];
@@ -325,11 +344,11 @@ static inline __attribute__((always_inline)) void dot_f32(const int type, const 
             for (int l = 0; l < 32; l++) acc[i] += x[l] * wf[l];
         }
     }
-    for (int i = 0; i < MR; i++) sums[i] = acc[i];
+    for (int i = 0; i < MR; i++) sums[i * stride] = acc[i];
 }
 
 static inline __attribute__((always_inline)) void dot_int8(const int type, const GgufJob *job, const uint8_t *w,
-                                                           int64_t m0, const int MR, float *sums) {
+                                                           int64_t m0, const int MR, float *sums, const int stride) {
     const int64_t K = job->K, num_subs = K / 32;
     float acc[TILE_ROWS] = {0};
     int8_t q[32];
@@ -347,7 +366,7 @@ static inline __attribute__((always_inline)) void dot_int8(const int type, const
             acc[i] += (s.lo * (float)lo + s.hi * (float)hi) * x_scale + s.off * job->x_sum[(m0 + i) * num_subs + sb];
         }
     }
-    for (int i = 0; i < MR; i++) sums[i] = acc[i];
+    for (int i = 0; i < MR; i++) sums[i * stride] = acc[i];
 }
 
 static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *scale, float *sum) {
@@ -367,43 +386,50 @@ static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *
 }
 #endif
 
-/* A weight row times a tile of MR (1 to TILE_ROWS) rows, in the job's mode, with the type, the
- * mode and MR as compile-time constants. */
-#define TILE_FUNCTION(T)                                                                               \
-    static void tile_##T(const GgufJob *job, const uint8_t *w, int64_t m0, int MR, float *sums) {      \
-        if (job->mode == GGUF_INT8) {                                                                  \
-            switch (MR) {                                                                              \
-            case 4: dot_int8(T, job, w, m0, 4, sums); break;                                           \
-            case 3: dot_int8(T, job, w, m0, 3, sums); break;                                           \
-            case 2: dot_int8(T, job, w, m0, 2, sums); break;                                           \
-            default: dot_int8(T, job, w, m0, 1, sums); break;                                          \
-            }                                                                                          \
-        } else {                                                                                       \
-            switch (MR) {                                                                              \
-            case 4: dot_f32(T, job, w, m0, 4, sums); break;                                            \
-            case 3: dot_f32(T, job, w, m0, 3, sums); break;                                            \
-            case 2: dot_f32(T, job, w, m0, 2, sums); break;                                            \
-            default: dot_f32(T, job, w, m0, 1, sums); break;                                           \
-            }                                                                                          \
-        }                                                                                              \
+/* Weight rows [n0, n1) (at most COLUMNS_PER_ITEM) times a tile of MR (1 to TILE_ROWS) rows from
+ * m0, into sums[i * COLUMNS_PER_ITEM + n - n0]; the type, the mode and MR are compile-time
+ * constants, and the column loop sits inside them (a call per column cost as much as a short
+ * row's sums at one row). */
+#define COLUMNS_CASE(KERNEL, T, R)                                                                       \
+    case R:                                                                                              \
+        for (int64_t n = n0; n < n1; n++)                                                                \
+            KERNEL(T, job, job->w + n * job->row_bytes, m0, R, sums + (n - n0), COLUMNS_PER_ITEM);       \
+        break;
+#define COLUMNS_FUNCTION(T)                                                                              \
+    static void columns_##T(const GgufJob *job, int64_t n0, int64_t n1, int64_t m0, int MR, float *sums) { \
+        if (job->mode == GGUF_INT8) {                                                                    \
+            switch (MR) {                                                                                \
+                COLUMNS_CASE(dot_int8, T, 4)                                                             \
+                COLUMNS_CASE(dot_int8, T, 3)                                                             \
+                COLUMNS_CASE(dot_int8, T, 2)                                                             \
+                COLUMNS_CASE(dot_int8, T, 1)                                                             \
+            }                                                                                            \
+        } else {                                                                                         \
+            switch (MR) {                                                                                \
+                COLUMNS_CASE(dot_f32, T, 4)                                                              \
+                COLUMNS_CASE(dot_f32, T, 3)                                                              \
+                COLUMNS_CASE(dot_f32, T, 2)                                                              \
+                COLUMNS_CASE(dot_f32, T, 1)                                                              \
+            }                                                                                            \
+        }                                                                                                \
     }
-TILE_FUNCTION(GGML_Q4_0)
-TILE_FUNCTION(GGML_Q4_1)
-TILE_FUNCTION(GGML_Q8_0)
-TILE_FUNCTION(GGML_Q4_K)
-TILE_FUNCTION(GGML_Q5_K)
-TILE_FUNCTION(GGML_Q6_K)
+COLUMNS_FUNCTION(GGML_Q4_0)
+COLUMNS_FUNCTION(GGML_Q4_1)
+COLUMNS_FUNCTION(GGML_Q8_0)
+COLUMNS_FUNCTION(GGML_Q4_K)
+COLUMNS_FUNCTION(GGML_Q5_K)
+COLUMNS_FUNCTION(GGML_Q6_K)
 
-typedef void (*TileFunction)(const GgufJob *, const uint8_t *, int64_t, int, float *);
+typedef void (*ColumnsFunction)(const GgufJob *, int64_t, int64_t, int64_t, int, float *);
 
-static TileFunction tile_function(int type) {
+static ColumnsFunction columns_function(int type) {
     switch (type) {
-    case GGML_Q4_0: return tile_GGML_Q4_0;
-    case GGML_Q4_1: return tile_GGML_Q4_1;
-    case GGML_Q8_0: return tile_GGML_Q8_0;
-    case GGML_Q4_K: return tile_GGML_Q4_K;
-    case GGML_Q5_K: return tile_GGML_Q5_K;
-    case GGML_Q6_K: return tile_GGML_Q6_K;
+    case GGML_Q4_0: return columns_GGML_Q4_0;
+    case GGML_Q4_1: return columns_GGML_Q4_1;
+    case GGML_Q8_0: return columns_GGML_Q8_0;
+    case GGML_Q4_K: return columns_GGML_Q4_K;
+    case GGML_Q5_K: return columns_GGML_Q5_K;
+    case GGML_Q6_K: return columns_GGML_Q6_K;
     }
     return NULL;
 }
@@ -411,16 +437,18 @@ static TileFunction tile_function(int type) {
 /* Item `item`: output columns [item * COLUMNS_PER_ITEM, ...) for every row, TILE_ROWS rows at a time. */
 static void gguf_columns(void *context, int64_t item) {
     const GgufJob *job = context;
-    const TileFunction tile = tile_function(job->type);
+    const ColumnsFunction columns = columns_function(job->type);
     const int64_t n0 = item * COLUMNS_PER_ITEM, n1 = n0 + COLUMNS_PER_ITEM < job->N ? n0 + COLUMNS_PER_ITEM : job->N;
     for (int64_t m0 = 0; m0 < job->num_rows; m0 += TILE_ROWS) {
         const int rows = job->num_rows - m0 < TILE_ROWS ? (int)(job->num_rows - m0) : TILE_ROWS;
-        for (int64_t n = n0; n < n1; n++) {
-            float sums[TILE_ROWS];
-            tile(job, job->w + n * job->row_bytes, m0, rows, sums);
-            const float bias = job->bias ? load_element(job->bias, n, job->dtype) : 0.0f;
-            for (int i = 0; i < rows; i++) store_element(job->out, (m0 + i) * job->N + n, sums[i] + bias, job->out_dtype);
-        }
+        float sums[TILE_ROWS * COLUMNS_PER_ITEM];
+        columns(job, n0, n1, m0, rows, sums);
+        for (int i = 0; i < rows; i++)
+            for (int64_t n = n0; n < n1; n++) {
+                const float bias = job->bias ? load_element(job->bias, n, job->dtype) : 0.0f;
+                store_element(job->out, (m0 + i) * job->N + n, sums[i * COLUMNS_PER_ITEM + n - n0] + bias,
+                              job->out_dtype);
+            }
     }
 }
 
@@ -452,7 +480,7 @@ static void prepare_rows(void *context, int64_t item) {
 int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                      int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t mode,
                      int32_t num_threads) {
-    if (!tile_function(ggml_type) || (mode != GGUF_FP32 && mode != GGUF_INT8)) return 1;
+    if (!columns_function(ggml_type) || (mode != GGUF_FP32 && mode != GGUF_INT8)) return 1;
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (out_dtype != DTYPE_F32 && out_dtype != DTYPE_BF16)) return 1;
     const int64_t block_weights = 32 * block_subs(ggml_type);
     if (num_rows < 1 || N < 1 || K < block_weights || K % block_weights) return 2;
