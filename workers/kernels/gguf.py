@@ -62,14 +62,15 @@ def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = N
     num_rows, width = x.shape
     if width != weight.in_features:
         raise ValueError(f"x has {width} features, the {weight.ggml_type.name} weight takes {weight.in_features}")
-    assert weight.blocks.is_contiguous() and weight.ggml_type in NATIVE_TYPES
+    assert weight.ggml_type in NATIVE_TYPES
+    blocks = weight.blocks.contiguous()
     out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
     if num_rows == 0:
         return out
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     check_status(library.rayllm_gguf_gemm(
-        x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
+        x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
         weight.out_features, width, int(weight.ggml_type), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
         GGUF_MODES[mode], torch.get_num_threads(),
     ), "rayllm_gguf_gemm")
