@@ -108,6 +108,12 @@ def reference_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | N
     return out.to(x.dtype)
 
 
-def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ weight.T (+ bias) -> [rows, out] in x's dtype."""
-    return reference_linear(x, weight, bias)
+def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias) -> [rows, out] in out_dtype (default: x's dtype; logits: fp32)."""
+    from workers.kernels import gguf  # imported here: it imports this module's types
+
+    if gguf.native_takes(x, weight):
+        return gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype)
+    out = reference_linear(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)

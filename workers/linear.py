@@ -207,7 +207,7 @@ class NativeLinear:
         """Our kernel where it takes this many rows (panels up to their limit, the GEMV up to
         GEMV_MAX_ROWS), else oneDNN's prepacked GEMM."""
         if isinstance(weight, GgufWeight):
-            return gguf_linear(x, weight, bias).to(out_dtype)
+            return gguf_linear(x, weight, bias, out_dtype=out_dtype)
         rows = x.shape[0]
         if rows == 0:  # nothing to multiply (and a PanelWeight may have no oneDNN copy to ask)
             out_features = weight.out_features if isinstance(weight, PanelWeight) else weight.plain.shape[0]

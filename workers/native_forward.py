@@ -1,7 +1,9 @@
 """The decoder layers of a step in one C call (workers/kernels/csrc/forward.c), where every
 product of the step has a C kernel: fp32 panels on AVX2 CPUs (up to their measured row limit,
 workers/linear.py) and AVX-512 CPUs (every row count), bf16 panels on AVX512_BF16 CPUs (every
-row count), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes).
+row count), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes); a projection kept in its GGUF
+type (workers/gguf_weight.py) runs its own kernel (workers/kernels/gguf.py, any row count), each
+product of a layer in its own type.
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
 same arguments, so it returns the same hidden states bit for bit (a test compares them).
@@ -22,12 +24,18 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from workers.kernels import check_variants, cpu_attention
+from workers.gguf_weight import GgufWeight
+from workers.kernels import check_variants, cpu_attention, gguf
 from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
 from workers.layer_ops import NativeOps
 from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
 
 LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
+
+
+def _type_code(weight) -> int:
+    """LayerArgs' per-product type: 0 for a dense weight (the step's linear kind), else the ggml type."""
+    return int(weight.ggml_type) if isinstance(weight, GgufWeight) else 0
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -52,13 +60,21 @@ class NativeForward:
         if any(layer.moe is not None for layer in model.layers):
             return None
         if (model.device.type != "cpu" or model.dtype not in DTYPE_CODES or model.attention is not cpu_attention
-                or not isinstance(model.ops, NativeOps) or not isinstance(model.linear_backend, NativeLinear)):
+                or not isinstance(model.ops, NativeOps)):
             return None
         weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if all(isinstance(w, PanelWeight) for w in weights):
-            limits = [w.max_rows for w in weights if w.max_rows is not None]
+        quantized = [w for w in weights if isinstance(w, GgufWeight)]
+        if any(w.ggml_type not in gguf.NATIVE_TYPES or w.blocks.device.type != "cpu" for w in quantized):
+            return None
+        dense = [w for w in weights if not isinstance(w, GgufWeight)]
+        if not dense:  # every product is a GGUF weight's own kernel: any row count, whatever the backend
+            return cls(model, LINEAR_GEMV, None)
+        if not isinstance(model.linear_backend, NativeLinear):
+            return None
+        if all(isinstance(w, PanelWeight) for w in dense):
+            limits = [w.max_rows for w in dense if w.max_rows is not None]
             return cls(model, LINEAR_PANELS, min(limits) if limits else None)
-        if all(isinstance(w, DualWeight) for w in weights):
+        if all(isinstance(w, DualWeight) for w in dense):
             return cls(model, LINEAR_GEMV, GEMV_MAX_ROWS)
         return None
 
@@ -68,7 +84,8 @@ class NativeForward:
     def _layer_args(self, kv_caches) -> ctypes.Array:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
         if self._layers is None or pools != self._pools:
-            operand = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
+            dense = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
+            operand = lambda w: w.blocks if isinstance(w, GgufWeight) else dense(w)  # noqa: E731
             num_heads, local = self.model.config.num_heads, self.model.local_rope
             for layer in self.model.layers:
                 check_variants(num_heads, layer.window, layer.softcap, layer.sinks)
@@ -83,6 +100,7 @@ class NativeForward:
                     softcap=layer.softcap or 0.0, window=layer.window or 0, sinks=_ptr(sinks),
                     cos=_ptr(local.cos_f32) if layer.local_rope else None,
                     sin=_ptr(local.signed_sin_f32) if layer.local_rope else None,
+                    **{f"{name}_type": _type_code(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")},
                 )
                 for layer, (k_cache, v_cache), sinks in zip(self.model.layers, kv_caches, self._sinks, strict=True)
             ))
@@ -117,6 +135,7 @@ class NativeForward:
             num_layers=len(model.layers), hidden=c.hidden_size, intermediate=c.intermediate_size,
             rotary_dim=model.rope.rotary_dim, eps=c.rms_norm_eps, dtype=DTYPE_CODES[dtype], linear=self.linear_kind,
             num_threads=torch.get_num_threads(), activation=ACTIVATION_CODES[c.activation],
+            gguf_mode=gguf.GGUF_MODES[gguf.DEFAULT_MODE],
         )
         check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
         return scratch["out"]

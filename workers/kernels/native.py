@@ -33,7 +33,8 @@ import torch  # loaded before our library, so it binds to torch's libgomp (see a
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c")  # compiled together; they include csrc/*.h
+SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c",
+           "gguf_gemm.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -70,30 +71,35 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build_key(cc: str) -> str:
+def _flags(march: str) -> tuple[str, ...]:
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS)
+
+
+def _build_key(cc: str, march: str) -> str:
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.glob("*.[ch]")):  # the sources and the headers they include
         digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    for part in (" ".join(CFLAGS), version, _cpu_flags()):
+    for part in (" ".join(_flags(march)), version, _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
-def build(target_dir: Path | None = None) -> Path:
-    """Compiles the sources into target_dir (default: cache_dir()) unless already there."""
+def build(target_dir: Path | None = None, march: str = "native") -> Path:
+    """Compiles the sources into target_dir (default: cache_dir()) unless already there. march:
+    the CPU to compile for (tests build an older one too, e.g. "x86-64-v3": AVX2 without AVX-512)."""
     cc = compiler()
     if cc is None:
         raise NativeBuildError("no C compiler found (set CC, or install gcc): the CPU kernels need one")
     target_dir = target_dir or cache_dir()
-    path = target_dir / f"rayllm_kernels_{_build_key(cc)}.so"
+    path = target_dir / f"rayllm_kernels_{_build_key(cc, march)}.so"
     if path.exists():
         return path
     target_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.NamedTemporaryFile(dir=target_dir, suffix=".so.tmp", delete=False) as tmp:
         tmp_path = Path(tmp.name)
-    command = [cc, *CFLAGS, "-o", str(tmp_path), *(str(SOURCE_DIR / name) for name in SOURCES), "-lm"]
+    command = [cc, *_flags(march), "-o", str(tmp_path), *(str(SOURCE_DIR / name) for name in SOURCES), "-lm"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
@@ -108,7 +114,11 @@ def build(target_dir: Path | None = None) -> Path:
 @functools.cache
 def native_library() -> ctypes.CDLL:
     """The loaded kernel library (built on first use); NativeBuildError if that fails."""
-    path = build()
+    return load(build())
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library loaded and its entry points declared (native_library's, or another build's)."""
     try:
         library = ctypes.CDLL(str(path))
     except OSError as error:
@@ -182,6 +192,8 @@ class LayerArgs(ctypes.Structure):
         ("sinks", ctypes.c_void_p),  # [num_heads] fp32
         ("cos", ctypes.c_void_p),  # this layer's RoPE tables, or None: the step's
         ("sin", ctypes.c_void_p),
+        # each product's weight type: 0: the step's dense kind; else its ggml type code (GGUF blocks)
+        *((name, ctypes.c_int32) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")),
     ]
 
 
@@ -204,6 +216,7 @@ class ForwardArgs(ctypes.Structure):
         ("linear", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
         ("activation", ctypes.c_int32),
+        ("gguf_mode", ctypes.c_int32),  # GGUF_MODES (workers/kernels/gguf.py): the GGUF products' mode
     ]
 
 
@@ -247,6 +260,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_panel_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32],
     "rayllm_panel_gemm_bf16_available": [],
     "rayllm_vector_width": [],
+    # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, mode, num_threads
+    "rayllm_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
 }

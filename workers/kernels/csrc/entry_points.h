@@ -58,6 +58,15 @@ int rayllm_panel_gemm_bf16(const void *x, const void *panels, const void *bias, 
 int rayllm_argmax(const float *x, int64_t *out, int64_t num_rows, int64_t width, int32_t num_threads);
 int64_t rayllm_argmax_row(const float *row, int64_t width); /* one row of it, on the calling thread */
 
+/* gguf_gemm.c: out[m, n] = x[m, :] . w[n, :] (+ bias[n]) with w in GGUF blocks of ggml_type (ggml's
+ * type code: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); x and bias in dtype, out in out_dtype. mode:
+ * GGUF_FP32 (x in fp32 against weights widened in registers) or GGUF_INT8 (x quantized to int8
+ * blocks, integer dot products). 1: a type or mode it does not have, 2: bad sizes, 3: out of memory. */
+enum { GGUF_FP32 = 0, GGUF_INT8 = 1 };
+int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
+                     int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t mode,
+                     int32_t num_threads);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);

@@ -14,7 +14,8 @@
  * branch's output where the family has them; a NULL input_norm or post_norm means the branch
  * reads the residual stream unnormed: OLMo 2) and after the last layer
  * out = rms_norm(residual + delta) * final_norm. The products are
- * ours only: the panel GEMM (fp32 on AVX2 or AVX-512 CPUs, bf16 on AVX512_BF16 CPUs, each up
+ * ours only: a GGUF weight's own product (gguf_gemm.c, each product of a layer in its own type),
+ * the panel GEMM (fp32 on AVX2 or AVX-512 CPUs, bf16 on AVX512_BF16 CPUs, each up
  * to its row limit in workers/linear.py) or the GEMV (a few rows); the Python side
  * (workers/native_forward.py) calls this only for steps whose every product one of them
  * takes, and runs its own loop otherwise (oneDNN's products).
@@ -39,6 +40,9 @@ typedef struct {
     int64_t window;                             /* 0: none */
     const float *sinks;                         /* [num_heads] fp32, or NULL: none */
     const float *cos, *sin;                     /* this layer's RoPE tables (Gemma 3's local base), or NULL: the step's */
+    /* each product's weight type: 0: the step's dense kind (ForwardArgs.linear); else a ggml type
+     * code (gguf_gemm.c), the weight being its GGUF blocks [out, row bytes] */
+    int32_t qkv_type, o_type, gate_up_type, down_type;
 } LayerArgs;
 
 typedef struct {
@@ -59,10 +63,14 @@ typedef struct {
     float eps;
     int32_t dtype, linear, num_threads;
     int32_t activation;      /* the MLP's: ACTIVATION_SILU or ACTIVATION_GELU_TANH (rayllm_gated_mul) */
+    int32_t gguf_mode;       /* GGUF_FP32 or GGUF_INT8: the mode of the GGUF weights' products (gguf_gemm.c) */
 } ForwardArgs;
 
-static int linear(const ForwardArgs *a, const void *x, const void *w, const void *bias, void *out, int64_t N,
-                  int64_t K) {
+static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t type, const void *bias, void *out,
+                  int64_t N, int64_t K) {
+    if (type)
+        return rayllm_gguf_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype, a->gguf_mode,
+                                a->num_threads);
     if (a->linear == LINEAR_PANELS)
         return a->dtype == DTYPE_F32
                    ? rayllm_panel_gemm(x, w, bias, out, a->num_tokens, N, K, a->num_threads)
@@ -95,7 +103,7 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         const void *x = layer->input_norm ? a->x : a->residual; /* no norm: the branch reads the stream */
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);
-        if (!status) status = linear(a, x, layer->qkv, layer->qkv_bias, a->qkv, qkv_width, hidden);
+        if (!status) status = linear(a, x, layer->qkv, layer->qkv_type, layer->qkv_bias, a->qkv, qkv_width, hidden);
         if (!status && layer->q_norm)
             status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, layer->qk_norm_whole,
                                           a->eps, a->dtype, a->num_threads);
@@ -106,7 +114,7 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
             status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
                                      a->slot_mapping, T, KV, D, meta->block_size, a->dtype, a->num_threads);
         if (!status) status = rayllm_paged_attention(&attention);
-        if (!status) status = linear(a, a->attended, layer->o, layer->o_bias, a->delta, hidden, H * D);
+        if (!status) status = linear(a, a->attended, layer->o, layer->o_type, layer->o_bias, a->delta, hidden, H * D);
         if (!status && layer->attn_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->attn_out_norm, a->delta, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
@@ -114,10 +122,10 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         if (!status)
             status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
-        if (!status) status = linear(a, x, layer->gate_up, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
+        if (!status) status = linear(a, x, layer->gate_up, layer->gate_up_type, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
         if (!status)
             status = rayllm_gated_mul(a->gate_up, a->act, T, inter, a->activation, 0.0f, 0.0f, a->dtype, a->num_threads);
-        if (!status) status = linear(a, a->act, layer->down, layer->down_bias, a->delta, hidden, inter);
+        if (!status) status = linear(a, a->act, layer->down, layer->down_type, layer->down_bias, a->delta, hidden, inter);
         if (!status && layer->mlp_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->mlp_out_norm, a->delta, T, hidden, a->eps, a->dtype,
                                          a->num_threads);

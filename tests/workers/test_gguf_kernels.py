@@ -1,0 +1,249 @@
+"""Our products with GGUF-quantized weights (csrc/gguf_gemm.c, workers/kernels/gguf.py) against
+the reference (the gguf package's dequantization, then an fp32 matmul), for every type, row
+count, dtype and mode, on this machine's build and on an AVX2-only and a portable build of the
+same sources; and the C layer loop over GGUF weights against the Python loop.
+
+Tolerances:
+- fp32 mode: only fp32 summation differs from the reference: 1e-5 of the output's scale.
+- int8 mode: x is rounded to int8 per 32-block with scale s = max|x_block| / 127, so each x
+  value moves by at most s / 2 and each output by at most sum_k |w[n, k]| s_block(k) / 2: the
+  test asserts that bound per output (plus the fp32 term).
+- bf16 outputs are also rounded once to bf16 (half an ulp: 2^-9 of the value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.gguf_weight import BLOCK_LAYOUT, GGMLType, GgufWeight, dequantize, gguf_linear, reference_linear
+from workers.kernels import gguf
+from workers.kernels.native import CFLAGS, SOURCE_DIR, SOURCES, build, compiler, load, native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+
+TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+ROWS = [1, 2, 3, 4, 5, 17, 64]
+N, K = 37, 512  # odd N: a last column range of 5
+
+
+def random_gguf_weight(ggml_type: GGMLType, out_features: int, in_features: int, seed: int = 0,
+                       std: float = 1.0) -> GgufWeight:
+    """Normal weights quantized by the gguf package (Q8_0, Q4_0, Q4_1), or, for the K-types it
+    cannot quantize, random blocks whose fp16 scales are set to small positive values (every
+    other byte, the packed 6-bit scales and minimums and the quants, random)."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    if ggml_type in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
+        values = (rng.standard_normal((out_features, in_features)) * std).astype(np.float32)
+        blocks = quants.quantize(values, GGMLQuantizationType(int(ggml_type)))
+        return GgufWeight(ggml_type, out_features, in_features, torch.from_numpy(np.ascontiguousarray(blocks)))
+    per_block, block_bytes = BLOCK_LAYOUT[ggml_type]
+    blocks = rng.integers(0, 256, (out_features, in_features // per_block, block_bytes), dtype=np.uint8)
+    scales = ((rng.random((out_features, in_features // per_block, 2)) + 0.1) * std / 64).astype(np.float16)
+    offsets = [208] if ggml_type == GGMLType.Q6_K else [0, 2]  # Q6_K: d last; Q4_K, Q5_K: d, dmin first
+    for i, offset in enumerate(offsets):
+        blocks[:, :, offset:offset + 2] = scales[:, :, i:i + 1].view(np.uint8)
+    return GgufWeight(ggml_type, out_features, in_features,
+                      torch.from_numpy(np.ascontiguousarray(blocks.reshape(out_features, -1))))
+
+
+def _build_for(march: str, tmp_path_factory):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 builds only")
+    return load(build(tmp_path_factory.mktemp(f"kernels-{march}"), march=march))
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64"])
+def library(request, tmp_path_factory):
+    """This machine's build; an AVX2 + FMA build without AVX-512 (what an AVX-512 CI machine
+    would not run otherwise); and a portable build (the C fallback)."""
+    if request.param == "native":
+        from workers.kernels.native import native_library
+
+        return native_library()
+    return _build_for(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return {t: random_gguf_weight(t, N, K, seed=int(t)) for t in TYPES}
+
+
+def int8_error_bound(x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """[rows, N]: sum_k |w[n, k]| * s(row, block of k) / 2, the most x's int8 rounding can move an output."""
+    x = x.float()
+    scale = x.reshape(x.shape[0], -1, 32).abs().amax(dim=-1) / 127  # [rows, K / 32]
+    return (scale.repeat_interleave(32, dim=1) / 2) @ full.abs().T
+
+
+def assert_close_to_reference(out, x, weight, full, bias, mode):
+    expected = F.linear(x.float(), full, None if bias is None else bias.float())
+    scale = expected.abs().max().item()
+    allowed = torch.full_like(expected, 1e-5 * scale + 1e-6)
+    if mode == "int8":
+        allowed = allowed + int8_error_bound(x, full) * 1.001
+    if out.dtype == torch.bfloat16:
+        allowed = allowed + expected.abs() * 2.0 ** -8  # the result rounded to bf16, and bias's rounding to bf16
+    error = (out.float() - expected).abs()
+    assert (error <= allowed).all(), (f"{weight.ggml_type.name} {mode} rows {x.shape[0]} {x.dtype}: "
+                                      f"worst error {(error - allowed).max().item():.3g} over its bound")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_every_type_and_row_count_matches_the_reference(library, weights, ggml_type, mode):
+    weight = weights[ggml_type]
+    full = dequantize(weight)
+    generator = torch.Generator().manual_seed(int(ggml_type))
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = torch.randn(N, generator=generator).to(dtype)
+        for rows in ROWS:
+            x = torch.randn(rows, K, generator=generator).to(dtype)
+            for b in (None, bias):
+                out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
+                assert out.dtype == dtype and out.shape == (rows, N)
+                assert_close_to_reference(out, x, weight, full, b, mode)
+            logits = gguf.gguf_gemm(x, weight, None, out_dtype=torch.float32, mode=mode, library=library)
+            assert logits.dtype == torch.float32
+            assert_close_to_reference(logits, x, weight, full, None, mode)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(weights, mode):
+    """Each output is one sum in block order whatever the row tile or thread: a sequence gets
+    the same logits alone or in a batch."""
+    weight = weights[GGMLType.Q4_K]
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = gguf.gguf_gemm(x, weight, mode=mode)
+        torch.set_num_threads(1)
+        alone = torch.cat([gguf.gguf_gemm(x[i:i + 1], weight, mode=mode) for i in range(17)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, alone)
+
+
+def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights):
+    """The int8 mode really quantizes x (the bound above is what it is held to, not a pass-through)."""
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(2))
+    weight = weights[GGMLType.Q8_0]
+    fp32, int8 = gguf.gguf_gemm(x, weight, mode="fp32"), gguf.gguf_gemm(x, weight, mode="int8")
+    assert not torch.equal(fp32, int8)
+    assert ((fp32 - int8).abs() <= int8_error_bound(x, dequantize(weight)) * 1.001 + 1e-4).all()
+
+
+def test_gguf_linear_runs_the_kernel_and_falls_back_to_the_reference(weights):
+    weight = weights[GGMLType.Q4_1]
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(gguf_linear(x, weight, bias), gguf.gguf_gemm(x, weight, bias))
+    assert gguf_linear(x, weight, out_dtype=torch.float32).dtype == torch.float32
+    x64 = x.double()  # a dtype the kernel does not take: the reference
+    assert not gguf.native_takes(x64, weight)
+    torch.testing.assert_close(gguf_linear(x64, weight, bias), reference_linear(x64, weight, bias))
+
+
+def test_k_types_need_whole_super_blocks_and_the_kernel_checks_sizes(weights):
+    for ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+        with pytest.raises(ValueError, match="256-weight blocks"):
+            GgufWeight(ggml_type, 4, 288, torch.zeros(4, 288 // 256 * BLOCK_LAYOUT[ggml_type][1], dtype=torch.uint8))
+    weight = weights[GGMLType.Q4_K]
+    x, out = torch.zeros(1, 288), torch.empty(1, N)
+    from workers.kernels.native import native_library
+
+    status = native_library().rayllm_gguf_gemm(x.data_ptr(), weight.blocks.data_ptr(), None, out.data_ptr(), 1, N, 288,
+                                               int(GGMLType.Q4_K), 0, 0, 1, 1)
+    assert status == 2
+    status = native_library().rayllm_gguf_gemm(x.data_ptr(), weight.blocks.data_ptr(), None, out.data_ptr(), 1, N, 256,
+                                               int(GGMLType.F16), 0, 0, 1, 1)
+    assert status == 1
+    with pytest.raises(ValueError, match="features"):
+        gguf.gguf_gemm(torch.zeros(1, 256), weight)
+
+
+def _avx512_march(cc: str) -> str | None:
+    """A Zen 4 (else Sapphire Rapids) target this compiler knows, for a compile-only check."""
+    for march in ("znver4", "sapphirerapids"):
+        probe = subprocess.run([cc, f"-march={march}", "-x", "c", "-fsyntax-only", "-"], input="int x;\n",
+                               capture_output=True, text=True, check=False)
+        if probe.returncode == 0:
+            return march
+    return None
+
+
+def test_the_avx512_paths_compile():
+    """This machine may have no AVX-512; the AVX-512 (and VNNI) code must still compile."""
+    cc = compiler()
+    if cc is None or platform.machine() != "x86_64" or shutil.which(cc) is None:
+        pytest.skip("no x86 C compiler")
+    march = _avx512_march(cc)
+    if march is None:
+        pytest.skip("this compiler knows no AVX-512 CPU")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS if flag != "-shared"]
+    for name in SOURCES:
+        result = subprocess.run([cc, *flags, "-c", "-o", "/dev/null", str(SOURCE_DIR / name)], capture_output=True,
+                                text=True, check=False)
+        assert result.returncode == 0, f"{name} with -march={march}:\n{result.stderr[-2000:]}"
+
+
+# ---------------------------------------------------------------- the C layer loop over GGUF weights
+
+LAYER_TYPES = [  # (qkv, o, gate_up, down) per layer: every type, and four types in one layer
+    (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K),
+    (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_1),
+    (GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.Q5_K),
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_model_dir(tmp_path_factory):
+    """A tiny llama whose projections' input widths are whole K-type super-blocks (256, 512)."""
+    from tiny_model import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-gguf"), hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+
+
+def quantize_layers(model) -> None:
+    """Every layer's qkv, o, gate_up and down replaced by GGUF weights of LAYER_TYPES, and the C
+    loop rebuilt for them."""
+    from workers.native_forward import NativeForward
+
+    c = model.config
+    shapes = {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+              "o": (c.hidden_size, c.num_heads * c.head_dim),
+              "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+    for index, types in enumerate(LAYER_TYPES):
+        replaced = {name: random_gguf_weight(t, *shapes[name], seed=10 * index + i, std=0.08)
+                    for i, (name, t) in enumerate(zip(shapes, types))}
+        model.layers[index] = dataclasses.replace(model.layers[index], **replaced)
+    model.native_forward = NativeForward.for_model(model)
+
+
+@pytest.mark.parametrize("dtype,threads", [("float32", 1), ("float32", 2), ("bfloat16", 2)])
+def test_c_loop_over_gguf_weights_equals_the_python_loop(gguf_model_dir, dtype, threads):
+    from runner_helpers import greedy, make_runner, prompts_of_lengths, run_requests
+    from test_native_forward import compare_every_step
+
+    runner = make_runner(gguf_model_dir, attention_backend="cpu", dtype=dtype, num_threads=threads)
+    quantize_layers(runner.model)
+    native = runner.model.native_forward
+    assert native is not None and native.max_rows is None  # every product is a GGUF one: every step
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([1, 3, 8, 17, 29], runner.model_info.vocab_size)
+    outputs = run_requests(runner, prompts, greedy(8), token_budget=16)
+    assert len(compared) >= 10 and min(compared) < max(compared), compared
+    assert all(len(tokens) == 8 for tokens in outputs)
+    hidden = runner.model.layers[0]
+    assert all(isinstance(getattr(hidden, name), GgufWeight) for name in ("qkv", "o", "gate_up", "down"))

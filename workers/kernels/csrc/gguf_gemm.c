@@ -1,0 +1,513 @@
+/* Products with weights kept in their GGUF quantization type, dequantized in registers inside
+ * the dot products and never to memory:
+ *
+ *     out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])       w: GGUF blocks, [N, row_bytes] uint8
+ *
+ * Weight types (ggml's block layouts, as the gguf package's quants.py dequantizes them): Q8_0,
+ * Q4_0, Q4_1 (32 weights a block) and Q4_K, Q5_K, Q6_K (256 weights a super-block of eight
+ * 32-weight sub-blocks). Every type is read as sub-blocks of 32 weights, each a vector of 32
+ * small integers q and a scale and offset: w = scale * q + offset (Q6_K: one scale for each
+ * half of 16; the signed types Q8_0, Q4_0 and Q6_K carry their zero point inside q, offset 0).
+ *
+ * Two modes, one entry point (the mode argument):
+ *   GGUF_FP32: x in fp32 (bf16 x widened once per call), each sub-block's q widened to fp32,
+ *              scaled, and FMA'd against x. Error: fp32 rounding only.
+ *   GGUF_INT8: x quantized once per call to int8 per 32-block with an fp32 scale (llama.cpp's
+ *              Q8_0/Q8_K activations), integer dot products (maddubs + madd on AVX2, vpdpbusd
+ *              with VNNI), one fp32 FMA per sub-block. The offset terms use each x block's sum.
+ *              Error: x's rounding to 8 bits, about 0.4% of each block's largest value (a few
+ *              1e-3 of the output's scale).
+ * The mode is chosen by measurement in workers/kernels/gguf.py (bench/bench_gguf.py).
+ *
+ * Threads claim ranges of COLUMNS_PER_ITEM output columns (rayllm_parallel_for); inside a range
+ * the rows go TILE_ROWS at a time, each weight row read once per tile (its decode shared by the
+ * tile's rows) and the range's weights staying in cache from one tile to the next. Each output
+ * is one sum in block order whatever the tile or thread, so a row's result is the same alone or
+ * in any batch. Vector paths: AVX2 + FMA (AVX-512 builds run the same 256-bit kernels, with
+ * VNNI's vpdpbusd where the CPU has it), else portable C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "entry_points.h"
+#include "simd.h"
+
+/* The library's -fassociative-math let GCC regroup a tile's sums differently for each tile
+ * height (the 1-row and the 4-row kernel then disagreed in the last bit): not in this file. */
+#pragma GCC optimize("no-associative-math")
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+#define TILE_ROWS 4
+#define COLUMNS_PER_ITEM 16
+#define ROWS_PER_QUANT_ITEM 16
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) {
+        const float f = (float)mantissa * (1.0f / 16777216.0f); /* subnormal: mantissa * 2^-24 */
+        return sign ? -f : f;
+    }
+    if (exponent == 31)
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    else
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline int block_bytes(const int type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    }
+    return 0;
+}
+
+static inline int block_subs(const int type) { return type >= GGML_Q4_K ? 8 : 1; } /* 32-weight sub-blocks */
+
+static inline int signed_q(const int type) { return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q6_K; }
+
+typedef struct {
+    float lo, hi, off; /* w = scale * q + off; scale lo for weights 0-15 of the sub-block, hi for 16-31 */
+} SubScale;
+
+/* Q4_K and Q5_K: sub-block j's 6-bit scale and minimum from the 12 packed bytes s. */
+static inline void scale_min_k4(const uint8_t *s, int j, int *scale, int *minimum) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *minimum = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *minimum = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline SubScale sub_scale(const int type, const uint8_t *block, const int j) {
+    SubScale s = {0.0f, 0.0f, 0.0f};
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q8_0: s.lo = s.hi = fp16_to_f32(block); break;
+    case GGML_Q4_1:
+        s.lo = s.hi = fp16_to_f32(block);
+        s.off = fp16_to_f32(block + 2);
+        break;
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        int scale, minimum;
+        scale_min_k4(block + 4, j, &scale, &minimum);
+        s.lo = s.hi = fp16_to_f32(block) * (float)scale;
+        s.off = -(fp16_to_f32(block + 2) * (float)minimum);
+        break;
+    }
+    case GGML_Q6_K: {
+        const float d = fp16_to_f32(block + 208);
+        s.lo = d * (float)(int8_t)block[192 + 2 * j];
+        s.hi = d * (float)(int8_t)block[193 + 2 * j];
+        break;
+    }
+    }
+    return s;
+}
+
+/* Sub-block j's 32 integers q (in [-128, 127]; the signed types' zero point already taken off). */
+static inline void sub_q_scalar(const int type, const uint8_t *block, const int j, int8_t *q) {
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const uint8_t *qs = block + (type == GGML_Q4_0 ? 2 : 4);
+        const int zero = type == GGML_Q4_0 ? 8 : 0;
+        for (int l = 0; l < 16; l++) {
+            q[l] = (int8_t)((qs[l] & 0x0F) - zero);
+            q[l + 16] = (int8_t)((qs[l] >> 4) - zero);
+        }
+        break;
+    }
+    case GGML_Q8_0: memcpy(q, block + 2, 32); break;
+    case GGML_Q4_K: {
+        const uint8_t *qs = block + 16 + 32 * (j / 2);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)((qs[l] >> (4 * (j & 1))) & 0x0F);
+        break;
+    }
+    case GGML_Q5_K: {
+        const uint8_t *qh = block + 16, *qs = block + 48 + 32 * (j / 2);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)(((qs[l] >> (4 * (j & 1))) & 0x0F) | (((qh[l] >> j) & 1) << 4));
+        break;
+    }
+    case GGML_Q6_K: {
+        const int c = j / 4, t = j % 4;
+        const uint8_t *ql = block + 64 * c + 32 * (t & 1), *qh = block + 128 + 32 * c;
+        for (int l = 0; l < 32; l++)
+            q[l] = (int8_t)((((ql[l] >> (4 * (t >> 1))) & 0x0F) | (((qh[l] >> (2 * t)) & 3) << 4)) - 32);
+        break;
+    }
+    }
+}
+
+typedef struct {
+    const float *x;                 /* [num_rows, K] fp32 (GGUF_FP32) */
+    const int8_t *xq;               /* [num_rows, K] int8 (GGUF_INT8) */
+    const float *x_scale, *x_sum;   /* [num_rows, K / 32]: each x block's scale, and scale * sum of its q */
+    const uint8_t *w;               /* [N, row_bytes] */
+    const void *bias;               /* [N] in dtype, or NULL */
+    void *out;                      /* [num_rows, N] in out_dtype */
+    int64_t num_rows, N, K, row_bytes;
+    int type, dtype, out_dtype, mode;
+} GgufJob;
+
+#ifdef RAYLLM_HAS_AVX2
+static inline __m256i sub_q(const int type, const uint8_t *block, const int j) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(block + (type == GGML_Q4_0 ? 2 : 4)));
+        const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+        const __m256i q = _mm256_and_si256(both, low4);
+        return type == GGML_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+    }
+    case GGML_Q8_0: return _mm256_loadu_si256((const __m256i *)(block + 2));
+    case GGML_Q4_K: {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * (j / 2)));
+        return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (j & 1))), low4);
+    }
+    case GGML_Q5_K: {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 48 + 32 * (j / 2)));
+        const __m256i low = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (j & 1))), low4);
+        const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 16));
+        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
+        return _mm256_or_si256(low, high);
+    }
+    default: { /* GGML_Q6_K */
+        const int c = j / 4, t = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(block + 64 * c + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * c));
+        const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t >> 1))), low4);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+        return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    }
+    }
+}
+
+/* Sums of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed bytes) in 8 int32 lanes: lanes 0-3 from bytes 0-15. */
+static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    /* each pair of products fits int16: u <= 128 (|q|), |s| <= 127 (x's q) */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256 widen_q(__m128i q8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)); }
+
+/* GGUF_FP32: rows [m0, m0 + MR) of x times weight row w, into sums[0, MR). */
+static inline __attribute__((always_inline)) void dot_f32(const int type, const GgufJob *job, const uint8_t *w,
+                                                          int64_t m0, const int MR, float *sums, const int stride) {
+    const int64_t K = job->K, num_blocks = K / (32 * block_subs(type));
+    const float *x = job->x + m0 * K;
+    __m256 acc[TILE_ROWS][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = w + b * block_bytes(type);
+        for (int j = 0; j < block_subs(type); j++) {
+            const SubScale s = sub_scale(type, block, j);
+            const __m256i q = sub_q(type, block, j);
+            const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
+            const __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), off = _mm256_set1_ps(s.off);
+            const __m256 w0 = _mm256_fmadd_ps(widen_q(q_lo), lo, off);
+            const __m256 w1 = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_lo, 8)), lo, off);
+            const __m256 w2 = _mm256_fmadd_ps(widen_q(q_hi), hi, off);
+            const __m256 w3 = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_hi, 8)), hi, off);
+            const float *xk = x + (b * block_subs(type) + j) * 32;
+            const int parity = j & 1; /* two sums per row, alternating sub-blocks: half the latency chain */
+            for (int i = 0; i < MR; i++) {
+                const float *xr = xk + i * K;
+                __m256 part = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
+                part = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, part);
+                part = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, part);
+                part = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, part);
+                acc[i][parity] = _mm256_add_ps(acc[i][parity], part);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) sums[i * stride] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+/* GGUF_INT8: sub-block j of `block` (sub-block sb of the row) into the sums acc and offsets. */
+static inline __attribute__((always_inline)) void int8_sub(const int type, const uint8_t *block, const int j,
+                                                           int64_t sb, const int8_t *xq, const float *x_scale,
+                                                           const float *x_sum, int64_t K, int64_t x_blocks,
+                                                           const int MR, __m256 *acc, float *offsets) {
+    const SubScale s = sub_scale(type, block, j);
+    const __m256i q = sub_q(type, block, j);
+    const __m256i u = signed_q(type) ? _mm256_sign_epi8(q, q) : q; /* |q|, x takes q's sign */
+    const __m256 scale = type == GGML_Q6_K ? _mm256_insertf128_ps(_mm256_set1_ps(s.lo), _mm_set1_ps(s.hi), 1)
+                                           : _mm256_set1_ps(s.lo);
+    for (int i = 0; i < MR; i++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + sb * 32));
+        if (signed_q(type)) xv = _mm256_sign_epi8(xv, q);
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(u, xv));
+        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(x_scale[i * x_blocks + sb])), acc[i]);
+        if (!signed_q(type)) offsets[i] += s.off * x_sum[i * x_blocks + sb];
+    }
+}
+
+/* GGUF_INT8: rows [m0, m0 + MR) of x's int8 blocks times weight row w, into sums[i * stride].
+ * Two sums per row, even and odd sub-blocks, to halve the FMA latency chain of a single row. */
+static inline __attribute__((always_inline)) void dot_int8(const int type, const GgufJob *job, const uint8_t *w,
+                                                           int64_t m0, const int MR, float *sums, const int stride) {
+    const int64_t K = job->K, num_blocks = K / (32 * block_subs(type)), x_blocks = K / 32;
+    const int8_t *xq = job->xq + m0 * K;
+    const float *x_scale = job->x_scale + m0 * x_blocks, *x_sum = job->x_sum + m0 * x_blocks;
+    __m256 even[TILE_ROWS], odd[TILE_ROWS];
+    float even_offsets[TILE_ROWS] = {0}, odd_offsets[TILE_ROWS] = {0};
+    for (int i = 0; i < MR; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    const int bb = block_bytes(type);
+    if (block_subs(type) == 1) {
+        int64_t b = 0;
+        for (; b + 1 < num_blocks; b += 2) {
+            int8_sub(type, w + b * bb, 0, b, xq, x_scale, x_sum, K, x_blocks, MR, even, even_offsets);
+            int8_sub(type, w + (b + 1) * bb, 0, b + 1, xq, x_scale, x_sum, K, x_blocks, MR, odd, odd_offsets);
+        }
+        if (b < num_blocks) int8_sub(type, w + b * bb, 0, b, xq, x_scale, x_sum, K, x_blocks, MR, even, even_offsets);
+    } else {
+        for (int64_t b = 0; b < num_blocks; b++)
+            for (int j = 0; j < 8; j += 2) {
+                int8_sub(type, w + b * bb, j, 8 * b + j, xq, x_scale, x_sum, K, x_blocks, MR, even, even_offsets);
+                int8_sub(type, w + b * bb, j + 1, 8 * b + j + 1, xq, x_scale, x_sum, K, x_blocks, MR, odd, odd_offsets);
+            }
+    }
+    for (int i = 0; i < MR; i++)
+        sums[i * stride] = hsum8(_mm256_add_ps(even[i], odd[i])) + (even_offsets[i] + odd_offsets[i]);
+}
+
+/* x row -> int8 blocks of 32: scale = max |x| / 127, q = round(x / scale), and scale * sum(q). */
+static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *scale, float *sum) {
+    const int bf16 = dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const char *xb = (const char *)x + b * 32 * elem;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) {
+            v[t] = load8(xb + t * 8 * elem, bf16);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+        }
+        const float max = hmax8(amax);
+        const float inverse = max > 0.0f ? 127.0f / max : 0.0f;
+        __m256i n[4];
+        for (int t = 0; t < 4; t++) n[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], _mm256_set1_ps(inverse)));
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * 32), ordered);
+        scale[b] = max / 127.0f;
+        sum[b] = scale[b] * (float)_mm_cvtsi128_si32(t4);
+    }
+}
+#else /* portable C */
+static inline __attribute__((always_inline)) void dot_f32(const int type, const GgufJob *job, const uint8_t *w,
+                                                          int64_t m0, const int MR, float *sums, const int stride) {
+    const int64_t K = job->K, num_subs = K / 32;
+    float acc[TILE_ROWS] = {0};
+    int8_t q[32];
+    for (int64_t sb = 0; sb < num_subs; sb++) {
+        const uint8_t *block = w + sb / block_subs(type) * block_bytes(type);
+        const int j = (int)(sb % block_subs(type));
+        const SubScale s = sub_scale(type, block, j);
+        sub_q_scalar(type, block, j, q);
+        float wf[32];
+        for (int l = 0; l < 32; l++) wf[l] = (l < 16 ? s.lo : s.hi) * (float)q[l] + s.off;
+        for (int i = 0; i < MR; i++) {
+            const float *x = job->x + (m0 + i) * K + sb * 32;
+            for (int l = 0; l < 32; l++) acc[i] += x[l] * wf[l];
+        }
+    }
+    for (int i = 0; i < MR; i++) sums[i * stride] = acc[i];
+}
+
+static inline __attribute__((always_inline)) void dot_int8(const int type, const GgufJob *job, const uint8_t *w,
+                                                           int64_t m0, const int MR, float *sums, const int stride) {
+    const int64_t K = job->K, num_subs = K / 32;
+    float acc[TILE_ROWS] = {0};
+    int8_t q[32];
+    for (int64_t sb = 0; sb < num_subs; sb++) {
+        const uint8_t *block = w + sb / block_subs(type) * block_bytes(type);
+        const int j = (int)(sb % block_subs(type));
+        const SubScale s = sub_scale(type, block, j);
+        sub_q_scalar(type, block, j, q);
+        for (int i = 0; i < MR; i++) {
+            const int8_t *xq = job->xq + (m0 + i) * K + sb * 32;
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 16; l++) lo += (int32_t)q[l] * xq[l];
+            for (int l = 16; l < 32; l++) hi += (int32_t)q[l] * xq[l];
+            const float x_scale = job->x_scale[(m0 + i) * num_subs + sb];
+            acc[i] += (s.lo * (float)lo + s.hi * (float)hi) * x_scale + s.off * job->x_sum[(m0 + i) * num_subs + sb];
+        }
+    }
+    for (int i = 0; i < MR; i++) sums[i * stride] = acc[i];
+}
+
+static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *scale, float *sum) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float max = 0.0f;
+        for (int l = 0; l < 32; l++) max = fmaxf(max, fabsf(load_element(x, b * 32 + l, dtype)));
+        const float inverse = max > 0.0f ? 127.0f / max : 0.0f;
+        int32_t total = 0;
+        for (int l = 0; l < 32; l++) {
+            const int32_t n = (int32_t)nearbyintf(load_element(x, b * 32 + l, dtype) * inverse);
+            q[b * 32 + l] = (int8_t)n;
+            total += n;
+        }
+        scale[b] = max / 127.0f;
+        sum[b] = scale[b] * (float)total;
+    }
+}
+#endif
+
+/* Weight rows [n0, n1) (at most COLUMNS_PER_ITEM) times a tile of MR (1 to TILE_ROWS) rows from
+ * m0, into sums[i * COLUMNS_PER_ITEM + n - n0]; the type, the mode and MR are compile-time
+ * constants, and the column loop sits inside them (a call per column cost as much as a short
+ * row's sums at one row). */
+#define COLUMNS_CASE(KERNEL, T, R)                                                                       \
+    case R:                                                                                              \
+        for (int64_t n = n0; n < n1; n++)                                                                \
+            KERNEL(T, job, job->w + n * job->row_bytes, m0, R, sums + (n - n0), COLUMNS_PER_ITEM);       \
+        break;
+#define COLUMNS_FUNCTION(T)                                                                              \
+    static void columns_##T(const GgufJob *job, int64_t n0, int64_t n1, int64_t m0, int MR, float *sums) { \
+        if (job->mode == GGUF_INT8) {                                                                    \
+            switch (MR) {                                                                                \
+                COLUMNS_CASE(dot_int8, T, 4)                                                             \
+                COLUMNS_CASE(dot_int8, T, 3)                                                             \
+                COLUMNS_CASE(dot_int8, T, 2)                                                             \
+                COLUMNS_CASE(dot_int8, T, 1)                                                             \
+            }                                                                                            \
+        } else {                                                                                         \
+            switch (MR) {                                                                                \
+                COLUMNS_CASE(dot_f32, T, 4)                                                              \
+                COLUMNS_CASE(dot_f32, T, 3)                                                              \
+                COLUMNS_CASE(dot_f32, T, 2)                                                              \
+                COLUMNS_CASE(dot_f32, T, 1)                                                              \
+            }                                                                                            \
+        }                                                                                                \
+    }
+COLUMNS_FUNCTION(GGML_Q4_0)
+COLUMNS_FUNCTION(GGML_Q4_1)
+COLUMNS_FUNCTION(GGML_Q8_0)
+COLUMNS_FUNCTION(GGML_Q4_K)
+COLUMNS_FUNCTION(GGML_Q5_K)
+COLUMNS_FUNCTION(GGML_Q6_K)
+
+typedef void (*ColumnsFunction)(const GgufJob *, int64_t, int64_t, int64_t, int, float *);
+
+static ColumnsFunction columns_function(int type) {
+    switch (type) {
+    case GGML_Q4_0: return columns_GGML_Q4_0;
+    case GGML_Q4_1: return columns_GGML_Q4_1;
+    case GGML_Q8_0: return columns_GGML_Q8_0;
+    case GGML_Q4_K: return columns_GGML_Q4_K;
+    case GGML_Q5_K: return columns_GGML_Q5_K;
+    case GGML_Q6_K: return columns_GGML_Q6_K;
+    }
+    return NULL;
+}
+
+/* Item `item`: output columns [item * COLUMNS_PER_ITEM, ...) for every row, TILE_ROWS rows at a time. */
+static void gguf_columns(void *context, int64_t item) {
+    const GgufJob *job = context;
+    const ColumnsFunction columns = columns_function(job->type);
+    const int64_t n0 = item * COLUMNS_PER_ITEM, n1 = n0 + COLUMNS_PER_ITEM < job->N ? n0 + COLUMNS_PER_ITEM : job->N;
+    for (int64_t m0 = 0; m0 < job->num_rows; m0 += TILE_ROWS) {
+        const int rows = job->num_rows - m0 < TILE_ROWS ? (int)(job->num_rows - m0) : TILE_ROWS;
+        float sums[TILE_ROWS * COLUMNS_PER_ITEM];
+        columns(job, n0, n1, m0, rows, sums);
+        for (int i = 0; i < rows; i++)
+            for (int64_t n = n0; n < n1; n++) {
+                const float bias = job->bias ? load_element(job->bias, n, job->dtype) : 0.0f;
+                store_element(job->out, (m0 + i) * job->N + n, sums[i * COLUMNS_PER_ITEM + n - n0] + bias,
+                              job->out_dtype);
+            }
+    }
+}
+
+typedef struct {
+    const void *x;
+    int8_t *xq;
+    float *x_scale, *x_sum, *x_f32;
+    int64_t num_rows, K;
+    int dtype;
+} PrepareJob;
+
+/* Rows of x made ready for the mode: quantized to int8 blocks, or (bf16 x, GGUF_FP32) widened to fp32. */
+static void prepare_rows(void *context, int64_t item) {
+    const PrepareJob *p = context;
+    const int64_t elem = p->dtype == DTYPE_BF16 ? 2 : 4, end = (item + 1) * ROWS_PER_QUANT_ITEM;
+    for (int64_t m = item * ROWS_PER_QUANT_ITEM; m < p->num_rows && m < end; m++) {
+        const void *row = (const char *)p->x + m * p->K * elem;
+        if (p->xq)
+            quantize_row(row, p->dtype, p->K, p->xq + m * p->K, p->x_scale + m * (p->K / 32), p->x_sum + m * (p->K / 32));
+        else
+            for (int64_t k = 0; k < p->K; k++) p->x_f32[m * p->K + k] = load_element(row, k, p->dtype);
+    }
+}
+
+/* x: [num_rows, K] in dtype; w: [N, K / weights-per-block * block bytes] GGUF blocks of ggml_type;
+ * bias: [N] in dtype or NULL; out: [num_rows, N] in out_dtype. Returns 1 for a type or mode this
+ * file does not have, 2 for bad sizes (K must be a whole number of the type's blocks), 3 when
+ * the scratch for x cannot be allocated. */
+int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
+                     int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t mode,
+                     int32_t num_threads) {
+    if (!columns_function(ggml_type) || (mode != GGUF_FP32 && mode != GGUF_INT8)) return 1;
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (out_dtype != DTYPE_F32 && out_dtype != DTYPE_BF16)) return 1;
+    const int64_t block_weights = 32 * block_subs(ggml_type);
+    if (num_rows < 1 || N < 1 || K < block_weights || K % block_weights) return 2;
+    const int threads = num_threads > 1 && (N >= 64 || num_rows >= 64) ? num_threads : 1;
+    GgufJob job = {NULL, NULL, NULL, NULL, w, bias, out, num_rows, N, K, K / block_weights * block_bytes(ggml_type),
+                   ggml_type, dtype, out_dtype, mode};
+    PrepareJob prepare = {x, NULL, NULL, NULL, NULL, num_rows, K, dtype};
+    void *scratch = NULL;
+    if (mode == GGUF_INT8) {
+        scratch = malloc((size_t)(num_rows * K + 2 * num_rows * (K / 32) * (int64_t)sizeof(float)));
+        if (!scratch) return 3;
+        prepare.x_scale = scratch;
+        prepare.x_sum = prepare.x_scale + num_rows * (K / 32);
+        prepare.xq = (int8_t *)(prepare.x_sum + num_rows * (K / 32));
+        job.xq = prepare.xq, job.x_scale = prepare.x_scale, job.x_sum = prepare.x_sum;
+    } else if (dtype == DTYPE_BF16) {
+        scratch = malloc((size_t)(num_rows * K) * sizeof(float));
+        if (!scratch) return 3;
+        prepare.x_f32 = scratch;
+        job.x = prepare.x_f32;
+    } else {
+        job.x = x;
+    }
+    if (scratch)
+        rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? threads : 1,
+                            prepare_rows, &prepare);
+    rayllm_parallel_for((N + COLUMNS_PER_ITEM - 1) / COLUMNS_PER_ITEM, threads, gguf_columns, &job);
+    free(scratch);
+    return 0;
+}

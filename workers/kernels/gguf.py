@@ -1,0 +1,77 @@
+"""Products with GGUF-quantized weights read in their own blocks (csrc/gguf_gemm.c), from Python.
+
+    y = gguf_gemm(x, weight, bias)                      # x [rows, in] fp32/bf16 -> [rows, out] in x's dtype
+    logits = gguf_gemm(hidden, lm_head, out_dtype=torch.float32)
+
+The kernel dequantizes each block in registers inside the dot products (never to memory) and
+splits the output columns over our thread pool; a tile of up to 4 rows of x shares each weight
+block's read and decode. Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+
+Two modes (csrc/gguf_gemm.c says how each works):
+  "fp32": x in fp32 against weights widened in registers; error: fp32 rounding (~1e-6 relative).
+  "int8": x quantized once per call to int8 per 32-block with an fp32 scale (llama.cpp's
+          activations), integer dot products; error: x's rounding to 8 bits, a few 1e-3 of the
+          output's scale (each output within sum_k |w| s_block / 2, the bound that rounding
+          allows: tests/workers/test_gguf_kernels.py).
+DEFAULT_MODE is "int8", chosen by `bench.bench_gguf --threads 1 --repeats 15` at SmolLM2's shapes
+(an AVX2 EPYC shared with other work, so absolute times are noisy; ratios from one run, each
+path's weights streamed from memory, the paths alternating):
+
+    shape (out x in, type)   int8 / fp32 mode     int8 / dense fp32 panels
+                             1 row    16 rows     1 row    16 rows
+    576x576 Q4_1             0.57     0.73        0.51     1.32
+    192x576 Q4_1             0.67     0.80        0.69     1.46
+    1536x576 Q4_1            0.50     0.82        0.49     1.75
+    576x1536 Q4_1            0.55     0.61        0.63     1.28
+    49152x576 Q8_0           0.55     0.63        0.60     1.46
+
+(An earlier, quieter run of the first version gave 0.59-0.73 at 1 row and 0.77-0.86 at 16.)
+Both modes are bound by arithmetic, not memory, even at one row (int8 reads Q4_1 blocks at 3-6
+GB/s, where the dense panels stream fp32 at 9-14 in the same run): widening a block to fp32
+costs more instructions than the FMAs it feeds, where int8 does four products per instruction.
+At 16 rows the dense fp32 panels (8x the bytes of Q4_1, but one FMA per weight and row and no
+decode) are still 1.3-1.75x faster than int8: a GGUF model's prefill pays for its smaller
+weights there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.gguf_weight import GGMLType, GgufWeight
+from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
+
+NATIVE_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+GGUF_MODES = {"fp32": 0, "int8": 1}  # the mode argument of rayllm_gguf_gemm (csrc/entry_points.h)
+DEFAULT_MODE = "int8"
+
+
+def native_takes(x: torch.Tensor, weight: GgufWeight) -> bool:
+    """Our kernel computes this product: a CPU x in fp32 or bf16, a type it has, a built library."""
+    return (x.device.type == "cpu" and x.dtype in DTYPE_CODES and weight.ggml_type in NATIVE_TYPES
+            and weight.blocks.device.type == "cpu" and native_available())
+
+
+def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, mode: str = DEFAULT_MODE, library=None) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias) -> [rows, out] in out_dtype (default: x's dtype).
+    library: another build of the kernels (tests run an AVX2 build beside the native one)."""
+    library = library or native_library()
+    out_dtype = out_dtype or x.dtype
+    x = x.contiguous()
+    num_rows, width = x.shape
+    if width != weight.in_features:
+        raise ValueError(f"x has {width} features, the {weight.ggml_type.name} weight takes {weight.in_features}")
+    assert weight.ggml_type in NATIVE_TYPES
+    blocks = weight.blocks.contiguous()
+    out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
+    if num_rows == 0:
+        return out
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    check_status(library.rayllm_gguf_gemm(
+        x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
+        weight.out_features, width, int(weight.ggml_type), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
+        GGUF_MODES[mode], torch.get_num_threads(),
+    ), "rayllm_gguf_gemm")
+    return out
