@@ -36,7 +36,7 @@ from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.grammar import GrammarMatchers
 from workers.kernels import resolve_attention_backend_name
-from workers.loader import load_weights, resolve_model_path
+from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
@@ -69,9 +69,17 @@ def resolve_dtype(name: str, device: str | torch.device) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
-    model: str | None = None  # local HF directory, or None / "default" for SmolLM2-135M-Instruct
-    model_cache_dir: str | None = None  # where the default model is converted (None: ~/.cache/rayllm)
-    dtype: str = "auto"  # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it
+    model: str | None = None  # local HF directory, a .gguf file, or None / "default" for SmolLM2-135M-Instruct
+    model_cache_dir: str | None = None  # where GGUF checkpoints are converted (None: ~/.cache/rayllm)
+    # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it. The activations'
+    # and KV pool's dtype; with a GGUF checkpoint served natively (quantization) the projection
+    # weights stay in their GGUF types whatever it is. An explicit "float32" serves a GGUF
+    # checkpoint dequantized (the exact path the oracle tests run), "auto" resolving to float32
+    # (a CPU without native bf16) does not.
+    dtype: str = "auto"
+    # "auto": a GGUF checkpoint (the default model, a .gguf path) keeps its quantized weights on CPU
+    # unless dtype is "float32" (workers.loader.serves_gguf); "none": its dequantized weights are served
+    quantization: str = "auto"
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks per layer, block 0 included; None: from kv_cache_memory_bytes
@@ -105,6 +113,7 @@ class ModelInfo:
     layer_loop: str = "python"  # "c": our C layer loop for steps its products take; "python": the Python loop
     layer_ops: str = "torch"  # the steps between the products: "native" (our C kernels) or "torch"
     linear_backend: str = "torch"  # the matrix products: "native", "onednn" or "torch"
+    quantization: str = "none"  # the projection weights: "none" (in dtype) or "gguf:<file type>", e.g. "gguf:Q4_1"
 
 
 @dataclass(slots=True)
@@ -182,6 +191,7 @@ class ModelRunner:
         dtype = DTYPES[self.dtype_name]
         self.model_path = resolve_model_path(config.model, config.model_cache_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_path)
+        gguf_path = gguf_source(config.model) if serves_gguf(config.quantization, config.dtype, self.device) else None
         model_limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         c = self.model_config
@@ -189,7 +199,7 @@ class ModelRunner:
             config.attention_backend, self.device, dtype, (c.num_heads, c.num_kv_heads, c.head_dim), config.block_size)
         self.model = load_weights(
             self.model_path, self.model_config, dtype, config.device, self.attention_backend, self.max_model_len,
-            config.linear_backend, config.layer_ops,
+            config.linear_backend, config.layer_ops, gguf_path=gguf_path,
         )
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or num_blocks_for_memory(
@@ -233,6 +243,7 @@ class ModelRunner:
             layer_loop="c" if self.model.native_forward is not None else "python",
             layer_ops=self.model.ops.name,
             linear_backend=self.model.linear_backend.name,
+            quantization=self.model.quantization,
         )
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:
