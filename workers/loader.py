@@ -8,7 +8,7 @@ Three kinds of model argument:
   ~45 s) into `<cache_dir>/SmolLM2-135M-Instruct` as safetensors + tokenizer files, and
   read from there afterwards;
 - a path to a .gguf file (llama architecture): converted the same way, once, into
-  `<cache_dir>/<file stem>-<hash of its path and size>`.
+  `<cache_dir>/gguf-<hash of its path and size>/<file stem>`.
 
 A GGUF checkpoint (the last two) is served natively where serves_gguf() says so (quantization
 "auto", a CPU, and a dtype other than an explicit "float32"): config.json and the tokenizer come
@@ -112,9 +112,10 @@ def check_gguf_file(path: Path) -> Path:
 
 
 def converted_dir(gguf_path: Path, root: Path) -> Path:
-    """Where a user's GGUF file is converted: its stem and a hash of its absolute path and size."""
+    """Where a user's GGUF file is converted: <root>/gguf-<hash of its absolute path and size>/<its
+    stem> (the stem is the served model's name unless served_model_name says otherwise)."""
     key = f"{gguf_path.resolve()}:{gguf_path.stat().st_size}" if gguf_path.exists() else str(gguf_path)
-    return root / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return root / f"gguf-{hashlib.sha256(key.encode()).hexdigest()[:12]}" / gguf_path.stem
 
 
 def check_model_dir(path: Path) -> None:

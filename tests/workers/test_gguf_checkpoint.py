@@ -289,3 +289,35 @@ def test_missing_gguf_file_is_named(tmp_path):
     missing = tmp_path / "nowhere.gguf"
     with pytest.raises(ModelPathError, match=f"{missing} does not exist or is not a file"):
         resolve_model_path(str(missing), tmp_path / "cache")
+
+
+def test_a_gguf_path_is_converted_once_under_its_stem(tmp_path, monkeypatch):
+    from workers import loader
+    from workers.loader import gguf_source
+
+    path = write_gguf(tmp_path / "my-model.Q4_1.gguf", "llama",
+                      {"blk.0.attn_norm.weight": (np.ones(64, np.float32), None)})
+    converted = []
+
+    def convert(gguf_path, out_dir):
+        converted.append(gguf_path)
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(loader, "convert_gguf", convert)
+    cache = tmp_path / "cache"
+    model_dir = resolve_model_path(str(path), cache)
+    assert model_dir.name == "my-model.Q4_1" and model_dir.parent.parent == cache  # the served name: the stem
+    assert resolve_model_path(str(path), cache) == model_dir and converted == [path]  # once
+    assert gguf_source(str(path)) == path and gguf_source(str(tmp_path)) is None
+
+
+def test_app_argument_quantization():
+    from pydantic import ValidationError
+
+    from serve_app.config import AppArgs
+
+    assert AppArgs().quantization == "auto" and AppArgs(quantization="none").quantization == "none"
+    with pytest.raises(ValidationError):
+        AppArgs(quantization="q4_1")
