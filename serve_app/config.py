@@ -74,8 +74,9 @@ class AppArgs(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Activations, KV and (unquantized) weights dtype. auto: bfloat16 on GPUs and on CPUs "
         "with native bf16 (AVX512_BF16 or AMX), float32 on other CPUs; each worker resolves it on its own node. "
-        "A GGUF checkpoint keeps its quantized weights under auto (either way it resolves) and bfloat16; an "
-        "explicit float32 serves its dequantized weights (the exact path). Reported in /v1/models.",
+        "A GGUF checkpoint (quantization auto, CPU) keeps its quantized weights: under auto with float32 "
+        "activations on every CPU, under bfloat16 with bf16 ones; an explicit float32 serves its dequantized "
+        "weights (the exact path). Reported in /v1/models.",
     )
     quantization: Literal["auto", "none"] = Field(
         "auto", description="auto: a GGUF checkpoint (the default model, a .gguf path) is served with its weights "

@@ -90,9 +90,9 @@ def gguf_source(model: str | None) -> Path | None:
 def serves_gguf(quantization: str, dtype: str, device: str | torch.device) -> bool:
     """Whether a GGUF checkpoint is served natively: quantization "auto", on a CPU (the GGUF
     products are CPU kernels), unless the dtype asked for is explicitly "float32", which keeps
-    the exact dequantized path (the oracle tests). `dtype` is the name as configured, before
-    "auto" resolves: auto on a CPU without native bf16 runs fp32 activations over the quantized
-    weights."""
+    the exact dequantized path (the oracle tests). `dtype` is the name as configured: "auto"
+    serves the quantized weights with fp32 activations on every CPU (ModelRunner), "bfloat16"
+    with bf16 activations."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATION_MODES}")
     return quantization == "auto" and dtype != "float32" and torch.device(device).type == "cpu"

@@ -72,10 +72,10 @@ class RunnerConfig:
     model: str | None = None  # local HF directory, a .gguf file, or None / "default" for SmolLM2-135M-Instruct
     model_cache_dir: str | None = None  # where GGUF checkpoints are converted (None: ~/.cache/rayllm)
     # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it. The activations'
-    # and KV pool's dtype; with a GGUF checkpoint served natively (quantization) the projection
-    # weights stay in their GGUF types whatever it is. An explicit "float32" serves a GGUF
-    # checkpoint dequantized (the exact path the oracle tests run), "auto" resolving to float32
-    # (a CPU without native bf16) does not.
+    # and KV pool's dtype. A GGUF checkpoint served natively (quantization) keeps its projection
+    # weights in their GGUF types, and there "auto" means float32 activations on every CPU; an
+    # explicit "bfloat16" runs bf16 activations over them, an explicit "float32" serves the GGUF
+    # checkpoint dequantized (the exact path the oracle tests run).
     dtype: str = "auto"
     # "auto": a GGUF checkpoint (the default model, a .gguf path) keeps its quantized weights on CPU
     # unless dtype is "float32" (workers.loader.serves_gguf); "none": its dequantized weights are served
@@ -187,11 +187,13 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype_name = resolve_dtype(config.dtype, self.device)
-        dtype = DTYPES[self.dtype_name]
         self.model_path = resolve_model_path(config.model, config.model_cache_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_path)
         gguf_path = gguf_source(config.model) if serves_gguf(config.quantization, config.dtype, self.device) else None
+        # a native GGUF's "auto" is fp32 activations over the quantized weights, whatever the CPU
+        self.dtype_name = ("float32" if gguf_path is not None and config.dtype == "auto"
+                           else resolve_dtype(config.dtype, self.device))
+        dtype = DTYPES[self.dtype_name]
         model_limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         c = self.model_config

@@ -150,18 +150,22 @@ def test_quantized_default_model_agrees_with_its_dequantized_fp32_model(smollm2_
 
 @pytest.mark.slow
 def test_default_deployment_serves_the_gguf_and_float32_the_dequantized_weights(smollm2_dir, monkeypatch):
-    """dtype auto on a CPU without native bf16 (as here, forced) is fp32 activations over the
-    quantized weights; an explicit float32 is the dequantized model; their greedy tokens agree."""
+    """dtype auto is fp32 activations over the quantized weights on every CPU (one with native bf16
+    is pretended here, where auto alone would pick bf16); an explicit float32 is the dequantized
+    model; their greedy tokens agree."""
     from runner_helpers import greedy, run_requests
     from transformers import AutoTokenizer
 
-    monkeypatch.setattr(model_runner, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(model_runner, "cpu_has_fast_bf16", lambda: True)
     settings = dict(block_size=16, num_blocks=16, attention_backend="torch")
     native = ModelRunner(RunnerConfig(**settings))
     assert (native.model_info.quantization, native.model_info.dtype) == ("gguf:Q4_1", "float32")
     assert native.model_info.model_path == str(smollm2_dir)  # config and tokenizer: the converted directory
     dequantized = ModelRunner(RunnerConfig(dtype="float32", **settings))
     assert (dequantized.model_info.quantization, dequantized.model_info.dtype) == ("none", "float32")
+    in_bf16 = ModelRunner(RunnerConfig(dtype="bfloat16", **settings))  # explicit bf16: bf16 activations
+    assert (in_bf16.model_info.quantization, in_bf16.model_info.dtype) == ("gguf:Q4_1", "bfloat16")
+    del in_bf16
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
     assert run_requests(native, prompts, greedy(6)) == run_requests(dequantized, prompts, greedy(6))
