@@ -28,7 +28,7 @@ from workers.gguf_checkpoint import (
     rope_row_order,
     unpermute_rope_rows,
 )
-from workers.gguf_weight import GgufWeight, GGMLType, dequantize
+from workers.gguf_weight import GgufWeight, GGMLType, dequantize, row_bytes
 from workers.kernels import get_attention_backend
 from workers.layer_ops import TorchOps
 from workers.linear import TorchLinear
@@ -325,3 +325,28 @@ def test_app_argument_quantization():
     assert AppArgs().quantization == "auto" and AppArgs(quantization="none").quantization == "none"
     with pytest.raises(ValidationError):
         AppArgs(quantization="q4_1")
+
+
+def test_every_served_type_is_read_as_blocks_or_plain_tensor(tmp_path):
+    rng = np.random.default_rng(0)
+    width = 256  # one K-quant block per row
+    tensors, expected_blocks = {}, {}
+    for layer, ggml_type in enumerate((GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+                                       GGMLType.Q6_K)):
+        blocks = rng.integers(0, 256, size=(8, row_bytes(ggml_type, width)), dtype=np.uint8)
+        tensors[f"blk.{layer}.ffn_up.weight"] = (blocks, GGMLQuantizationType(int(ggml_type)))
+        expected_blocks[f"model.layers.{layer}.mlp.up_proj.weight"] = (ggml_type, blocks)
+    q = rng.standard_normal((8, width)).astype(np.float32)
+    k = rng.standard_normal((8, width)).astype(np.float32)
+    tensors["blk.0.attn_q.weight"] = (llama_cpp_permute(q, 2).astype(np.float16), None)
+    tensors["blk.0.attn_k.weight"] = (quants.quantize(llama_cpp_permute(k, 2), GGMLQuantizationType.BF16),
+                                      GGMLQuantizationType.BF16)
+    checkpoint = read_gguf_checkpoint(write_gguf(tmp_path / "types.gguf", "llama", tensors), torch.bfloat16)
+    for name, (ggml_type, blocks) in expected_blocks.items():
+        weight = checkpoint.tensors[name]
+        assert isinstance(weight, GgufWeight) and weight.ggml_type == ggml_type and weight.shape == (8, width)
+        assert torch.equal(weight.blocks, torch.from_numpy(blocks))  # the file's bytes, untouched
+    q_read, k_read = (checkpoint.tensors[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qk")
+    assert q_read.dtype == k_read.dtype == torch.bfloat16  # plain projections: the model's dtype
+    torch.testing.assert_close(q_read.float(), torch.from_numpy(q), atol=2e-2, rtol=1e-2)  # F16 then bf16 rounding
+    torch.testing.assert_close(k_read.float(), torch.from_numpy(k), atol=2e-2, rtol=1e-2)
