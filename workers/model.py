@@ -17,7 +17,8 @@ In some or all layers a mixture of experts takes the dense MLP's place (Mixtral,
 gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
-weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
+weight is prepacked for oneDNN (see workers/linear.py), or kept in its GGUF type (a GgufWeight,
+workers/gguf_checkpoint.py), as is the embedding then (its rows dequantized per step). Tokens of every sequence
 of a step are flattened into one [num_tokens, hidden] batch; attention reads and writes the
 paged KV pool through the metadata the runner builds. lm_head runs only on the rows that
 sample (compute_logits).
@@ -57,6 +58,7 @@ from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
+
 
 class WeightError(ValueError):
     """Checkpoint tensors that do not fit the config (missing, unexpected, or misshapen)."""
