@@ -78,6 +78,7 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
         "model": args.model,
         "model_cache_dir": args.model_cache_dir,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "block_size": args.block_size,
         "num_blocks": args.num_kv_blocks,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -233,7 +234,7 @@ class OpenAIIngress:
             backend={"device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend,
                      "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes), "model_type": info.model_type,
                      "layer_loop": info.layer_loop, "layer_ops": info.layer_ops,
-                     "linear_backend": info.linear_backend},
+                     "linear_backend": info.linear_backend, "quantization": info.quantization},
             reasoning_parser=choose_reasoning_parser(tokenizer.chat_template, self._args.reasoning_parser,
                                                      tokenizer.keeps_text(THINK_OPEN + "x" + THINK_CLOSE)),
             tool_call_parser=choose_tool_call_parser(tokenizer.chat_template, self._args.tool_call_parser),
@@ -293,6 +294,10 @@ def check_local_model(model: str | None) -> None:
     the workers."""
     if model is not None and Path(model, "config.json").is_file():
         ModelConfig.from_model_dir(Path(model))
+    elif model is not None and Path(model).suffix.lower() == ".gguf" and Path(model).is_file():
+        from workers.gguf_checkpoint import gguf_architecture  # raises GgufCheckpointError, one line
+
+        gguf_architecture(model)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -33,10 +33,12 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(
-        None, description="Local Hugging Face model directory; null or 'default' is SmolLM2-135M-Instruct."
+        None, description="Local Hugging Face model directory, or a .gguf file (llama architecture); null or "
+        "'default' is SmolLM2-135M-Instruct (a Q4_1 GGUF)."
     )
     model_cache_dir: str | None = Field(
-        None, description="Where the default model is converted to safetensors (null: ~/.cache/rayllm)."
+        None, description="Where GGUF checkpoints are converted to safetensors, for their config, tokenizer and "
+        "dequantized weights (null: ~/.cache/rayllm)."
     )
     served_model_name: str | None = Field(
         None, description="The id clients use in 'model'; null: the model directory's name."
@@ -99,9 +101,16 @@ class AppArgs(BaseModel):
         "workers with the triton backend (workers refuse otherwise). Measured on an H200: docs/gpu.md.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and KV dtype. auto: bfloat16 on GPUs and on CPUs with native bf16 "
-        "(AVX512_BF16 or AMX), float32 on other CPUs; each worker resolves it on its own node. "
-        "Reported in /v1/models.",
+        "auto", description="Activations, KV and (unquantized) weights dtype. auto: bfloat16 on GPUs and on CPUs "
+        "with native bf16 (AVX512_BF16 or AMX), float32 on other CPUs; each worker resolves it on its own node. "
+        "A GGUF checkpoint (quantization auto, CPU) keeps its quantized weights: under auto with float32 "
+        "activations on every CPU, under bfloat16 with bf16 ones; an explicit float32 serves its dequantized "
+        "weights (the exact path). Reported in /v1/models.",
+    )
+    quantization: Literal["auto", "none"] = Field(
+        "auto", description="auto: a GGUF checkpoint (the default model, a .gguf path) is served with its weights "
+        "in their GGUF types on CPU workers, unless dtype is float32; none: its dequantized weights are served. "
+        "Reported in /v1/models (backend.quantization, e.g. gguf:Q4_1, or none).",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(

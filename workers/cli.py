@@ -27,8 +27,9 @@ from workers.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rayllm-generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt", help="the user message (or raw text with --raw)")
-    parser.add_argument("--model", default=None, help="local Hugging Face directory; default: SmolLM2-135M-Instruct")
-    parser.add_argument("--cache-dir", default=None, help="where the default model is converted (~/.cache/rayllm)")
+    parser.add_argument("--model", default=None,
+                        help="local Hugging Face directory or .gguf file; default: SmolLM2-135M-Instruct")
+    parser.add_argument("--cache-dir", default=None, help="where GGUF checkpoints are converted (~/.cache/rayllm)")
     parser.add_argument("--max-tokens", type=int, default=256, help="generated tokens at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     parser.add_argument("--top-p", type=float, default=1.0)

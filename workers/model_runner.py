@@ -36,7 +36,7 @@ from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.grammar import GrammarMatchers
 from workers.kernels import resolve_attention_backend_name
-from workers.loader import load_weights, resolve_model_path
+from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
@@ -69,9 +69,17 @@ def resolve_dtype(name: str, device: str | torch.device) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
-    model: str | None = None  # local HF directory, or None / "default" for SmolLM2-135M-Instruct
-    model_cache_dir: str | None = None  # where the default model is converted (None: ~/.cache/rayllm)
-    dtype: str = "auto"  # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it
+    model: str | None = None  # local HF directory, a .gguf file, or None / "default" for SmolLM2-135M-Instruct
+    model_cache_dir: str | None = None  # where GGUF checkpoints are converted (None: ~/.cache/rayllm)
+    # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it. The activations'
+    # and KV pool's dtype. A GGUF checkpoint served natively (quantization) keeps its projection
+    # weights in their GGUF types, and there "auto" means float32 activations on every CPU; an
+    # explicit "bfloat16" runs bf16 activations over them, an explicit "float32" serves the GGUF
+    # checkpoint dequantized (the exact path the oracle tests run).
+    dtype: str = "auto"
+    # "auto": a GGUF checkpoint (the default model, a .gguf path) keeps its quantized weights on CPU
+    # unless dtype is "float32" (workers.loader.serves_gguf); "none": its dequantized weights are served
+    quantization: str = "auto"
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks per layer, block 0 included; None: from kv_cache_memory_bytes
@@ -105,6 +113,7 @@ class ModelInfo:
     layer_loop: str = "python"  # "c": our C layer loop for steps its products take; "python": the Python loop
     layer_ops: str = "torch"  # the steps between the products: "native" (our C kernels) or "torch"
     linear_backend: str = "torch"  # the matrix products: "native", "onednn" or "torch"
+    quantization: str = "none"  # the projection weights: "none" (in dtype) or "gguf:<file type>", e.g. "gguf:Q4_1"
 
 
 @dataclass(slots=True)
@@ -178,10 +187,13 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype_name = resolve_dtype(config.dtype, self.device)
-        dtype = DTYPES[self.dtype_name]
         self.model_path = resolve_model_path(config.model, config.model_cache_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_path)
+        gguf_path = gguf_source(config.model) if serves_gguf(config.quantization, config.dtype, self.device) else None
+        # a native GGUF's "auto" is fp32 activations over the quantized weights, whatever the CPU
+        self.dtype_name = ("float32" if gguf_path is not None and config.dtype == "auto"
+                           else resolve_dtype(config.dtype, self.device))
+        dtype = DTYPES[self.dtype_name]
         model_limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         c = self.model_config
@@ -189,7 +201,7 @@ class ModelRunner:
             config.attention_backend, self.device, dtype, (c.num_heads, c.num_kv_heads, c.head_dim), config.block_size)
         self.model = load_weights(
             self.model_path, self.model_config, dtype, config.device, self.attention_backend, self.max_model_len,
-            config.linear_backend, config.layer_ops,
+            config.linear_backend, config.layer_ops, gguf_path=gguf_path,
         )
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or num_blocks_for_memory(
@@ -233,6 +245,7 @@ class ModelRunner:
             layer_loop="c" if self.model.native_forward is not None else "python",
             layer_ops=self.model.ops.name,
             linear_backend=self.model.linear_backend.name,
+            quantization=self.model.quantization,
         )
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:

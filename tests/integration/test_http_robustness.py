@@ -28,7 +28,7 @@ def test_health_version_models(server) -> None:
         # (triton is the CUDA default)
         assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",
-                                    "layer_ops": "native", "linear_backend": "native",
+                                    "layer_ops": "native", "linear_backend": "native", "quantization": "none",
                                     "reasoning_parser": None, "tool_call_parser": "hermes"}
 
 
