@@ -1,0 +1,428 @@
+"""Linear layers over quantized weights in Triton: the weight stays packed in memory and each
+tile is dequantized inside the GEMM (the kernel-ready weights of workers/quant_formats.py).
+
+    y = quant_linear(x, weight)     # x [..., K] fp16/bf16/fp32; weight Int4Weight | Fp8Weight |
+                                    # Mxfp4Weight | a dense [N, K] tensor -> [..., N] in x's dtype
+
+Kernels, each program one (BLOCK_M, BLOCK_N) tile of y, fp32 accumulation over K in BLOCK_K steps:
+
+  _int4_gemm_kernel (AWQ, GPTQ)   w[k, n] = (q[k, n] - z[g, n] - ZERO_OFFSET) * s[g, n], read per tile
+      from the packed int32 words (AWQ: 8 output columns a word, nibble (j % 2) * 4 + j // 2 for
+      column j of 8; GPTQ: 8 input rows a word, nibble k % 8; zeros: AWQ's order / sequential).
+      g = k // GROUP_SIZE, or g_idx[k] for act-order GPTQ. When a K tile lies inside one group
+      (GROUP_SIZE % BLOCK_K == 0, no g_idx) the tile's dot runs on the integers q - z (exact in
+      fp16/bf16) and the group's scale multiplies the partial sum in fp32; otherwise each weight
+      is scaled in fp32 before the dot.
+  _mxfp4_gemm_kernel   w[k, n] = e2m1(nibble k % 2 of byte k // 2 of row n) * 2 ** (e8m0[n, k // 32] - 127),
+      decoded with integer ops (exact), then one dot in x's dtype.
+  _quantize_fp8_kernel (w8a8)   per token: scale = max(min(amax, UB), eps) / 448,
+      q = clamp(x / scale, +-448) as float8_e4m3fn.
+  _fp8_gemm_kernel   y = (a @ w.T) * a_scale[m] * w_scale[n]: fp8 operands read as bytes and
+      decoded to fp16 exactly (bits << 7, times 2 ** 8), so it runs on any GPU; a may also be
+      x itself (weight-only fp8: a_scale = 1).
+
+FP8 dispatch: on sm_89+ (and bf16/fp16 output, K and N multiples of 16) tokens are quantized by
+_quantize_fp8_kernel and multiplied by torch._scaled_mm (row-wise scales); elsewhere tokens are
+quantized by torch (fp32 -> e4m3 casts in Triton need sm_89) and _fp8_gemm_kernel multiplies.
+
+Tile sizes are fixed by _choose_blocks (16 rows for decodes, 64 beyond), not tuned on a GPU.
+Nothing reads a tensor on the host, so every entry can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from workers.quant_formats import FP8_MAX, Fp8Weight, Int4Weight, Mxfp4Weight
+
+__all__ = ["fp8_gemm", "int4_gemm", "mxfp4_gemm", "quant_linear", "quantize_fp8_per_token",
+           "quantize_fp8_reference"]
+
+_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the smallest per-token scale (an all-zero row still divides)
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    c_ptr,  # [M, N] in a's dtype
+    a_ptr,  # [M, K]
+    qweight_ptr,  # int32: AWQ [K, N / 8]; GPTQ [K / 8, N]
+    qzeros_ptr,  # int32 [num_groups, N / 8]
+    scales_ptr,  # [num_groups, N]
+    g_idx_ptr,  # int32 [K] (HAS_G_IDX; any pointer otherwise)
+    bias_ptr,  # [N] (HAS_BIAS; any pointer otherwise)
+    M, N, K,  # ints
+    stride_am,  # a.stride(0), elements
+    stride_cm,  # c.stride(0)
+    GROUP_SIZE: tl.constexpr,  # inputs per group
+    ZERO_OFFSET: tl.constexpr,  # added to every stored zero (GPTQ v1: 1)
+    AWQ: tl.constexpr,  # AWQ's layout, else GPTQ's
+    HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    packed_n = N // 8
+    j = offs_n % 8
+    if AWQ:
+        zero_shift = ((j % 2) * 4 + j // 2) * 4  # AWQ packs columns 0 2 4 6 1 3 5 7 into nibbles 0..7
+    else:
+        zero_shift = j * 4
+    ONE_GROUP: tl.constexpr = (GROUP_SIZE % BLOCK_K == 0) and (not HAS_G_IDX)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + offs_k
+        k_valid = ks < K
+        w_mask = k_valid[:, None] & n_valid[None, :]
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
+                    other=0.0)
+        if AWQ:
+            words = tl.load(qweight_ptr + ks[:, None] * packed_n + (offs_n // 8)[None, :], mask=w_mask, other=0)
+            q = (words >> zero_shift[None, :]) & 0xF
+        else:
+            words = tl.load(qweight_ptr + (ks // 8)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
+            q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+        if ONE_GROUP:
+            g = k_start // GROUP_SIZE
+            zeros = (tl.load(qzeros_ptr + g * packed_n + offs_n // 8, mask=n_valid, other=0) >> zero_shift) & 0xF
+            scales = tl.load(scales_ptr + g * N + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+            w = (q - zeros[None, :] - ZERO_OFFSET).to(tl.float32).to(a.dtype)  # integers in [-16, 15]: exact
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scales[None, :]
+        else:
+            if HAS_G_IDX:
+                g = tl.load(g_idx_ptr + ks, mask=k_valid, other=0)
+            else:
+                g = ks // GROUP_SIZE
+            zeros = (tl.load(qzeros_ptr + g[:, None] * packed_n + (offs_n // 8)[None, :], mask=w_mask, other=0)
+                     >> zero_shift[None, :]) & 0xF
+            scales = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = ((q - zeros - ZERO_OFFSET).to(tl.float32) * scales).to(a.dtype)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def _mxfp4_gemm_kernel(
+    c_ptr,  # [M, N] in a's dtype
+    a_ptr,  # [M, K]
+    blocks_ptr,  # uint8 [N, K / 2]: value 2i in the low nibble of byte i, 2i + 1 in the high one
+    scales_ptr,  # uint8 [N, K / 32]: e8m0, bias 127
+    bias_ptr,  # [N] (HAS_BIAS)
+    M, N, K,
+    stride_am,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + offs_k
+        k_valid = ks < K
+        w_mask = k_valid[:, None] & n_valid[None, :]
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
+                    other=0.0)
+        byte = tl.load(blocks_ptr + offs_n[None, :] * (K // 2) + (ks // 2)[:, None], mask=w_mask, other=0)
+        nibble = (byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
+        exponent = (nibble >> 1) & 3
+        mantissa = nibble & 1
+        normal = ((exponent + 126) << 23) | (mantissa << 22)  # 2 ** (e - 1) * (1 + m / 2) as fp32 bits
+        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
+        value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
+        scale_byte = tl.load(scales_ptr + offs_n[None, :] * (K // 32) + (ks // 32)[:, None], mask=w_mask,
+                             other=127).to(tl.int32)
+        scale = tl.where(scale_byte == 0, 5.877471754111438e-39,  # 2 ** -127 (a subnormal: no exponent field)
+                         (scale_byte << 23).to(tl.float32, bitcast=True))
+        acc = tl.dot(a, (value * scale).to(a.dtype), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def _quantize_fp8_kernel(
+    q_ptr,  # float8_e4m3fn [M, K]
+    scale_ptr,  # fp32 [M]: each row's scale
+    x_ptr,  # [M, K]
+    K,
+    stride_xm,
+    stride_qm,
+    scale_ub,  # fp32: cap on a row's amax (HAS_UB)
+    HAS_UB: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_xm + k_start + offs, mask=k_start + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    row_max = tl.max(amax, axis=0)
+    if HAS_UB:
+        row_max = tl.minimum(row_max, scale_ub)
+    scale = tl.maximum(row_max / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for k_start in range(0, K, BLOCK_K):
+        mask = k_start + offs < K
+        x = tl.load(x_ptr + row * stride_xm + k_start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + k_start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _e4m3_bytes_to_fp16(byte):
+    """float8_e4m3fn bit patterns (uint8) -> fp16, exactly: the 7 magnitude bits shifted into
+    fp16's exponent and mantissa read 2 ** -8 times the value (subnormals too)."""
+    magnitude = ((byte.to(tl.int16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((byte & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    c_ptr,  # [M, N] out
+    a_ptr,  # [M, K]: uint8 (e4m3 bit patterns; A_FP8) or fp16/bf16/fp32
+    w_ptr,  # uint8 [N, K]: e4m3 bit patterns
+    a_scale_ptr,  # fp32 [M] (A_FP8; any pointer otherwise)
+    w_scale_ptr,  # fp32 [N]
+    bias_ptr,  # [N] (HAS_BIAS)
+    M, N, K,
+    stride_am,
+    stride_wn,
+    stride_cm,
+    A_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + offs_k
+        k_valid = ks < K
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
+                    other=0)
+        w_bytes = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None],
+                          mask=k_valid[:, None] & n_valid[None, :], other=0)  # [BLOCK_K, BLOCK_N]
+        w = _e4m3_bytes_to_fp16(w_bytes)
+        if A_FP8:
+            a = _e4m3_bytes_to_fp16(a)
+        else:
+            w = w.to(a.dtype)  # e4m3 values are exact in bf16 and fp32 too
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    acc *= tl.load(w_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
+    if A_FP8:
+        acc *= tl.load(a_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_valid[:, None] & n_valid[None, :])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _choose_blocks(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows for decode-sized batches, else 64. Speed only."""
+    return (16 if m <= 16 else 64), 64, (32 if dtype == torch.float32 else 64)
+
+
+def _check_x(x: torch.Tensor, k: int, *others: torch.Tensor | None) -> None:
+    assert x.dim() == 2 and x.shape[1] == k, f"x must be [M, {k}], got {tuple(x.shape)}"
+    assert x.dtype in _X_DTYPES, f"x dtype {x.dtype} is not one of {_X_DTYPES}"
+    assert x.stride(1) == 1, "x must be contiguous in its last dim"
+    for t in others:
+        assert t is None or t.device == x.device, f"all inputs must be on {x.device}, found one on {t.device}"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (AWQ or GPTQ weights)."""
+    n, k = weight.shape
+    _check_x(x, k, weight.qweight, weight.qzeros, weight.scales, weight.g_idx, weight.bias)
+    assert weight.layout in ("awq", "gptq") and n % 8 == 0 and k % 8 == 0, f"{weight.layout} [{n}, {k}]"
+    assert weight.qweight.dtype == weight.qzeros.dtype == torch.int32
+    assert weight.qweight.is_contiguous() and weight.qzeros.is_contiguous() and weight.scales.is_contiguous()
+    num_groups = weight.scales.shape[0]
+    assert weight.qzeros.shape == (num_groups, n // 8) and num_groups == -(-k // weight.group_size)
+    if weight.g_idx is not None:
+        assert weight.g_idx.dtype == torch.int32 and weight.g_idx.shape == (k,)
+    block_m, block_n, block_k = blocks or _choose_blocks(x.shape[0], x.dtype)
+    assert block_n % 8 == 0 and block_k % 8 == 0, "tiles hold whole packed words"
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
+    _int4_gemm_kernel[grid](
+        out, x, weight.qweight, weight.qzeros, weight.scales,
+        weight.qweight if weight.g_idx is None else weight.g_idx,
+        weight.scales if weight.bias is None else weight.bias,
+        x.shape[0], n, k, x.stride(0), out.stride(0),
+        GROUP_SIZE=weight.group_size, ZERO_OFFSET=weight.zero_offset, AWQ=weight.layout == "awq",
+        HAS_G_IDX=weight.g_idx is not None, HAS_BIAS=weight.bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=_precision(x.dtype),
+    )
+    return out
+
+
+def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (one [N, K] MXFP4 weight)."""
+    n, k = weight.shape
+    _check_x(x, k, weight.blocks, weight.scales, weight.bias)
+    assert weight.blocks.dim() == 2, "a stack of experts: multiply by weight.expert(e)"
+    assert weight.blocks.dtype == weight.scales.dtype == torch.uint8 and k % 32 == 0
+    assert weight.scales.shape == (n, k // 32) and weight.blocks.is_contiguous() and weight.scales.is_contiguous()
+    block_m, block_n, block_k = blocks or _choose_blocks(x.shape[0], x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
+    _mxfp4_gemm_kernel[grid](
+        out, x, weight.blocks, weight.scales, weight.scales if weight.bias is None else weight.bias,
+        x.shape[0], n, k, x.stride(0), out.stride(0),
+        HAS_BIAS=weight.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_precision(x.dtype),
+    )
+    return out
+
+
+def quantize_fp8_reference(x: torch.Tensor, scale_ub: float | None = None,
+                           static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M]) in torch: per row (dynamic) or with
+    one static scale. The oracle of _quantize_fp8_kernel, and the quantizer before sm_89."""
+    x32 = x.float()
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1).expand(x.shape[0]).contiguous()
+    else:
+        amax = x32.abs().amax(dim=1)
+        if scale_ub is not None:
+            amax = amax.clamp(max=scale_ub)
+        scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_fp8_per_token(x: torch.Tensor, scale_ub: float | None = None,
+                           *, block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M]) by _quantize_fp8_kernel (needs sm_89+ on CUDA)."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.dtype in _X_DTYPES
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    _quantize_fp8_kernel[(m,)](
+        q, scale, x, k, x.stride(0), q.stride(0), 0.0 if scale_ub is None else float(scale_ub),
+        HAS_UB=scale_ub is not None, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+    )
+    return q, scale
+
+
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: Fp8Weight, out_dtype: torch.dtype,
+             *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """(a * a_scale[:, None]) @ (weight.weight * weight_scale[:, None]).T (+ bias) -> [M, N] in out_dtype.
+    a: float8_e4m3fn [M, K] with a_scale fp32 [M], or fp16/bf16/fp32 with a_scale None."""
+    n, k = weight.shape
+    a_fp8 = a.dtype == torch.float8_e4m3fn
+    assert a.dim() == 2 and a.shape[1] == k and a.stride(1) == 1, f"a must be [M, {k}], got {tuple(a.shape)}"
+    assert a_fp8 == (a_scale is not None) and (a_fp8 or a.dtype in _X_DTYPES), f"a {a.dtype} with a_scale"
+    if a_fp8:
+        assert a_scale.dtype == torch.float32 and a_scale.shape == (a.shape[0],)
+    assert weight.weight.dtype == torch.float8_e4m3fn and weight.weight.stride(1) == 1
+    assert weight.weight_scale.dtype == torch.float32 and weight.weight_scale.shape == (n,)
+    block_m, block_n, block_k = blocks or _choose_blocks(a.shape[0], torch.float16 if a_fp8 else a.dtype)
+    out = torch.empty(a.shape[0], n, dtype=out_dtype, device=a.device)
+    if a.shape[0] == 0:
+        return out
+    grid = (triton.cdiv(a.shape[0], block_m), triton.cdiv(n, block_n))
+    _fp8_gemm_kernel[grid](
+        out, a.view(torch.uint8) if a_fp8 else a, weight.weight.view(torch.uint8),
+        weight.weight_scale if a_scale is None else a_scale, weight.weight_scale,
+        weight.weight_scale if weight.bias is None else weight.bias,
+        a.shape[0], n, k, a.stride(0), weight.weight.stride(0), out.stride(0),
+        A_FP8=a_fp8, HAS_BIAS=weight.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_precision(torch.float16 if a_fp8 else a.dtype),
+    )
+    return out
+
+
+def uses_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether fp8_linear multiplies by torch._scaled_mm: fp8 activations on a sm_89+ device, a
+    16-bit output, and K and N multiples of 16 (its layout rules)."""
+    n, k = weight.shape
+    return (x.is_cuda and weight.activations is not None and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and x.dtype in (torch.float16, torch.bfloat16) and n % 16 == 0 and k % 16 == 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, *, use_scaled_mm: bool | None = None,
+               blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] through an fp8 linear (module docstring's dispatch) -> [M, N] in x's dtype."""
+    n, k = weight.shape
+    _check_x(x, k, weight.weight, weight.weight_scale, weight.input_scale, weight.bias)
+    if weight.activations is None:
+        return fp8_gemm(x, None, weight, x.dtype, blocks=blocks)
+    scaled_mm = uses_scaled_mm(x, weight) if use_scaled_mm is None else use_scaled_mm
+    if weight.activations == "static_tensor":
+        q, scale = quantize_fp8_reference(x, static_scale=weight.input_scale)
+    elif scaled_mm or not x.is_cuda:  # Triton's fp32 -> e4m3 cast: sm_89+ (or the interpreter)
+        q, scale = quantize_fp8_per_token(x, weight.activation_scale_ub)
+    else:
+        q, scale = quantize_fp8_reference(x, weight.activation_scale_ub)
+    if not scaled_mm:
+        return fp8_gemm(q, scale, weight, x.dtype, blocks=blocks)
+    return torch._scaled_mm(q, weight.weight.t(), scale_a=scale[:, None], scale_b=weight.weight_scale[None, :],
+                            bias=weight.bias, out_dtype=x.dtype)
+
+
+def quant_linear(x: torch.Tensor, weight: Int4Weight | Fp8Weight | Mxfp4Weight | torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x's dtype, the kernel picked by the weight's format."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    if isinstance(weight, Int4Weight):
+        out = int4_gemm(rows, weight)
+    elif isinstance(weight, Mxfp4Weight):
+        out = mxfp4_gemm(rows, weight)
+    elif isinstance(weight, Fp8Weight):
+        out = fp8_linear(rows, weight)
+    else:
+        out = F.linear(rows, weight)
+    return out.view(*x.shape[:-1], out.shape[-1])
