@@ -31,6 +31,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -455,3 +456,24 @@ def test_launchers_reject_bad_inputs(tq):
     with pytest.raises(AssertionError, match="expert"):
         tq.mxfp4_gemm(torch.zeros(2, 64), mx)
     assert tq.int4_gemm(torch.zeros(0, 64, dtype=torch.float16), weight).shape == (0, N)
+
+
+# ----------------------------------------------------------------------------- CUDA compilation
+
+
+def test_quant_kernels_compile_for_cuda_targets():
+    """The launchers' real arguments compile to cubins for sm_80 and sm_90 (the quantizer for
+    sm_89 and sm_90), by tests/gpu/cuda_compile_quant.py in a child process without
+    TRITON_INTERPRET. Nothing runs on a GPU: this proves they compile, not that they are right."""
+    if not IN_PROCESS:
+        pytest.skip(NOT_IN_PROCESS_REASON)
+    repo = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    child = subprocess.run([sys.executable, str(repo / "tests" / "gpu" / "cuda_compile_quant.py")],
+                           env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    if child.returncode == 2:
+        pytest.skip(child.stdout.strip())
+    assert child.returncode == 0, f"{child.stdout}\n{child.stderr[-3000:]}"
+    assert child.stdout.count("ok   sm_") == 24, child.stdout
