@@ -419,13 +419,17 @@ def test_fp8_gemm_w8a8(tq, m):
     assert_near(out, reference, torch.float32, tol=1e-5)  # fp16 products of e4m3 values are exact
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_fp8_weight_only(tq, strategy):
+@pytest.mark.parametrize(("strategy", "dtype"), [("channel", torch.float16), ("tensor", torch.float16),
+                                                  ("channel", torch.bfloat16), ("tensor", torch.float32)], ids=str)
+def test_fp8_weight_only(tq, request, strategy, dtype):
+    if dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_interpreter")
     tensors, expected = qc.make_fp8(N, 96, per_channel=strategy == "channel", seed=4)
-    weight = kernel_weight(qc.compressed_tensors_config(strategy, None), tensors, torch.float16)
-    x = x_for(33, 96, torch.float16)
+    weight = kernel_weight(qc.compressed_tensors_config(strategy, None), tensors, dtype)
+    x = x_for(33, 96, dtype)
     out = tq.quant_linear(x, weight)
-    assert_near(out, x.double() @ expected.double().t(), torch.float16)
+    assert out.dtype == dtype
+    assert_near(out, x.double() @ expected.double().t(), dtype)
 
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
