@@ -5,7 +5,7 @@ targets on a machine without a GPU, as tests/gpu/cuda_compile.py does for the ot
     python tests/gpu/cuda_compile_quant.py     # one line per compiled case, exits 1 on failure
 
 Cases: the AWQ/GPTQ GEMM on both of its paths (one group per K tile; groups smaller than a tile,
-act-order g_idx) in fp16 and bf16, the MXFP4 GEMM, the FP8 GEMM with fp8 and with 16-bit
+act-order g_idx) in fp16 and bf16, the MXFP4 GEMM and its grouped MoE form, the FP8 GEMM with fp8 and with 16-bit
 activations, for sm_80 (A100) and sm_90 (H100/H200); the per-token FP8 quantizer for sm_89 and
 sm_90 only (Triton's fp32 -> e4m3 cast needs sm_89; quant_linear quantizes with torch below it).
 """
@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import quant_cases as qc  # noqa: E402
 from workers import quant_formats as qf  # noqa: E402
 from workers.kernels import triton_quant as tq  # noqa: E402
+from workers.kernels.triton_moe import align_pairs  # noqa: E402
 
 
 def _weight(config: dict, tensors: dict, dtype: torch.dtype):
@@ -43,7 +44,17 @@ def _launches(dtype: torch.dtype, m: int) -> dict[str, tuple]:
     mx = _weight(qc.MXFP4_CONFIG, qc.make_mxfp4(n, k)[0], dtype)
     fp8 = _weight(qc.FBGEMM_CONFIG, qc.make_fp8(n, k)[0], dtype)
     q, scale = tq.quantize_fp8_reference(x)
+    stack = qc.make_mxfp4(n, k, experts=4)[0]
+    experts = qf.Mxfp4Weight(stack["layer_blocks"].flatten(-2).contiguous(), stack["layer_scales"],
+                             torch.randn(4, n).to(dtype))
+    expert_ids = torch.randint(0, 4, (m, 2))
+    aligned = align_pairs(expert_ids, 4, 16 if m <= 16 else 64)
+    routing = torch.rand(2 * m)
     return {
+        "moe mxfp4": cc._record(tq, "_moe_mxfp4_gemm_kernel", lambda: tq.moe_mxfp4_gemm(
+            x, experts, *aligned, 2 * m, 2, None, block_m=16 if m <= 16 else 64)),
+        "moe mxfp4 routed": cc._record(tq, "_moe_mxfp4_gemm_kernel", lambda: tq.moe_mxfp4_gemm(
+            x.repeat_interleave(2, 0), experts, *aligned, 2 * m, 1, routing, block_m=16 if m <= 16 else 64)),
         "awq one-group": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq)),
         "gptq g_idx": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, gptq)),
         "mxfp4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx)),

@@ -143,3 +143,29 @@ def test_quant_linear_replays_from_a_cuda_graph(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, tq.quant_linear(new_x, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 4), (9, 2), (300, 4)])
+def test_moe_mxfp4_gemm(num_tokens, top_k, dtype):
+    """The grouped MXFP4 expert GEMM (gpt-oss-like: 8 experts, an expert bias, routing weights)."""
+    from workers.kernels.triton_moe import align_pairs
+
+    num_experts, n, k = 8, 256, 512
+    tensors, expected = qc.make_mxfp4(n, k, experts=num_experts, seed=num_tokens)
+    bias = torch.randn(num_experts, n)
+    weight = qf.Mxfp4Weight(tensors["layer_blocks"].flatten(-2).contiguous().to(DEVICE),
+                            tensors["layer_scales"].to(DEVICE), bias.to(dtype).to(DEVICE))
+    generator = torch.Generator().manual_seed(num_tokens)
+    expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    routing = torch.rand(num_tokens * top_k, generator=generator)
+    block_m = 16 if num_tokens * top_k <= 16 * num_experts else 64
+    aligned = align_pairs(expert_ids.to(DEVICE), num_experts, block_m)
+    rows = x_for(num_tokens * top_k, k, dtype, seed=num_tokens)
+    out = tq.moe_mxfp4_gemm(rows, weight, *aligned, num_tokens * top_k, 1, routing.to(DEVICE), block_m=block_m)
+    torch.cuda.synchronize()
+    flat = expert_ids.flatten()
+    dense = expected.double().to(DEVICE)[flat.to(DEVICE)]  # [pairs, n, k]
+    reference = routing.double().to(DEVICE)[:, None] * (
+        torch.einsum("pnk,pk->pn", dense, rows.double()) + bias.to(dtype).double().to(DEVICE)[flat.to(DEVICE)])
+    assert_near(out, reference, dtype)

@@ -15,6 +15,8 @@ Kernels, each program one (BLOCK_M, BLOCK_N) tile of y, fp32 accumulation over K
       is scaled in fp32 before the dot.
   _mxfp4_gemm_kernel   w[k, n] = e2m1(nibble k % 2 of byte k // 2 of row n) * 2 ** (e8m0[n, k // 32] - 127),
       decoded with integer ops (exact), then one dot in x's dtype.
+  _moe_mxfp4_gemm_kernel   triton_moe's grouped GEMM (pairs sorted by expert, align_pairs) with
+      stacked MXFP4 experts [E, N, K / 2] decoded the same way, plus an expert bias (gpt-oss).
   _quantize_fp8_kernel (w8a8)   per token: scale = max(min(amax, UB), eps) / 448,
       q = clamp(x / scale, +-448) as float8_e4m3fn.
   _fp8_gemm_kernel   y = (a @ w.T) * a_scale[m] * w_scale[n]: fp8 operands read as bytes and
@@ -38,7 +40,7 @@ import triton.language as tl
 
 from workers.quant_formats import FP8_MAX, Fp8Weight, Int4Weight, Mxfp4Weight
 
-__all__ = ["fp8_gemm", "int4_gemm", "mxfp4_gemm", "quant_linear", "quantize_fp8_per_token",
+__all__ = ["fp8_gemm", "int4_gemm", "moe_mxfp4_gemm", "mxfp4_gemm", "quant_linear", "quantize_fp8_per_token",
            "quantize_fp8_reference"]
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -117,6 +119,24 @@ def _int4_gemm_kernel(
 
 
 @triton.jit
+def _mxfp4_tile(blocks_ptr, scales_ptr, rows, ks, K, mask):
+    """The [BLOCK_K, BLOCK_N] fp32 tile W[rows, ks].T of an MXFP4 weight (blocks [.., K / 2], scales
+    [.., K / 32] uint8, rows the output rows counted from the pointers), decoded with integer ops."""
+    byte = tl.load(blocks_ptr + rows[None, :] * (K // 2) + (ks // 2)[:, None], mask=mask, other=0)
+    nibble = (byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
+    exponent = (nibble >> 1) & 3
+    mantissa = nibble & 1
+    normal = ((exponent + 126) << 23) | (mantissa << 22)  # 2 ** (e - 1) * (1 + m / 2) as fp32 bits
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
+    value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
+    scale_byte = tl.load(scales_ptr + rows[None, :] * (K // 32) + (ks // 32)[:, None], mask=mask,
+                         other=127).to(tl.int32)
+    scale = tl.where(scale_byte == 0, 5.877471754111438e-39,  # 2 ** -127 (a subnormal: no exponent field)
+                     (scale_byte << 23).to(tl.float32, bitcast=True))
+    return value * scale
+
+
+@triton.jit
 def _mxfp4_gemm_kernel(
     c_ptr,  # [M, N] in a's dtype
     a_ptr,  # [M, K]
@@ -146,22 +166,64 @@ def _mxfp4_gemm_kernel(
         w_mask = k_valid[:, None] & n_valid[None, :]
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
                     other=0.0)
-        byte = tl.load(blocks_ptr + offs_n[None, :] * (K // 2) + (ks // 2)[:, None], mask=w_mask, other=0)
-        nibble = (byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
-        exponent = (nibble >> 1) & 3
-        mantissa = nibble & 1
-        normal = ((exponent + 126) << 23) | (mantissa << 22)  # 2 ** (e - 1) * (1 + m / 2) as fp32 bits
-        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
-        value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
-        scale_byte = tl.load(scales_ptr + offs_n[None, :] * (K // 32) + (ks // 32)[:, None], mask=w_mask,
-                             other=127).to(tl.int32)
-        scale = tl.where(scale_byte == 0, 5.877471754111438e-39,  # 2 ** -127 (a subnormal: no exponent field)
-                         (scale_byte << 23).to(tl.float32, bitcast=True))
-        acc = tl.dot(a, (value * scale).to(a.dtype), acc, input_precision=DOT_PRECISION)
+        w = _mxfp4_tile(blocks_ptr, scales_ptr, offs_n.to(tl.int64), ks, K, w_mask)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=m_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def _moe_mxfp4_gemm_kernel(
+    c_ptr,  # [num_pairs, N]: one output row per (token, slot) pair
+    a_ptr,  # [num_a_rows, K]: the rows pairs gather (tokens, or one row per pair)
+    blocks_ptr,  # uint8 [E, N, K / 2]
+    scales_ptr,  # uint8 [E, N, K / 32]
+    bias_ptr,  # [E, N] (HAS_BIAS)
+    routing_ptr,  # fp32 [num_pairs] (MUL_ROUTING_WEIGHT)
+    sorted_pair_ids_ptr,  # int32 [num_padded_rows]: triton_moe.align_pairs
+    tile_expert_ids_ptr,  # int32 [num_padded_rows // BLOCK_M]
+    num_post_padded_ptr,  # int32 [1]
+    num_pairs, N, K,
+    stride_a_row,
+    stride_c_row,
+    A_ROWS_PER_PAIR_DIVISOR: tl.constexpr,
+    MUL_ROUTING_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """triton_moe._moe_gemm_kernel with MXFP4 expert weights (and an expert bias before the routing weight)."""
+    tile_m = tl.program_id(0)
+    tile_n = tl.program_id(1)
+    if tile_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    expert = tl.load(tile_expert_ids_ptr + tile_m).to(tl.int64)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ids_ptr + offs_m)
+    row_valid = pair < num_pairs
+    a_row = (pair // A_ROWS_PER_PAIR_DIVISOR).to(tl.int64)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = expert * N + offs_n.to(tl.int64)  # the expert's output rows in the [E * N, ..] stacks
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + offs_k
+        k_valid = ks < K
+        a = tl.load(a_ptr + a_row[:, None] * stride_a_row + ks[None, :], mask=row_valid[:, None] & k_valid[None, :],
+                    other=0.0)
+        w = _mxfp4_tile(blocks_ptr, scales_ptr, rows, ks, K, k_valid[:, None] & n_valid[None, :])
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTING_WEIGHT:
+        acc = acc * tl.load(routing_ptr + pair, mask=row_valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_c_row + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
 
 
 @triton.jit
@@ -319,6 +381,41 @@ def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: tuple[int, int, 
         x.shape[0], n, k, x.stride(0), out.stride(0),
         HAS_BIAS=weight.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=_precision(x.dtype),
+    )
+    return out
+
+
+def moe_mxfp4_gemm(a: torch.Tensor, weight: Mxfp4Weight, sorted_pair_ids: torch.Tensor,
+                   tile_expert_ids: torch.Tensor, num_post_padded: torch.Tensor, num_pairs: int,
+                   pairs_per_row: int, routing: torch.Tensor | None = None, *, block_m: int,
+                   block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """triton_moe.moe_gemm over a stack of MXFP4 experts: out[p] = routing[p] * (a[p // pairs_per_row]
+    @ W_e.T + bias_e) for pair p of expert e. weight: blocks [E, N, K / 2], scales [E, N, K / 32],
+    bias [E, N] or None; the alignment tensors from triton_moe.align_pairs(..., block_m)."""
+    assert weight.blocks.dim() == 3, "a stack of experts [E, N, K / 2]"
+    num_experts, n, half_k = weight.blocks.shape
+    k = 2 * half_k
+    assert a.dim() == 2 and a.shape[1] == k and a.stride(1) == 1 and a.dtype in _X_DTYPES, (
+        f"a must be [rows, {k}] in {_X_DTYPES}, got {tuple(a.shape)} {a.dtype}")
+    assert weight.scales.shape == (num_experts, n, k // 32) and weight.blocks.is_contiguous()
+    assert weight.scales.is_contiguous() and weight.blocks.dtype == weight.scales.dtype == torch.uint8
+    assert weight.bias is None or (weight.bias.shape == (num_experts, n) and weight.bias.is_contiguous())
+    assert pairs_per_row >= 1 and a.shape[0] * pairs_per_row == num_pairs
+    assert sorted_pair_ids.dtype == tile_expert_ids.dtype == num_post_padded.dtype == torch.int32
+    assert sorted_pair_ids.numel() == tile_expert_ids.numel() * block_m
+    if routing is not None:
+        assert routing.dtype == torch.float32 and routing.is_contiguous() and routing.numel() == num_pairs
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    if num_pairs == 0:
+        return out
+    grid = (tile_expert_ids.numel(), triton.cdiv(n, block_n))
+    _moe_mxfp4_gemm_kernel[grid](
+        out, a, weight.blocks, weight.scales, weight.scales if weight.bias is None else weight.bias,
+        weight.scales if routing is None else routing, sorted_pair_ids, tile_expert_ids, num_post_padded,
+        num_pairs, n, k, a.stride(0), out.stride(0),
+        A_ROWS_PER_PAIR_DIVISOR=pairs_per_row, MUL_ROUTING_WEIGHT=routing is not None,
+        HAS_BIAS=weight.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_precision(a.dtype),
     )
     return out
 
