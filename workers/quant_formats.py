@@ -129,7 +129,7 @@ def parse_quantization(config: Mapping | None) -> QuantSpec | None:
 
 
 def _group_size(method: str, config: Mapping) -> int | None:
-    group_size = int(config.get("group_size", 128))
+    group_size = int(config.get("group_size", config.get("q_group_size", 128)))
     if group_size == -1:
         return None
     if group_size <= 0 or group_size % 8:
@@ -149,6 +149,8 @@ def _parse_int4(method: str, config: Mapping, skip: tuple[str, ...]) -> QuantSpe
         if not config.get("zero_point", True):
             raise _fail(method, "zero_point false is not supported (the gemm format stores zero points)")
         return QuantSpec("awq", method, group_size=group_size, skip=skip)
+    if str(config.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise _fail(method, f"pack_dtype {config['pack_dtype']!r} is not supported (int32 words only)")
     fmt = str(config.get("checkpoint_format", config.get("format", "gptq"))).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise _fail(method, f"checkpoint_format {fmt!r} is not supported (gptq or gptq_v2)")
@@ -330,7 +332,7 @@ def _int4_kernel_form(spec, raw, device, dtype, bias) -> Int4Weight:
     if g_idx is not None:
         if g_idx.shape != (k,):
             raise QuantConfigError(f"gptq g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
-        trivial = torch.equal(g_idx.long(), torch.arange(k) // group_size)
+        trivial = torch.equal(g_idx.long(), torch.arange(k, device=g_idx.device) // group_size)
         if trivial:
             g_idx = None
         elif not spec.desc_act:

@@ -201,6 +201,8 @@ def test_unquantized_modules():
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size 100"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, "'int16'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'marlin'"),
     ({**qc.compressed_tensors_config(), "format": "pack-quantized"}, "'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}}, "'block'"),
