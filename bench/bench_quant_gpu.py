@@ -11,7 +11,7 @@ in microseconds, the ratio to bf16 F.linear measured in the same run, and the ma
 the output against x @ dequantize(W).T relative to its largest value (a sanity column).
 
 Formats: bf16 (F.linear, the baseline), awq and gptq (4-bit, group 128), mxfp4 (e2m1, 32 per
-e8m0 scale), fp8 (w8a8: per-token activation quantization then torch._scaled_mm on sm_89+,
+e8m0 scale), fp8 (w8a8: per-token activation quantization then torch._scaled_mm on sm_89/sm_90,
 the Triton FP8 GEMM below), fp8-triton (w8a8 forced through the Triton FP8 GEMM), fp8-w8a16
 (fp8 weights, activations as they are). Tile sizes are untuned. Runs in about a minute on an
 H100 (most of it Triton compiling).

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 REL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # fp32: TF32 is not used (ieee dots)
 SHAPES = [(1, 40, 96), (16, 40, 96), (33, 40, 96), (64, 1024, 4096)]  # (M, N, K)
-SM89 = torch.cuda.get_device_capability() >= (8, 9)
+SM89 = torch.cuda.get_device_capability() >= (8, 9)  # Triton's e4m3 cast
+SCALED_MM = torch.cuda.get_device_capability() in ((8, 9), (9, 0))  # triton_quant.uses_scaled_mm
 
 
 def assert_near(out, expected, dtype, tol=None):
@@ -98,10 +99,10 @@ def test_quantize_fp8_per_token_on_gpu(m, ub):
 @pytest.mark.parametrize("scaled_mm", [False, True])
 @pytest.mark.parametrize("config", ["fbgemm", "ct-tensor-static"])
 def test_fp8_w8a8_both_paths(config, scaled_mm, m, n, k, dtype):
-    if scaled_mm and not SM89:
-        pytest.skip("torch._scaled_mm needs sm_89+")
-    if scaled_mm and (n % 16 or k % 16):
-        pytest.skip("torch._scaled_mm needs K and N multiples of 16")
+    if scaled_mm and not SCALED_MM:
+        pytest.skip("torch._scaled_mm's row-wise path is used on sm_89 and sm_90 only")
+    if scaled_mm and (n % 16 or k % 16 or dtype != torch.bfloat16):
+        pytest.skip("quant_linear gives torch._scaled_mm bf16 outputs and K, N multiples of 16 only")
     static = config == "ct-tensor-static"
     tensors, expected = qc.make_fp8(n, k, per_channel=not static, seed=m, input_scale=0.02 if static else None)
     tensors["layer.bias"] = torch.randn(n)
@@ -116,11 +117,11 @@ def test_fp8_w8a8_both_paths(config, scaled_mm, m, n, k, dtype):
     assert_near(out, reference + weight.bias.double(), dtype)
 
 
-def test_fp8_dispatch_picks_scaled_mm_on_sm89():
+def test_fp8_dispatch_picks_scaled_mm_on_sm89_and_sm90():
     tensors, _ = qc.make_fp8(64, 128)
     weight = load(qc.FBGEMM_CONFIG, tensors, torch.bfloat16)
-    assert tq.uses_scaled_mm(x_for(4, 128, torch.bfloat16), weight) == SM89
-    assert not tq.uses_scaled_mm(x_for(4, 128, torch.float32), weight)
+    assert tq.uses_scaled_mm(x_for(4, 128, torch.bfloat16), weight) == SCALED_MM
+    assert not tq.uses_scaled_mm(x_for(4, 128, torch.float16), weight)
 
 
 @pytest.mark.parametrize("name", ["awq", "mxfp4", "fbgemm"])

@@ -487,6 +487,26 @@ def test_fp8_linear_against_dequantized_float(tq, fp8_cast_interpreter, activati
                 + tensors["layer.bias"].half().double(), torch.float16)
 
 
+@pytest.mark.parametrize("config", ["fbgemm", "static"])
+def test_fp8_linear_through_scaled_mm_on_cpu(tq, fp8_cast_interpreter, config):
+    """The torch._scaled_mm call itself (row-wise scales [M, 1] and [1, N], the weight transposed
+    column-major, bias, bf16 out), run by torch's CPU implementation: the same result as the
+    Triton FP8 GEMM within bf16 rounding."""
+    static = config == "static"
+    tensors, expected = qc.make_fp8(N * 2, 128, seed=8, input_scale=0.02 if static else None)
+    tensors["layer.bias"] = torch.randn(N * 2)
+    spec_config = qc.compressed_tensors_config("channel", "static") if static else qc.FBGEMM_CONFIG
+    weight = kernel_weight(spec_config, tensors, torch.bfloat16)
+    x = x_for(33, 128, torch.bfloat16, seed=8)
+    assert not tq.uses_scaled_mm(x, weight), "CPU tensors never pick it on their own"
+    via_scaled_mm = tq.fp8_linear(x, weight, use_scaled_mm=True)
+    q, scale = tq.quantize_fp8_reference(x, weight.activation_scale_ub,
+                                         static_scale=weight.input_scale if static else None)
+    reference = (q.double() * scale.double()[:, None]) @ expected.double().t() + weight.bias.double()
+    assert via_scaled_mm.dtype == torch.bfloat16
+    assert_near(via_scaled_mm, reference, torch.bfloat16)
+
+
 def test_launchers_reject_bad_inputs(tq):
     config, (tensors, _) = _int4_case("awq", 64, 32)
     weight = kernel_weight(config, tensors, torch.float16)

@@ -23,9 +23,10 @@ Kernels, each program one (BLOCK_M, BLOCK_N) tile of y, fp32 accumulation over K
       decoded to fp16 exactly (bits << 7, times 2 ** 8), so it runs on any GPU; a may also be
       x itself (weight-only fp8: a_scale = 1).
 
-FP8 dispatch: on sm_89+ (and bf16/fp16 output, K and N multiples of 16) tokens are quantized by
-_quantize_fp8_kernel and multiplied by torch._scaled_mm (row-wise scales); elsewhere tokens are
-quantized by torch (fp32 -> e4m3 casts in Triton need sm_89) and _fp8_gemm_kernel multiplies.
+FP8 dispatch (uses_scaled_mm): on sm_89/sm_90 with bf16 x and K, N multiples of 16, tokens are
+quantized by _quantize_fp8_kernel and multiplied by torch._scaled_mm (row-wise scales); otherwise
+_fp8_gemm_kernel multiplies, after _quantize_fp8_kernel on sm_89+ or torch's quantizer below it
+(Triton has no fp32 -> e4m3 cast before sm_89).
 
 Tile sizes are fixed by _choose_blocks (16 rows for decodes, 64 beyond), not tuned on a GPU.
 Nothing reads a tensor on the host, so every entry can be captured in a CUDA graph.
@@ -482,11 +483,13 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: Fp8Weight, o
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """Whether fp8_linear multiplies by torch._scaled_mm: fp8 activations on a sm_89+ device, a
-    16-bit output, and K and N multiples of 16 (its layout rules)."""
+    """Whether fp8_linear multiplies by torch._scaled_mm: fp8 activations on sm_89 or sm_90 (its
+    row-wise scaled kernels; sm_100+ and sm_120 lack or fail them in the torch releases we know
+    of, so they take the Triton GEMM), a bf16 output (row-wise fp16 output came only in late-2025
+    torch) and K and N multiples of 16 (its layout rules)."""
     n, k = weight.shape
-    return (x.is_cuda and weight.activations is not None and torch.cuda.get_device_capability(x.device) >= (8, 9)
-            and x.dtype in (torch.float16, torch.bfloat16) and n % 16 == 0 and k % 16 == 0)
+    return (x.is_cuda and weight.activations is not None and x.dtype == torch.bfloat16 and n % 16 == 0
+            and k % 16 == 0 and torch.cuda.get_device_capability(x.device) in ((8, 9), (9, 0)))
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, *, use_scaled_mm: bool | None = None,
@@ -499,7 +502,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, *, use_scaled_mm: bool | None
     scaled_mm = uses_scaled_mm(x, weight) if use_scaled_mm is None else use_scaled_mm
     if weight.activations == "static_tensor":
         q, scale = quantize_fp8_reference(x, static_scale=weight.input_scale)
-    elif scaled_mm or not x.is_cuda:  # Triton's fp32 -> e4m3 cast: sm_89+ (or the interpreter)
+    elif not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9):  # Triton's e4m3 cast
         q, scale = quantize_fp8_per_token(x, weight.activation_scale_ub)
     else:
         q, scale = quantize_fp8_reference(x, weight.activation_scale_ub)
