@@ -11,7 +11,8 @@ in microseconds, the ratio to bf16 F.linear measured in the same run, and the ma
 the output against x @ dequantize(W).T relative to its largest value (a sanity column).
 
 Formats: bf16 (F.linear, the baseline), awq and gptq (4-bit, group 128), mxfp4 (e2m1, 32 per
-e8m0 scale), fp8 (w8a8: per-token activation quantization then torch._scaled_mm on sm_89/sm_90,
+e8m0 scale), awq-nosplit and mxfp4-nosplit (the same with split-K off: whether split-K pays at
+batch 1), fp8 (w8a8: per-token activation quantization then torch._scaled_mm on sm_89/sm_90,
 the Triton FP8 GEMM below), fp8-triton (w8a8 forced through the Triton FP8 GEMM), fp8-w8a16
 (fp8 weights, activations as they are). Tile sizes are untuned. Runs in about a minute on an
 H100 (most of it Triton compiling).
@@ -30,7 +31,7 @@ from workers import quant_formats as qf
 # Llama-3.1-8B: hidden 4096, 32 heads / 8 kv heads of 128, intermediate 14336; (name, N, K, times per layer)
 LLAMA_8B_SHAPES = [("q/o 4096x4096", 4096, 4096, 2), ("k/v 1024x4096", 1024, 4096, 2),
                    ("gate/up 14336x4096", 14336, 4096, 2), ("down 4096x14336", 4096, 14336, 1)]
-FORMATS = ("bf16", "awq", "gptq", "mxfp4", "fp8", "fp8-triton", "fp8-w8a16")
+FORMATS = ("bf16", "awq", "awq-nosplit", "gptq", "mxfp4", "mxfp4-nosplit", "fp8", "fp8-triton", "fp8-w8a16")
 L2_BYTES = 64 << 20  # a bit over an H100/H200's 50 MB L2
 
 
@@ -77,9 +78,9 @@ def random_fp8(n: int, k: int, device, activations: str | None) -> qf.Fp8Weight:
 def build_weight(fmt: str, n: int, k: int, device) -> torch.Tensor | qf.QuantWeight:
     if fmt == "bf16":
         return (torch.randn(n, k, device=device) / k ** 0.5).bfloat16()
-    if fmt in ("awq", "gptq"):
-        return random_int4(fmt, n, k, device)
-    if fmt == "mxfp4":
+    if fmt in ("awq", "gptq", "awq-nosplit"):
+        return random_int4(fmt.removesuffix("-nosplit"), n, k, device)
+    if fmt in ("mxfp4", "mxfp4-nosplit"):
         return random_mxfp4(n, k, device)
     return random_fp8(n, k, device, None if fmt == "fp8-w8a16" else "dynamic_token")
 
@@ -95,6 +96,10 @@ def _call(fmt: str, tq, x: torch.Tensor, weight) -> torch.Tensor:
         return F.linear(x, weight)
     if fmt == "fp8-triton":
         return tq.fp8_linear(x, weight, use_scaled_mm=False)
+    if fmt == "awq-nosplit":
+        return tq.int4_gemm(x, weight, split_k=1)
+    if fmt == "mxfp4-nosplit":
+        return tq.mxfp4_gemm(x, weight, split_k=1)
     return tq.quant_linear(x, weight)
 
 
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     print(f"{torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}),"
           f" torch {torch.__version__}; median of {args.iters} calls; x bf16; weights streamed from HBM")
-    print(f"{'shape':20s} | {'batch':>5s} | {'format':10s} | {'MB':>6s} | {'us':>8s} | {'vs bf16':>7s} | max rel err")
+    print(f"{'shape':20s} | {'batch':>5s} | {'format':13s} | {'MB':>6s} | {'us':>8s} | {'vs bf16':>7s} | max rel err")
     per_layer: dict[tuple[str, int], float] = {}
     for name, n, k, repeats in LLAMA_8B_SHAPES:
         for batch in args.batches:
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
                 baseline = micros if fmt == "bf16" else baseline
                 error = max_rel_error(fmt, tq, x, first)
                 per_layer[fmt, batch] = per_layer.get((fmt, batch), 0.0) + repeats * micros
-                print(f"{name:20s} | {batch:5d} | {fmt:10s} | {weight_bytes(first) / 1e6:6.1f} | {micros:8.1f} | "
+                print(f"{name:20s} | {batch:5d} | {fmt:13s} | {weight_bytes(first) / 1e6:6.1f} | {micros:8.1f} | "
                       f"{baseline / micros:6.2f}x | {error:.2e}", flush=True)
                 del weights, first
     print("\none decoder layer's 7 projections (q, k, v, o, gate, up, down), us:")

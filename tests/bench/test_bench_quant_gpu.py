@@ -31,7 +31,8 @@ def test_random_weights_are_valid_kernel_forms(fmt):
     weight = bench.build_weight(fmt, 64, 256, "cpu")
     dense = qf.dequantize(weight)
     assert dense.shape == (64, 256) and torch.isfinite(dense).all() and dense.abs().max() > 0
-    expected_bytes = {"bf16": 64 * 256 * 2, "awq": 64 * 256 // 2, "gptq": 64 * 256 // 2, "mxfp4": 64 * 256 // 2}
+    expected_bytes = {"bf16": 64 * 256 * 2, "awq": 64 * 256 // 2, "gptq": 64 * 256 // 2, "mxfp4": 64 * 256 // 2,
+                      "awq-nosplit": 64 * 256 // 2, "mxfp4-nosplit": 64 * 256 // 2}
     if fmt in expected_bytes:
         assert bench.weight_bytes(weight) >= expected_bytes[fmt]
     if fmt != "bf16":

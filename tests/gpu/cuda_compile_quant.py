@@ -57,6 +57,8 @@ def _launches(dtype: torch.dtype, m: int) -> dict[str, tuple]:
             x.repeat_interleave(2, 0), experts, *aligned, 2 * m, 1, routing, block_m=16 if m <= 16 else 64)),
         "awq one-group": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq)),
         "gptq g_idx": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, gptq)),
+        "awq split-k 4": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq, split_k=4)),
+        "mxfp4 split-k 4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx, split_k=4)),
         "mxfp4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx)),
         "fp8 w8a8": cc._record(tq, "_fp8_gemm_kernel", lambda: tq.fp8_gemm(q, scale, fp8, dtype)),
         "fp8 w8a16": cc._record(tq, "_fp8_gemm_kernel", lambda: tq.fp8_gemm(x, None, fp8, dtype)),

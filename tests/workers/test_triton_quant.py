@@ -347,6 +347,49 @@ def test_int4_gemm_bf16_and_default_tiles(tq, bf16_interpreter):
     assert_near(out[0], x.double() @ expected.double().t(), torch.bfloat16)
 
 
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("case", ["awq", "gptq-act-order", "mxfp4"])
+def test_split_k_adds_partial_tiles_once_each(tq, case, split_k):
+    """Split-K (decode batches on CUDA): programs share an output tile, each taking every
+    split_k-th K tile, adding into fp32; the bias is added once. K = 160: 5 tiles of 32, so the
+    splits get unequal shares (3 of them one tile fewer, or 2 none at all...)."""
+    k, m = 160, 3
+    if case == "mxfp4":
+        tensors, expected = qc.make_mxfp4(N, k, seed=split_k)
+        config = qc.MXFP4_CONFIG
+        tensors["layer_bias"] = torch.randn(N)
+        bias = tensors["layer_bias"]
+        weight = qf.Mxfp4Weight(tensors["layer_blocks"].flatten(-2), tensors["layer_scales"], bias.half())
+        run = tq.mxfp4_gemm
+    else:
+        config, (tensors, expected) = _int4_case("awq" if case == "awq" else "gptq", k, 32, seed=split_k,
+                                                 **({} if case == "awq" else {"act_order": True}))
+        tensors["layer.bias"] = bias = torch.randn(N)
+        weight = kernel_weight(config, tensors, torch.float16)
+        run = tq.int4_gemm
+    x = x_for(m, k, torch.float16, seed=split_k)
+    out = run(x, weight, blocks=TILES, split_k=split_k)
+    assert out.dtype == torch.float16 and out.shape == (m, N)
+    reference = x.double() @ expected.double().t() + bias.half().double()
+    assert_near(out, reference, torch.float16)
+    assert_near(run(x, weight, blocks=TILES, split_k=1), reference, torch.float16)
+
+
+def test_split_k_choice():
+    from workers.kernels.triton_quant import _choose_split_k  # plain Python: no kernel runs
+
+    assert _choose_split_k(1, 1024, 4096, 64, 64, torch.device("cpu")) == 1
+    import workers.kernels.triton_quant as module
+    module._NUM_SMS[7] = 132  # an H100's SM count, for a device that does not exist here
+    cuda = torch.device("cuda", 7)
+    assert _choose_split_k(1, 1024, 4096, 64, 64, cuda) == 16  # 16 N tiles * 16 = 256 programs
+    assert _choose_split_k(1, 14336, 4096, 64, 64, cuda) == 2
+    assert _choose_split_k(1, 4096, 4096, 64, 64, cuda) == 4  # 5 wanted, rounded down to a power of two
+    assert _choose_split_k(1, 1024, 256, 64, 64, cuda) == 1  # 4 K tiles: no share below 4 tiles
+    assert _choose_split_k(17, 1024, 4096, 64, 64, cuda) == 1  # past decode sizes: one program a tile
+    del module._NUM_SMS[7]
+
+
 # ----------------------------------------------------------------------------- mxfp4 kernel
 
 
@@ -538,4 +581,4 @@ def test_quant_kernels_compile_for_cuda_targets():
     if child.returncode == 2:
         pytest.skip(child.stdout.strip())
     assert child.returncode == 0, f"{child.stdout}\n{child.stderr[-3000:]}"
-    assert child.stdout.count("ok   sm_") == 32, child.stdout
+    assert child.stdout.count("ok   sm_") == 40, child.stdout

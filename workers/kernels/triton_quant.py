@@ -29,6 +29,11 @@ _fp8_gemm_kernel multiplies, after _quantize_fp8_kernel on sm_89+ or torch's qua
 (Triton has no fp32 -> e4m3 cast before sm_89).
 
 Tile sizes are fixed by _choose_blocks (16 rows for decodes, 64 beyond), not tuned on a GPU.
+Split-K (the 4-bit and MXFP4 GEMMs): a decode's few output tiles (1024 / 64 = 16 for a k/v
+projection) would leave most SMs idle, so up to 16 rows several programs share one tile, each
+taking every SPLIT_K-th K tile, and add into an fp32 output atomically (then cast to x's
+dtype); _choose_split_k aims at twice the SM count. Untimed so far: bench/bench_quant_gpu.py
+times it against split-K 1 (the "-nosplit" formats).
 Nothing reads a tensor on the host, so every entry can be captured in a CUDA graph.
 """
 
@@ -49,6 +54,20 @@ FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the smallest per-token scale (an all-
 
 
 @triton.jit
+def _write_tile(c_ptr, acc, bias_ptr, offs_m, offs_n, m_valid, n_valid, stride_cm, pid_k,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """acc (+ bias, once) into c: stored, or atomically added into fp32 c when SPLIT_K > 1."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, bias, 0.0)[None, :]  # one share of a split tile adds it
+    ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+    else:
+        tl.atomic_add(ptrs, acc, mask=m_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
 def _int4_gemm_kernel(
     c_ptr,  # [M, N] in a's dtype
     a_ptr,  # [M, K]
@@ -65,6 +84,7 @@ def _int4_gemm_kernel(
     AWQ: tl.constexpr,  # AWQ's layout, else GPTQ's
     HAS_G_IDX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile (> 1: c is fp32, added into atomically)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,6 +92,7 @@ def _int4_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)  # this program's share of K: tiles pid_k, pid_k + SPLIT_K, ...
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -85,7 +106,7 @@ def _int4_gemm_kernel(
         zero_shift = j * 4
     ONE_GROUP: tl.constexpr = (GROUP_SIZE % BLOCK_K == 0) and (not HAS_G_IDX)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         ks = k_start + offs_k
         k_valid = ks < K
         w_mask = k_valid[:, None] & n_valid[None, :]
@@ -113,10 +134,7 @@ def _int4_gemm_kernel(
             scales = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=w_mask, other=0.0).to(tl.float32)
             w = ((q - zeros - ZERO_OFFSET).to(tl.float32) * scales).to(a.dtype)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_valid[:, None] & n_valid[None, :])
+    _write_tile(c_ptr, acc, bias_ptr, offs_m, offs_n, m_valid, n_valid, stride_cm, pid_k, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -148,6 +166,7 @@ def _mxfp4_gemm_kernel(
     stride_am,
     stride_cm,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile (> 1: c is fp32, added into atomically)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -155,13 +174,14 @@ def _mxfp4_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)  # this program's share of K: tiles pid_k, pid_k + SPLIT_K, ...
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid = offs_m < M
     n_valid = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         ks = k_start + offs_k
         k_valid = ks < K
         w_mask = k_valid[:, None] & n_valid[None, :]
@@ -169,10 +189,7 @@ def _mxfp4_gemm_kernel(
                     other=0.0)
         w = _mxfp4_tile(blocks_ptr, scales_ptr, offs_n.to(tl.int64), ks, K, w_mask)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_valid[:, None] & n_valid[None, :])
+    _write_tile(c_ptr, acc, bias_ptr, offs_m, offs_n, m_valid, n_valid, stride_cm, pid_k, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -324,6 +341,29 @@ def _choose_blocks(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return (16 if m <= 16 else 64), 64, (32 if dtype == torch.float32 else 64)
 
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def _choose_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """Programs per output tile: decode-sized batches (<= 16 rows) on CUDA get enough programs to
+    cover the SMs about twice (k/v projections have few N tiles), each keeping >= 4 K tiles,
+    rounded down to a power of two; elsewhere 1. Results differ only in fp32 summation order."""
+    if m > 16 or device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = -(-2 * _NUM_SMS[index] // triton.cdiv(n, block_n))
+    split = max(1, min(wanted, triton.cdiv(k, block_k) // 4))
+    return 1 << (split.bit_length() - 1)  # a power of two: few compiled variants
+
+
+def _output(m: int, n: int, x: torch.Tensor, split_k: int) -> torch.Tensor:
+    if split_k == 1:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return torch.zeros(m, n, dtype=torch.float32, device=x.device)  # the programs add into it
+
+
 def _check_x(x: torch.Tensor, k: int, *others: torch.Tensor | None) -> None:
     assert x.dim() == 2 and x.shape[1] == k, f"x must be [M, {k}], got {tuple(x.shape)}"
     assert x.dtype in _X_DTYPES, f"x dtype {x.dtype} is not one of {_X_DTYPES}"
@@ -336,8 +376,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (AWQ or GPTQ weights)."""
+def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, int] | None = None,
+              split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (AWQ or GPTQ weights).
+    split_k: programs per output tile (None: _choose_split_k)."""
     n, k = weight.shape
     _check_x(x, k, weight.qweight, weight.qzeros, weight.scales, weight.g_idx, weight.bias)
     assert weight.layout in ("awq", "gptq") and n % 8 == 0 and k % 8 == 0, f"{weight.layout} [{n}, {k}]"
@@ -349,41 +391,45 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, in
         assert weight.g_idx.dtype == torch.int32 and weight.g_idx.shape == (k,)
     block_m, block_n, block_k = blocks or _choose_blocks(x.shape[0], x.dtype)
     assert block_n % 8 == 0 and block_k % 8 == 0, "tiles hold whole packed words"
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    split_k = split_k or _choose_split_k(x.shape[0], n, k, block_n, block_k, x.device)
+    out = _output(x.shape[0], n, x, split_k)
     if x.shape[0] == 0:
-        return out
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
+        return out.to(x.dtype)
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n), split_k)
     _int4_gemm_kernel[grid](
         out, x, weight.qweight, weight.qzeros, weight.scales,
         weight.qweight if weight.g_idx is None else weight.g_idx,
         weight.scales if weight.bias is None else weight.bias,
         x.shape[0], n, k, x.stride(0), out.stride(0),
         GROUP_SIZE=weight.group_size, ZERO_OFFSET=weight.zero_offset, AWQ=weight.layout == "awq",
-        HAS_G_IDX=weight.g_idx is not None, HAS_BIAS=weight.bias is not None,
+        HAS_G_IDX=weight.g_idx is not None, HAS_BIAS=weight.bias is not None, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=_precision(x.dtype),
     )
-    return out
+    return out.to(x.dtype)
 
 
-def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (one [N, K] MXFP4 weight)."""
+def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: tuple[int, int, int] | None = None,
+               split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (one [N, K] MXFP4 weight).
+    split_k: programs per output tile (None: _choose_split_k)."""
     n, k = weight.shape
     _check_x(x, k, weight.blocks, weight.scales, weight.bias)
     assert weight.blocks.dim() == 2, "a stack of experts: multiply by weight.expert(e)"
     assert weight.blocks.dtype == weight.scales.dtype == torch.uint8 and k % 32 == 0
     assert weight.scales.shape == (n, k // 32) and weight.blocks.is_contiguous() and weight.scales.is_contiguous()
     block_m, block_n, block_k = blocks or _choose_blocks(x.shape[0], x.dtype)
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    split_k = split_k or _choose_split_k(x.shape[0], n, k, block_n, block_k, x.device)
+    out = _output(x.shape[0], n, x, split_k)
     if x.shape[0] == 0:
-        return out
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
+        return out.to(x.dtype)
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n), split_k)
     _mxfp4_gemm_kernel[grid](
         out, x, weight.blocks, weight.scales, weight.scales if weight.bias is None else weight.bias,
         x.shape[0], n, k, x.stride(0), out.stride(0),
-        HAS_BIAS=weight.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=weight.bias is not None, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=_precision(x.dtype),
     )
-    return out
+    return out.to(x.dtype)
 
 
 def moe_mxfp4_gemm(a: torch.Tensor, weight: Mxfp4Weight, sorted_pair_ids: torch.Tensor,
