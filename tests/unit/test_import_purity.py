@@ -17,4 +17,4 @@ def test_scheduler_imports_no_ray_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert {"scheduler", "engine", "testing", "kv_cache_manager"} <= set(MODULES)
+    assert {"scheduler", "engine", "testing", "kv_cache_manager", "autoscale"} <= set(MODULES)
