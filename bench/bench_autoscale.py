@@ -24,10 +24,11 @@ Workers: `--max-num-seqs` (16) sequences each and a KV pool of `--num-blocks` (3
 queueing and the default peak of 64 streams needs exactly 4. At 3 workers 16 requests wait,
 about 32k prompt tokens over 3 workers, over the policy's default queue target (8192 per
 worker): the policy has a signal that says the maximum is needed, which is what makes the
-comparison below fair (with P=512 the same queue would read 8k tokens, under target, and the
-policy would rightly settle at 3 workers with a second of queueing). The policy is told the
-batch size (max_running_per_worker = max_num_seqs), so full batches are not mistaken for a
-quiet cluster.
+comparison below fair. With P=512 those 16 requests would read 8k tokens, under target, and
+queue about a second, under the 2 s latency target: a cluster grown to 3 workers gradually
+would see no reason for the fourth (from 1 worker the policy still jumps to 4, on latency).
+The policy is told the batch size (max_running_per_worker = max_num_seqs), so full batches
+are not mistaken for a quiet cluster.
 
 Runs, on the same load: fixed `--min-workers` (1), fixed `--max-workers` (4), and autoscaling
 between them with `AutoscalePolicy` (scheduler/autoscale.py), decided every
@@ -38,7 +39,7 @@ what is left then is moved (recomputed from prompt + tokens so far) to a serving
 The default load: 1 stream for 10 minutes, 64 for 10 (the peak, a third of the time), 1 for
 10. The peak is 10 minutes so that the minute the autoscaler needs to see it (30 s delay)
 and bring workers up (30 s start-up) shows in the peak's TTFT tail but not in its p90: the
-requests sent in that minute are about 4% of the peak's. Shorter peaks fail the TTFT goal
+requests sent in that minute are 3% of the peak's. Shorter peaks fail the TTFT goal
 (a 150 s peak: p90 26x the fixed maximum's), as any reactive policy must.
 Delays: the policy's scale-up delay (30 s) and a scale-down delay of 120 s (the policy's
 600 s default is for production, where a lull is worth riding out; over a 10-minute phase
