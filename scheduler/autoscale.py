@@ -37,7 +37,9 @@ Algorithm, in order (the first rule that applies answers):
    the timer starts again, so the next one needs the signal to hold another delay (the
    latency window still remembers requests that waited before the new workers came).
 5. Down: every signal is under `scale_down_fraction` of its target (the hysteresis band),
-   nothing is parked, and with one serving worker fewer nothing would be over target,
+   and so are the serving workers' running + waiting requests against their batches when
+   `max_running_per_worker` is given; nothing is parked; and with one serving worker fewer
+   nothing would be over target (nor over the batches),
    continuously for scale_down_delay_s. Then desired = current - 1 ("idle"), never below
    min_workers, retiring the victim. One worker at a time: not while another drains, and the
    next one after scale_down_step_s more of the same condition. The last worker (min_workers
@@ -86,6 +88,11 @@ class AutoscaleConfig:
     target_queue_time_s: float = 2.0  # p90 time from arrival to first scheduling, over the last window
     scale_down_fraction: float = 0.5  # down only while every signal is under this share of its target
     scale_down_step_s: float = 60.0  # after a retirement, the condition must hold this long more for the next
+    # The workers' max_num_seqs (None: not known). With it, a retirement also needs the running and
+    # waiting requests under scale_down_fraction of every serving batch, and within the batches of
+    # one worker fewer: a cluster whose batches are full holds no queue and may use little KV, but
+    # retiring one of its workers would make requests wait.
+    max_running_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
@@ -107,6 +114,8 @@ class AutoscaleConfig:
             raise ValueError(f"target_queue_time_s must be positive, got {self.target_queue_time_s}")
         if not 0 <= self.scale_down_fraction < 1:
             raise ValueError(f"scale_down_fraction must be in [0, 1), got {self.scale_down_fraction}")
+        if self.max_running_per_worker is not None and self.max_running_per_worker < 1:
+            raise ValueError(f"max_running_per_worker must be at least 1 or None, got {self.max_running_per_worker}")
 
 
 @dataclass(frozen=True)
@@ -251,16 +260,20 @@ class AutoscalePolicy:
         waiting = sum(w.waiting_prompt_tokens for w in load.workers if w.state != "starting")
         kv = sum(w.kv_use for w in load.workers if w.state == "serving")
         p90 = load.queue_time_p90_s
+        seats = cfg.max_running_per_worker
+        requests = sum(w.running + w.waiting for w in load.workers if w.state == "serving")
         if (waiting > fraction * cfg.target_waiting_tokens_per_worker * num_serving
                 or kv > fraction * cfg.target_kv_use * num_serving
-                or (p90 is not None and p90 > fraction * cfg.target_queue_time_s)):
+                or (p90 is not None and p90 > fraction * cfg.target_queue_time_s)
+                or (seats is not None and requests > fraction * seats * num_serving)):
             return False
         fewer = num_serving - 1
         if fewer == 0:
             return self._idle_since is not None  # the last serving worker: only an idle cluster
         return (waiting <= cfg.target_waiting_tokens_per_worker * fewer
                 and kv <= cfg.target_kv_use * fewer
-                and (p90 is None or p90 * num_serving / fewer <= cfg.target_queue_time_s))
+                and (p90 is None or p90 * num_serving / fewer <= cfg.target_queue_time_s)
+                and (seats is None or requests <= seats * fewer))
 
     def _track_idle(self, now: float, load: ClusterLoad) -> None:
         idle = load.parked == 0 and all(w.running == 0 and w.waiting == 0 for w in load.workers)

@@ -356,7 +356,8 @@ class AppArgs(BaseModel):
                                max_workers=self.max_workers, scale_up_delay_s=self.scale_up_delay_s,
                                scale_down_delay_s=self.scale_down_delay_s,
                                target_waiting_tokens_per_worker=self.scale_target_waiting_tokens,
-                               target_queue_time_s=self.scale_target_queue_time_s)
+                               target_queue_time_s=self.scale_target_queue_time_s,
+                               max_running_per_worker=self.max_num_seqs)
 
     @model_validator(mode="after")
     def _check_shards(self) -> AppArgs:

@@ -48,6 +48,7 @@ def busy(worker_id, state="serving"):
     (dict(min_workers=1, max_workers=2, target_waiting_tokens_per_worker=0), "target_waiting_tokens_per_worker"),
     (dict(min_workers=1, max_workers=2, target_queue_time_s=0.0), "target_queue_time_s must be positive"),
     (dict(min_workers=1, max_workers=2, scale_down_fraction=1.0), "scale_down_fraction must be in"),
+    (dict(min_workers=1, max_workers=2, max_running_per_worker=0), "max_running_per_worker must be at least 1"),
 ])
 def test_config_is_validated_with_clear_messages(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -203,6 +204,20 @@ def test_no_retirement_when_one_worker_fewer_would_be_over_target():
                       worker(1, running=4, waiting=4, tokens=int(0.4 * T), kv=0.1))
     run(p, lighter, 1000.0, 1060.0)
     assert p.decide(1060.0, lighter).retire is not None
+
+
+def test_full_batches_with_little_kv_keep_their_workers_when_the_batch_size_is_known():
+    # 4 workers, each with its 16 seats taken, no queue, a third of the KV used
+    full = cluster(*(worker(i, running=16, kv=0.3) for i in range(4)))
+    blind = policy(scale_down_delay_s=60.0)
+    run(blind, full, 0.0, 60.0)
+    assert blind.decide(60.0, full).retire is not None  # without the batch size it cannot tell
+    p = policy(scale_down_delay_s=60.0, max_running_per_worker=16)
+    assert all(d.retire is None for _, d in run(p, full, 0.0, 3600.0, every=10.0))
+    # half the seats in use over 4 workers: the remaining 3 would hold them; still in the band
+    half = cluster(*(worker(i, running=8, kv=0.2) for i in range(4)))
+    run(p, half, 3600.0, 3660.0)
+    assert p.decide(3660.0, half).retire is not None
 
 
 def test_parked_requests_block_scale_down():
