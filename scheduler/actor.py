@@ -140,6 +140,16 @@ class SchedulerActor:
         self._ensure_watching()
         return True
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard's actor list shows: the workers by state (cheap, never raises)."""
+        try:
+            states = self._group.states
+            counts = ", ".join(f"{state} {states.count(state)}" for state in (STARTING, SERVING, DRAINING))
+            elastic = f", desired {self._desired}" if self._elastic is not None else ""
+            return f"SchedulerActor(workers: {counts}{elastic})"
+        except Exception:
+            return "SchedulerActor(starting)"
+
     def _ensure_watching(self) -> None:
         """Starts the worker watch on the first call (also after Ray restarted this actor)."""
         # Fresh contexts: these tasks outlive the call that starts them, and Ray would parent

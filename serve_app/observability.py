@@ -213,6 +213,7 @@ def worker_json(worker: Any) -> dict[str, Any]:
     return {
         "worker": worker.worker,
         "state": state,
+        "lifecycle": getattr(worker, "state", "serving"),  # starting | serving | draining (elastic workers)
         "node_id": worker.node_id,
         "node_ip": worker.node_ip,
         "num_running": worker.num_running_seqs,

@@ -97,7 +97,7 @@ async def test_metrics_show_tokenization_and_engine_stats_from_the_cache() -> No
     assert 0 <= sample(text, PREFIX + "engine_stats_age_seconds") < 60
     [worker] = info["schedulers"][0]["workers"]
     assert worker == {
-        "worker": "0", "state": "busy", "node_id": "n1", "node_ip": "127.0.0.1", "num_running": 2,
+        "worker": "0", "state": "busy", "lifecycle": "serving", "node_id": "n1", "node_ip": "127.0.0.1", "num_running": 2,
         "num_waiting": 1, "kv_blocks_used": 10, "kv_blocks_total": 100, "kv_usage": 0.1, "num_steps": 7,
         "seconds_since_last_step": None, "busy_s": 0.0, "gap_s": 0.0,
     }

@@ -47,6 +47,17 @@ NUM_POSITIONS = 200  # teacher-forced positions of real text (one prefill: the r
 MIN_AGREEMENT = 0.99
 
 
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    """These tests check the checkpoint's reading and the model's wiring, so the kernels take x in
+    fp32 (the same weights give the same tokens up to fp32 sums); the served default quantizes x
+    to int8 per block, whose error tests/workers/test_gguf_kernels.py bounds and
+    bench/gguf_accuracy.py measures on real text."""
+    from workers.kernels import gguf
+
+    monkeypatch.setattr(gguf, "DEFAULT_MODE", "fp32")
+
+
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to q and k: each head's two halves interleaved."""
     return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])

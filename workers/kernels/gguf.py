@@ -53,9 +53,11 @@ def native_takes(x: torch.Tensor, weight: GgufWeight) -> bool:
 
 
 def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None, mode: str = DEFAULT_MODE, library=None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, mode: str | None = None, library=None) -> torch.Tensor:
     """x [rows, in] @ weight.T (+ bias) -> [rows, out] in out_dtype (default: x's dtype).
+    mode: "fp32" or "int8" (None: DEFAULT_MODE, read at each call, as the C layer loop does).
     library: another build of the kernels (tests run an AVX2 build beside the native one)."""
+    mode = mode or DEFAULT_MODE
     library = library or native_library()
     out_dtype = out_dtype or x.dtype
     x = x.contiguous()
