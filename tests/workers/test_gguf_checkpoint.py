@@ -160,15 +160,16 @@ def test_quantized_default_model_agrees_with_its_dequantized_fp32_model(smollm2_
 
 
 @pytest.mark.slow
-def test_default_deployment_serves_the_gguf_and_float32_the_dequantized_weights(smollm2_dir, monkeypatch):
-    """dtype auto is fp32 activations over the quantized weights on every CPU (one with native bf16
-    is pretended here, where auto alone would pick bf16); an explicit float32 is the dequantized
-    model; their greedy tokens agree."""
+def test_quantization_auto_serves_the_gguf_and_float32_the_dequantized_weights(smollm2_dir, monkeypatch):
+    """quantization auto: dtype auto is fp32 activations over the quantized weights on every CPU
+    (one with native bf16 is pretended here, where auto alone would pick bf16); an explicit float32
+    is the dequantized model; their greedy tokens agree. The default (none) serves the dequantized."""
     from runner_helpers import greedy, run_requests
     from transformers import AutoTokenizer
 
     monkeypatch.setattr(model_runner, "cpu_has_fast_bf16", lambda: True)
-    settings = dict(block_size=16, num_blocks=16, attention_backend="torch")
+    assert RunnerConfig().quantization == "none"
+    settings = dict(block_size=16, num_blocks=16, attention_backend="torch", quantization="auto")
     native = ModelRunner(RunnerConfig(**settings))
     assert (native.model_info.quantization, native.model_info.dtype) == ("gguf:Q4_1", "float32")
     assert native.model_info.model_path == str(smollm2_dir)  # config and tokenizer: the converted directory
@@ -333,7 +334,7 @@ def test_app_argument_quantization():
 
     from serve_app.config import AppArgs
 
-    assert AppArgs().quantization == "auto" and AppArgs(quantization="none").quantization == "none"
+    assert AppArgs().quantization == "none" and AppArgs(quantization="auto").quantization == "auto"
     with pytest.raises(ValidationError):
         AppArgs(quantization="q4_1")
 
