@@ -21,13 +21,10 @@ with 16-wide tiles, so N and K both take several tiles and a masked tail.
 
 from __future__ import annotations
 
-import importlib
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -36,6 +33,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[gpu]'): kernel tests skipped")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton_interpreter import import_interpreted, patch_bf16_like_a_gpu, run_file_in_interpreter  # noqa: E402
 import triton.language.standard  # noqa: E402
 
 from workers.families import MoeTraits  # noqa: E402
@@ -58,19 +56,7 @@ def moe():
     """workers.kernels.triton_moe imported under TRITON_INTERPRET=1 (sys.modules restored)."""
     if not IN_PROCESS:
         pytest.skip(NOT_IN_PROCESS_REASON)
-    name = "workers.kernels.triton_moe"
-    saved_module, saved_env = sys.modules.pop(name, None), os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(name)
-    finally:
-        if saved_env is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        sys.modules.pop(name, None)
-        if saved_module is not None:
-            sys.modules[name] = saved_module
+    module = import_interpreted("workers.kernels.triton_moe")
     assert isinstance(module._moe_gemm_kernel, InterpretedFunction)
     return module
 
@@ -78,40 +64,14 @@ def moe():
 def test_moe_kernels_in_interpreter_subprocess():
     if IN_PROCESS:
         pytest.skip("the interpreter runs in this process: the tests below ran here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    tail = "\n".join(child.stdout.splitlines()[-25:])
-    assert child.returncode == 0, f"interpreter run failed (rc {child.returncode}):\n{tail}\n{child.stderr[-2000:]}"
+    run_file_in_interpreter(__file__)
 
 
 @pytest.fixture
 def bf16_interpreter(monkeypatch):
     """For one test: bf16 tl.dot operands widened to fp32 (exact), and fp32 -> bf16 casts
     rounded to nearest even as on a GPU (module docstring)."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_dot
-    original_cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return original_cast(self, src, dst_type)
-        rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).bfloat16()
-        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-
-    def widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        data = (handle.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+    patch_bf16_like_a_gpu(monkeypatch)
 
 
 def assert_near(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
