@@ -114,7 +114,8 @@ class PagedLlamaModel:
         # [vocab, hidden]; a GgufWeight: the GGUF file's blocks, of which a step dequantizes only its tokens' rows
         self.embed = embed
         self._dtype = final_norm.dtype  # the activations' (a GGUF embedding has a type of its own)
-        self.quantization = "none"  # how the projections are kept: "none" (the dtype) or "gguf:<type>" (the loader's)
+        # how the projections are kept: "none" (the dtype), "gguf:<type>", or "<label> (dequantized at load)" (the loader's)
+        self.quantization = "none"
         self.layers = layers
         self.final_norm = final_norm  # [hidden]
         self.lm_head = lm_head  # [vocab, hidden] in the linear backend's form (from the embedding when tied)
