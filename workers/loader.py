@@ -22,8 +22,9 @@ never convert at the same time.
 
 The weights themselves are read with safetensors (not transformers) into our own model. A
 checkpoint with a quantization_config (fp8, awq, gptq) is read as stored and dequantized at load
-into the model's dtype (workers/quant_checkpoint.py), then built as an unquantized one;
-model.quantization says so ("awq:4bit-g128 (dequantized at load)").
+into the model's dtype on CPU workers (workers/quant_checkpoint.py), then built as an unquantized
+one; on CUDA its quantized linears stay packed for the Triton kernels (triton_quant.quant_linear).
+model.quantization says which ("awq:4bit-g128 (dequantized at load)", "... (Triton kernels)").
 """
 
 from __future__ import annotations
@@ -308,8 +309,9 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     if gguf_path is not None:
         tensors, quantization = read_gguf_tensors(gguf_path, config, dtype)
     elif config.quant_spec is not None and config.quant_spec.method != "mxfp4":
-        tensors = read_quantized_safetensors(model_dir, config, dtype)
-        quantization = f"{config.quant_spec.label} (dequantized at load)"
+        packed = torch.device(device).type == "cuda"  # the Triton kernels; elsewhere the exact dense path
+        tensors = read_quantized_safetensors(model_dir, config, dtype, device if packed else None)
+        quantization = f"{config.quant_spec.label} ({'Triton kernels' if packed else 'dequantized at load'})"
     else:
         tensors = read_safetensors(model_dir, dtype)
         if config.quant_spec is not None:  # gpt-oss's MXFP4 experts, dequantized by workers/moe.py
@@ -329,12 +331,17 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     return model
 
 
-def read_quantized_safetensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> dict:
-    """The tensors of a quantized checkpoint (fp8, awq, gptq), dequantized into dtype."""
-    from workers.quant_checkpoint import QuantCheckpointError, dequantize_checkpoint
+def read_quantized_safetensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype,
+                               packed_on: str | torch.device | None = None) -> dict:
+    """The tensors of a quantized checkpoint (fp8, awq, gptq): dequantized into dtype, or with
+    packed_on (a CUDA device) its quantized linears kept kernel-ready there (quant_checkpoint.py)."""
+    from workers.quant_checkpoint import QuantCheckpointError, dequantize_checkpoint, pack_checkpoint
 
     try:
-        return dequantize_checkpoint(config.quant_spec, read_safetensors(model_dir, None), dtype)
+        tensors = read_safetensors(model_dir, None)
+        if packed_on is None:
+            return dequantize_checkpoint(config.quant_spec, tensors, dtype)
+        return pack_checkpoint(config.quant_spec, tensors, dtype, packed_on)
     except QuantCheckpointError as error:
         raise ModelPathError(f"weights in {model_dir}: {error}") from None
 

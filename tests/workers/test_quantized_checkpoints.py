@@ -10,23 +10,42 @@ holds the reference's dequantized weights. Then:
   that weight rounded once;
 - our greedy tokens equal transformers' own model on the dequantized checkpoint;
 - /v1/models' backend.quantization (ModelInfo.quantization) names the format;
-- a missing or misshapen quantized tensor fails in one line naming the layer and the tensor.
+- a missing or misshapen quantized tensor fails in one line naming the layer and the tensor;
+- the CUDA path's model (pack_checkpoint: the quantized linears kept kernel-ready, fused q/k/v and
+  gate/up stacked in their format, multiplied by triton_quant.quant_linear) run on CPU tensors in
+  Triton's interpreter gives transformers' greedy tokens too (4-bit formats and weights-only fp8;
+  fp8 with quantized activations is covered by the kernel tests of test_triton_quant.py only).
+  The interpreter is switched on as in test_triton_quant.py (before triton's first import, on a
+  machine without CUDA); where triton was imported compiled first, these tests skip.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
 import shutil
+import sys
 
 import pytest
 import quant_cases as qc
 import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: see the module docstring
 from runner_helpers import HfOracle, assert_greedy_matches, greedy, make_runner, prompts_of_lengths, run_requests
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model_dir
 
-from workers.loader import ModelPathError, load_model
+from workers.config import ModelConfig
+from workers.kernels import get_attention_backend
+from workers.layer_ops import TorchOps
+from workers.linear import TorchLinear
+from workers.loader import ModelPathError, load_model, read_safetensors
+from workers.model import PagedLlamaModel
+from workers.quant_checkpoint import pack_checkpoint
+from workers.quant_formats import Fp8Weight, Int4Weight
 
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 GROUP = 32
@@ -168,3 +187,91 @@ def test_a_layer_whose_dequantized_shape_does_not_fit_names_the_weight(plain_dir
                                                f"{name}.weight_scale": t[f"{name}.weight_scale"][:16].contiguous()}))
     with pytest.raises(ModelPathError, match=rf"{re.escape(name)}\.weight has shape \(16, 64\), expected \(32, 64\)"):
         load_model(quantized_dir, torch.float32, "cpu", attention_backend="torch")
+
+
+# ----------------------------------------------------------------------------- the CUDA path, interpreted
+
+
+@pytest.fixture(scope="module")
+def interpreted_quant_linear():
+    """workers.kernels.triton_quant.quant_linear imported under TRITON_INTERPRET=1 (sys.modules restored)."""
+    triton = pytest.importorskip("triton", reason="triton is not installed: the kernel path is not tested")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+        pytest.skip("triton was imported compiled before this module: the interpreter cannot run in this process")
+    name = "workers.kernels.triton_quant"
+    saved_module, saved_env = sys.modules.pop(name, None), os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module(name)
+    finally:
+        if saved_env is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+        sys.modules.pop(name, None)
+        if saved_module is not None:
+            sys.modules[name] = saved_module
+    assert isinstance(module._int4_gemm_kernel, InterpretedFunction)
+    return module.quant_linear
+
+
+KERNEL_FORMATS = {
+    "awq": FORMATS["awq"],
+    "gptq-v2-act-order": FORMATS["gptq-v2-act-order"],
+    "compressed-tensors-fp8-weights-only": (qc.compressed_tensors_config("channel", None),
+                                            FORMATS["compressed-tensors-fp8"][1], "compressed-tensors:fp8-channel"),
+    # act-order with another input order in every projection: q, k and v (gate and up) cannot share
+    # one g_idx, so the model dequantizes those fused products and keeps o and down packed
+    "gptq-act-order-per-projection": (
+        {**qc.GPTQ_CONFIG, "desc_act": True},
+        lambda w, p: qc.make_gptq(*w.shape, GROUP, act_order=True, seed=sum(map(ord, p)), prefix=p, weight=w),
+        "gptq:4bit-g32-act-order"),
+}
+
+
+@pytest.mark.parametrize("format_name", sorted(KERNEL_FORMATS))
+def test_kernel_path_in_the_interpreter_equals_transformers(plain_dir, tmp_path, format_name, interpreted_quant_linear):
+    config, quantize, _ = KERNEL_FORMATS[format_name]
+    quantized_dir, dense_dir, _ = write_checkpoints(plain_dir, tmp_path, config, quantize)
+    runner = make_runner(quantized_dir, linear_backend="torch", layer_ops="torch")
+    model_config = ModelConfig.from_model_dir(quantized_dir)
+    tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(quantized_dir, None), torch.float32, "cpu")
+    runner.model = PagedLlamaModel.from_hf_weights(  # what the loader builds on a CUDA worker, on CPU tensors
+        model_config, tensors, "cpu", get_attention_backend("torch"), runner.max_model_len,
+        linear=TorchLinear(quant_linear=interpreted_quant_linear), ops=TorchOps())
+    kind = Fp8Weight if format_name.startswith("compressed") else Int4Weight
+    fused_kind = torch.Tensor if format_name.endswith("per-projection") else kind
+    for layer in runner.model.layers:
+        assert isinstance(layer.qkv, fused_kind) and isinstance(layer.gate_up, fused_kind)
+        assert isinstance(layer.o, kind) and isinstance(layer.down, kind)
+    assert runner.model.layers[0].qkv.shape == (64 + 2 * 32, 64)  # q, k and v stacked
+    oracle = HfOracle(dense_dir)
+    prompts = prompts_of_lengths([5, 18], runner.model_info.vocab_size, seed=9)
+    for prompt, output in zip(prompts, run_requests(runner, prompts, greedy(6), token_budget=16)):
+        assert_greedy_matches(output, oracle.greedy(prompt, 6))
+
+
+def test_concat_outputs_stacks_in_the_format_or_declines():
+    from workers.quant_checkpoint import concat_outputs
+    from workers.quant_formats import dequantize, parse_quantization, to_kernel_form
+
+    def kernel_form(config, tensors):
+        spec = parse_quantization(config)
+        raw = {role.rstrip("?"): tensors.get(name) for role, name in spec.tensor_names("layer").items()}
+        return to_kernel_form(spec, {**raw, "bias": None}, "cpu", torch.float32)
+
+    awq = [kernel_form(qc.AWQ_CONFIG, qc.make_awq(n, 64, GROUP, seed=n)[0]) for n in (16, 8, 24)]
+    fused = concat_outputs(awq)
+    assert fused.shape == (48, 64) and torch.equal(dequantize(fused), torch.cat([dequantize(w) for w in awq]))
+    fp8 = [kernel_form(qc.compressed_tensors_config("tensor", None), qc.make_fp8(n, 64, per_channel=False, seed=n)[0])
+           for n in (16, 8)]
+    assert torch.equal(dequantize(concat_outputs(fp8)), torch.cat([dequantize(w) for w in fp8]))  # scales expanded
+    act_order = {**qc.GPTQ_CONFIG, "desc_act": True}
+    orders = [kernel_form(act_order, qc.make_gptq(8, 64, GROUP, act_order=True, seed=seed)[0]) for seed in (1, 2)]
+    assert concat_outputs(orders) is None  # different g_idx: the model dequantizes such a product
+    static = [kernel_form(qc.compressed_tensors_config("tensor", "static"),
+                          qc.make_fp8(8, 64, per_channel=False, input_scale=scale)[0]) for scale in (0.01, 0.02)]
+    assert concat_outputs(static) is None  # different static input scales
+    assert concat_outputs([awq[0], fp8[0]]) is None
