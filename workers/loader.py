@@ -309,7 +309,7 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     if gguf_path is not None:
         tensors, quantization = read_gguf_tensors(gguf_path, config, dtype)
     elif config.quant_spec is not None and config.quant_spec.method != "mxfp4":
-        packed = torch.device(device).type == "cuda"  # the Triton kernels; elsewhere the exact dense path
+        packed = serves_packed(config, device)  # the Triton kernels; elsewhere the exact dense path
         tensors = read_quantized_safetensors(model_dir, config, dtype, device if packed else None)
         quantization = f"{config.quant_spec.label} ({'Triton kernels' if packed else 'dequantized at load'})"
     else:
@@ -329,6 +329,21 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         raise ModelPathError(f"weights in {source} do not match the config.json of {model_dir}: {error}") from None
     model.quantization = quantization
     return model
+
+
+def serves_packed(config: ModelConfig, device: str | torch.device) -> bool:
+    """Whether a quantized checkpoint's linears stay packed for the Triton kernels: on CUDA, with
+    triton installed, for a dense model (MoE experts: their grouped kernels take plain weights) with
+    no residual multiplier to fold (Granite). Otherwise they are dequantized at load."""
+    if torch.device(device).type != "cuda":
+        return False
+    reasons = [why for why, applies in (("triton is not installed", importlib.util.find_spec("triton") is None),
+                                        ("mixture-of-experts layers", config.moe is not None),
+                                        ("a residual multiplier", config.residual_multiplier != 1.0)) if applies]
+    if reasons:
+        logger.warning("the %s checkpoint is dequantized at load on %s (%s): the memory of the unquantized model",
+                       config.quant_spec.label, device, ", ".join(reasons))
+    return not reasons
 
 
 def read_quantized_safetensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype,

@@ -22,6 +22,7 @@ holds the reference's dequantized weights. Then:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -275,3 +276,18 @@ def test_concat_outputs_stacks_in_the_format_or_declines():
                           qc.make_fp8(8, 64, per_channel=False, input_scale=scale)[0]) for scale in (0.01, 0.02)]
     assert concat_outputs(static) is None  # different static input scales
     assert concat_outputs([awq[0], fp8[0]]) is None
+
+
+def test_which_workers_keep_the_weights_packed():
+    from workers.loader import serves_packed
+
+    raw = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, quantization_config=qc.AWQ_CONFIG)
+    awq = ModelConfig.from_dict(raw)
+    assert not serves_packed(awq, "cpu")  # CPU: always dequantized at load
+    triton_installed = importlib.util.find_spec("triton") is not None
+    assert serves_packed(awq, "cuda:0") == triton_installed  # decided from the config alone: no GPU needed
+    granite = ModelConfig.from_dict(dict(raw, model_type="granite", residual_multiplier=0.5))
+    assert granite.residual_multiplier == 0.5 and not serves_packed(granite, "cuda")
+    mixtral = ModelConfig.from_dict(dict(raw, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2))
+    assert mixtral.moe is not None and not serves_packed(mixtral, "cuda")
