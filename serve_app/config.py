@@ -111,7 +111,8 @@ class AppArgs(BaseModel):
         "none", description="auto: a GGUF checkpoint (the default model, a .gguf path) is served with its weights "
         "in their GGUF types on CPU workers, unless dtype is float32 (10x less memory; on AVX2 CPUs about even at "
         "one stream and slower at 16, docs/models.md); none (the default): its dequantized weights are served. "
-        "Reported in /v1/models (backend.quantization, e.g. gguf:Q4_1, or none).",
+        "A safetensors checkpoint with a quantization_config (fp8, awq, gptq) is always dequantized at load. "
+        "Reported in /v1/models (backend.quantization, e.g. gguf:Q4_1, awq:4bit-g128 (dequantized at load), or none).",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(

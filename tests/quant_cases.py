@@ -5,7 +5,8 @@ Each make_* quantizes a random [N, K] weight the way its format's own tools do (
 nearest on a min/max grid per group, scales rounded to the stored dtype first, so that the
 expected dense weight is exact), packs it into the checkpoint's tensors by the format's rules
 (written here from the formats' descriptions, independently of workers/quant_formats.py) and
-returns (tensors by checkpoint name, the expected dense [N, K] fp32 weight).
+returns (tensors by checkpoint name, the expected dense [N, K] fp32 weight). `weight=` quantizes a
+given weight (a checkpoint's) instead of a random one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     return pack_columns(values.t().contiguous()).t().contiguous()
 
 
+def _weight(n: int, k: int, generator: torch.Generator, weight: torch.Tensor | None) -> torch.Tensor:
+    """The [N, K] weight to quantize: the given one (a checkpoint's), else a random one."""
+    if weight is None:
+        return torch.randn(n, k, generator=generator) * 0.05
+    assert tuple(weight.shape) == (n, k), (tuple(weight.shape), (n, k))
+    return weight.float()
+
+
 def _min_max_int4(weight: torch.Tensor, groups: torch.Tensor, num_groups: int, *, sym: bool, min_zero: int = 0):
     """Per (row, group) asymmetric (or symmetric, zero 8) 4-bit grid -> (q [N, K], zeros [N, G],
     scales fp16 [N, G])."""
@@ -55,9 +64,10 @@ def _min_max_int4(weight: torch.Tensor, groups: torch.Tensor, num_groups: int, *
     return q.clamp(0, 15).long(), zeros, scales
 
 
-def make_awq(n: int, k: int, group_size: int, *, seed: int = 0, prefix: str = "layer"):
+def make_awq(n: int, k: int, group_size: int, *, seed: int = 0, prefix: str = "layer",
+             weight: torch.Tensor | None = None):
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=generator) * 0.05
+    weight = _weight(n, k, generator, weight)
     groups = torch.arange(k) // group_size
     q, zeros, scales = _min_max_int4(weight, groups, k // group_size, sym=False)
     expected = (q - zeros[:, groups]).float() * scales.float()[:, groups]
@@ -68,11 +78,11 @@ def make_awq(n: int, k: int, group_size: int, *, seed: int = 0, prefix: str = "l
 
 
 def make_gptq(n: int, k: int, group_size: int, *, v1: bool = True, sym: bool = False, act_order: bool = False,
-              seed: int = 0, prefix: str = "layer"):
+              seed: int = 0, prefix: str = "layer", weight: torch.Tensor | None = None):
     """v1 ("gptq") stores zero - 1, so its zeros are kept in [1, 15] (a zero of 0 does not survive
     v1's packing in the original tools either); v2 stores zeros as they are."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=generator) * 0.05
+    weight = _weight(n, k, generator, weight)
     if act_order:
         groups = torch.argsort(torch.randperm(k, generator=generator)) // group_size
     else:
@@ -103,9 +113,9 @@ def make_mxfp4(n: int, k: int, *, seed: int = 0, prefix: str = "layer", experts:
 
 
 def make_fp8(n: int, k: int, *, per_channel: bool = True, seed: int = 0, prefix: str = "layer",
-             input_scale: float | None = None):
+             input_scale: float | None = None, weight: torch.Tensor | None = None):
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=generator) * 0.05
+    weight = _weight(n, k, generator, weight)
     amax = weight.abs().amax(1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)
     scale = amax / 448.0
     q = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -5,8 +5,11 @@ EOS ids when present). The shape numbers are common to every family; what a fami
 in the layer comes from its entry in workers/families.py (mixtral, qwen3_moe and gpt_oss with
 mixture-of-experts MLPs, workers/moe.py).
 
-Quantized checkpoints are refused, except gpt-oss's MXFP4 experts (quant_method "mxfp4"),
-which are dequantized to the model's dtype at load (workers/mxfp4.py).
+Quantized checkpoints: config.json's `quantization_config` is parsed by workers/quant_formats.py
+into a QuantSpec (fp8 from compressed-tensors or fbgemm_fp8, 4-bit awq and gptq; gpt-oss's MXFP4
+experts, quant_method "mxfp4", for gpt_oss only). Anything else fails here, in one line that
+names it and lists what is supported. The loader dequantizes the weights at load
+(workers/quant_checkpoint.py, workers/mxfp4.py).
 
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
@@ -26,8 +29,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workers.families import FAMILIES, FamilyError, MoeTraits
+
+if TYPE_CHECKING:
+    from workers.quant_formats import QuantSpec
 
 SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
 # multimodal model_types whose text model we serve -> that text model's model_type (the vision
@@ -97,7 +104,9 @@ class ModelConfig:
     logits_scale: float = 1.0
     moe: MoeTraits | None = None  # the mixture-of-experts MLP and its layers (workers/moe.py); None: dense only
     attention_sinks: bool = False  # a learned sink logit per head in each attention softmax (gpt-oss)
-    quantization: str | None = None  # "mxfp4": the experts' weights are MXFP4 blocks and scales (gpt-oss); None: none
+    # the checkpoint's quant method: "fp8", "awq", "gptq", or "mxfp4" (gpt-oss's experts); None: none
+    quantization: str | None = None
+    quant_spec: QuantSpec | None = None  # its quantization_config, parsed (workers/quant_formats.py)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -162,7 +171,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
-        quantization = _quantization(raw)
+        quant_spec = _quantization(raw)
         missing = [
             key
             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -223,23 +232,23 @@ class ModelConfig:
             logits_scale=traits.logits_scale,
             moe=traits.moe,
             attention_sinks=traits.attention_sinks,
-            quantization=quantization,
+            quantization=None if quant_spec is None else quant_spec.method,
+            quant_spec=quant_spec,
         )
 
 
-# model_type -> the quant_method its checkpoints may carry (dequantized at load)
-QUANTIZATIONS = {"gpt_oss": "mxfp4"}
+def _quantization(raw: dict) -> QuantSpec | None:
+    """config.json's quantization_config, parsed; a format we cannot serve fails in one line."""
+    from workers.quant_formats import QuantConfigError, parse_quantization  # torch: imported on use
 
-
-def _quantization(raw: dict) -> str | None:
-    quantization = raw.get("quantization_config")
-    if quantization is None:
-        return None
-    method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-    if method != QUANTIZATIONS.get(raw["model_type"]):
-        raise ModelConfigError(f"quantized checkpoints ({method!r}) are not supported yet; serve the unquantized "
-                               "weights (docs/models.md)")
-    return method
+    try:
+        spec = parse_quantization(raw.get("quantization_config"))
+    except QuantConfigError as error:
+        raise ModelConfigError(str(error)) from None
+    if spec is not None and spec.method == "mxfp4" and raw["model_type"] != "gpt_oss":
+        raise ModelConfigError(f"quantization 'mxfp4' is served for gpt_oss's experts only, not for "
+                               f"model_type {raw['model_type']!r}")
+    return spec
 
 
 def _read_json(path: Path, what: str) -> dict:

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from workers.gguf_weight import GgufWeight, gguf_linear
 from workers.huge_pages import HugeArena
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
+from workers.quant_formats import Fp8Weight, Int4Weight, QuantWeight
 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
@@ -91,15 +92,29 @@ PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
 
 
 class TorchLinear:
+    """F.linear; a GgufWeight through gguf_linear; a quantized checkpoint's kernel-ready Int4Weight or
+    Fp8Weight (workers/quant_checkpoint.pack_checkpoint, on CUDA) through quant_linear, by default
+    workers/kernels/triton_quant.quant_linear (imported on first use; tests pass the interpreter's)."""
+
     name = "torch"
 
-    def pack(self, weight: torch.Tensor | GgufWeight) -> torch.Tensor | GgufWeight:
-        return weight if isinstance(weight, GgufWeight) else weight.contiguous()
+    def __init__(self, quant_linear=None):
+        self._quant_linear = quant_linear  # (x, weight) -> x @ W.T; None: triton_quant's
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight,
+    def pack(self, weight: torch.Tensor | GgufWeight | QuantWeight) -> torch.Tensor | GgufWeight | QuantWeight:
+        return weight if isinstance(weight, (GgufWeight, Int4Weight, Fp8Weight)) else weight.contiguous()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight | QuantWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, GgufWeight):
             return gguf_linear(x, weight, bias)
+        if isinstance(weight, (Int4Weight, Fp8Weight)):
+            if self._quant_linear is None:
+                from workers.kernels.triton_quant import quant_linear
+
+                self._quant_linear = quant_linear
+            out = self._quant_linear(x, weight)
+            return out if bias is None else out + bias
         return F.linear(x, weight, bias)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,11 @@ The conversion writes into a temporary sibling directory and renames it into pla
 a file lock, so a killed conversion never leaves a half-written cache and two processes
 never convert at the same time.
 
-The weights themselves are read with safetensors (not transformers) into our own model.
+The weights themselves are read with safetensors (not transformers) into our own model. A
+checkpoint with a quantization_config (fp8, awq, gptq) is read as stored and dequantized at load
+into the model's dtype on CPU workers (workers/quant_checkpoint.py), then built as an unquantized
+one; on CUDA its quantized linears stay packed for the Triton kernels (triton_quant.quant_linear).
+model.quantization says which ("awq:4bit-g128 (dequantized at load)", "... (Triton kernels)").
 """
 
 from __future__ import annotations
@@ -252,9 +256,9 @@ def inline_chat_template(model_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def read_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_safetensors(model_dir: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Every tensor of every *.safetensors file in model_dir, by HF name: floating-point ones cast
-    to dtype, integer ones as they are (gpt-oss's MXFP4 blocks and scales, uint8)."""
+    to dtype (None: as stored), integer ones as they are (gpt-oss's MXFP4 blocks and scales, uint8)."""
     files = safetensors_files(model_dir)
     if not files:
         raise ModelPathError(f"model directory {model_dir} has no *.safetensors weight files")
@@ -264,7 +268,7 @@ def read_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Ten
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     tensor = reader.get_tensor(name)
-                    tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    tensors[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
         except (SafetensorError, OSError, RuntimeError) as error:
             raise ModelPathError(f"cannot read weight file {file}: expected safetensors ({error})") from None
     return tensors
@@ -304,8 +308,14 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     quantization = "none"
     if gguf_path is not None:
         tensors, quantization = read_gguf_tensors(gguf_path, config, dtype)
+    elif config.quant_spec is not None and config.quant_spec.method != "mxfp4":
+        packed = serves_packed(config, device)  # the Triton kernels; elsewhere the exact dense path
+        tensors = read_quantized_safetensors(model_dir, config, dtype, device if packed else None)
+        quantization = f"{config.quant_spec.label} ({'Triton kernels' if packed else 'dequantized at load'})"
     else:
         tensors = read_safetensors(model_dir, dtype)
+        if config.quant_spec is not None:  # gpt-oss's MXFP4 experts, dequantized by workers/moe.py
+            quantization = f"{config.quant_spec.label} (dequantized at load)"
     attention = get_attention_backend(attention_backend)
     linear = select_linear_backend(linear_backend, device, dtype)
     ops = select_layer_ops(layer_ops, device, dtype)
@@ -319,6 +329,36 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         raise ModelPathError(f"weights in {source} do not match the config.json of {model_dir}: {error}") from None
     model.quantization = quantization
     return model
+
+
+def serves_packed(config: ModelConfig, device: str | torch.device) -> bool:
+    """Whether a quantized checkpoint's linears stay packed for the Triton kernels: on CUDA, with
+    triton installed, for a dense model (MoE experts: their grouped kernels take plain weights) with
+    no residual multiplier to fold (Granite). Otherwise they are dequantized at load."""
+    if torch.device(device).type != "cuda":
+        return False
+    reasons = [why for why, applies in (("triton is not installed", importlib.util.find_spec("triton") is None),
+                                        ("mixture-of-experts layers", config.moe is not None),
+                                        ("a residual multiplier", config.residual_multiplier != 1.0)) if applies]
+    if reasons:
+        logger.warning("the %s checkpoint is dequantized at load on %s (%s): the memory of the unquantized model",
+                       config.quant_spec.label, device, ", ".join(reasons))
+    return not reasons
+
+
+def read_quantized_safetensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype,
+                               packed_on: str | torch.device | None = None) -> dict:
+    """The tensors of a quantized checkpoint (fp8, awq, gptq): dequantized into dtype, or with
+    packed_on (a CUDA device) its quantized linears kept kernel-ready there (quant_checkpoint.py)."""
+    from workers.quant_checkpoint import QuantCheckpointError, dequantize_checkpoint, pack_checkpoint
+
+    try:
+        tensors = read_safetensors(model_dir, None)
+        if packed_on is None:
+            return dequantize_checkpoint(config.quant_spec, tensors, dtype)
+        return pack_checkpoint(config.quant_spec, tensors, dtype, packed_on)
+    except QuantCheckpointError as error:
+        raise ModelPathError(f"weights in {model_dir}: {error}") from None
 
 
 def read_gguf_tensors(gguf_path: Path, config: ModelConfig, dtype: torch.dtype) -> tuple[dict, str]:

@@ -55,6 +55,8 @@ from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
+from workers.quant_checkpoint import concat_outputs
+from workers.quant_formats import Fp8Weight, Int4Weight, dequantize as dequantize_quant
 from workers.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,8 @@ class PagedLlamaModel:
         # [vocab, hidden]; a GgufWeight: the GGUF file's blocks, of which a step dequantizes only its tokens' rows
         self.embed = embed
         self._dtype = final_norm.dtype  # the activations' (a GGUF embedding has a type of its own)
-        self.quantization = "none"  # how the projections are kept: "none" (the dtype) or "gguf:<type>" (the loader's)
+        # how the projections are kept: "none" (the dtype), "gguf:<type>", or "<label> (dequantized at load)" (the loader's)
+        self.quantization = "none"
         self.layers = layers
         self.final_norm = final_norm  # [hidden]
         self.lm_head = lm_head  # [vocab, hidden] in the linear backend's form (from the embedding when tied)
@@ -289,12 +292,16 @@ class _WeightReader:
                 raise WeightError(f"{name} is a GGUF {tensor.ggml_type.name} weight, served on CPU only, "
                                   f"not {self.device}")
             return tensor
+        if isinstance(tensor, (Int4Weight, Fp8Weight)):  # a quantized checkpoint's, kernel-ready on its device
+            return tensor
         return tensor.to(self.device).contiguous()
 
     def take_fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor | GgufWeight:
         """The tensors' rows one after another (q, k, v -> qkv). GGUF weights of one type stay in
         it; parts of different types (or some plain) are dequantized to the model's dtype."""
         parts = [self.take(name, shape) for name, shape in zip(names, shapes)]
+        if any(isinstance(part, (Int4Weight, Fp8Weight)) for part in parts):
+            return self._fuse_quantized(names, parts)
         if not any(isinstance(part, GgufWeight) for part in parts):
             return torch.cat(parts, dim=0).contiguous()
         if all(isinstance(part, GgufWeight) for part in parts) and len({part.ggml_type for part in parts}) == 1:
@@ -303,6 +310,18 @@ class _WeightReader:
             f"{name.removesuffix('.weight')} ({part.ggml_type.name if isinstance(part, GgufWeight) else part.dtype})"
             for name, part in zip(names, parts)))
         plain = [dequantize(p).to(self.dtype) if isinstance(p, GgufWeight) else p for p in parts]
+        return torch.cat(plain, dim=0).to(self.device).contiguous()
+
+    def _fuse_quantized(self, names: list[str], parts: list) -> torch.Tensor | Int4Weight | Fp8Weight:
+        """Kernel-ready parts stacked in their format (workers/quant_checkpoint.concat_outputs), or,
+        where they cannot share one, all dequantized to the model's dtype."""
+        fused = concat_outputs(parts) if len(parts) > 1 else parts[0]
+        if fused is not None:
+            return fused
+        logger.warning("%s cannot share one quantized weight (formats, groups or input scales differ): "
+                       "dequantized to %s (more memory, slower)", " + ".join(n.removesuffix(".weight") for n in names),
+                       self.dtype)
+        plain = [dequantize_quant(p).to(self.dtype) if not isinstance(p, torch.Tensor) else p for p in parts]
         return torch.cat(plain, dim=0).to(self.device).contiguous()
 
     def warn_dequantized(self) -> None:
@@ -323,6 +342,9 @@ class _WeightReader:
         if multiplier != 1.0 and isinstance(tensor, GgufWeight):
             raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a GGUF "
                               f"{tensor.ggml_type.name} weight; serve this checkpoint with quantization: none")
+        if multiplier != 1.0 and isinstance(tensor, (Int4Weight, Fp8Weight)):
+            raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a kernel-ready "
+                              f"{type(tensor).__name__}; serve this quantized checkpoint on a CPU worker")
         return tensor if multiplier == 1.0 else (tensor.float() * multiplier).to(tensor.dtype)
 
     @staticmethod

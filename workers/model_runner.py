@@ -114,7 +114,9 @@ class ModelInfo:
     layer_loop: str = "python"  # "c": our C layer loop for steps its products take; "python": the Python loop
     layer_ops: str = "torch"  # the steps between the products: "native" (our C kernels) or "torch"
     linear_backend: str = "torch"  # the matrix products: "native", "onednn" or "torch"
-    quantization: str = "none"  # the projection weights: "none" (in dtype) or "gguf:<file type>", e.g. "gguf:Q4_1"
+    # the projection weights: "none" (in dtype), "gguf:<file type>" (e.g. "gguf:Q4_1"), or a quantized
+    # checkpoint's label (QuantSpec.label) + " (dequantized at load)", e.g. "awq:4bit-g128 (dequantized at load)"
+    quantization: str = "none"
 
 
 @dataclass(slots=True)

@@ -76,6 +76,17 @@ class QuantSpec:
     activation_scale_ub: float | None = None  # fp8: cap on a token's activation amax (fbgemm)
     skip: tuple[str, ...] = ()  # modules left unquantized (names, "re:" regexes, or * wildcards)
 
+    @property
+    def label(self) -> str:
+        """A short name for /v1/models: "awq:4bit-g128", "gptq:4bit-g128-act-order",
+        "compressed-tensors:fp8-channel", "fbgemm_fp8:fp8-channel", "mxfp4"."""
+        if self.method in ("awq", "gptq"):
+            group = f"g{self.group_size}" if self.group_size else "channel"
+            return f"{self.method}:4bit-{group}" + ("-act-order" if self.desc_act else "")
+        if self.method == "fp8":
+            return f"{self.source}:fp8-{self.weight_strategy}"
+        return self.method
+
     def quantizes(self, prefix: str) -> bool:
         """Whether the linear layer `prefix` (e.g. "model.layers.0.mlp.down_proj") is stored quantized."""
         return not any(_matches(prefix, pattern) for pattern in self.skip)

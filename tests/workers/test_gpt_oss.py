@@ -7,7 +7,7 @@ logprobs equal transformers' GptOss on the torch path and our CPU kernels, "gpt_
   safetensors, quant_method "mxfp4" in config.json) gives the greedy tokens and logprobs of
   transformers' model holding the dequantized experts, on both paths;
 - the config: per-layer windows, sinks, the router and experts' layout; mxfp4 is accepted for
-  gpt_oss only, and other quantizations refused;
+  gpt_oss only (reported as "mxfp4 (dequantized at load)"), and unsupported ones refused;
 - a missing sinks tensor, or missing MXFP4 blocks, fail with one line naming them.
 """
 
@@ -122,6 +122,7 @@ def test_mxfp4_checkpoint_equals_transformers_on_the_dequantized_experts(mxfp4_d
     quantized_dir, dequantized_dir = mxfp4_dirs
     assert ModelConfig.from_model_dir(quantized_dir).quantization == "mxfp4"
     runner = moe_runner(quantized_dir, path)
+    assert runner.model_info.quantization == "mxfp4 (dequantized at load)"
     oracle = HfOracle(dequantized_dir)
     prompts = prompts_of_lengths([3, 17, 40], runner.model_info.vocab_size, seed=4)
     for prompt, output in zip(prompts, run_requests(runner, prompts, greedy(10), token_budget=16)):
@@ -148,9 +149,9 @@ def test_config_traits():
 def test_mxfp4_is_accepted_for_gpt_oss_only():
     mxfp4 = {"quant_method": "mxfp4"}
     assert ModelConfig.from_dict(dict(RAW, quantization_config=mxfp4)).quantization == "mxfp4"
-    with pytest.raises(ModelConfigError, match=r"quantized checkpoints \('mxfp4'\) are not supported"):
+    with pytest.raises(ModelConfigError, match=r"quantization 'mxfp4' is served for gpt_oss's experts only"):
         ModelConfig.from_dict(dict(RAW, model_type="llama", quantization_config=mxfp4))
-    with pytest.raises(ModelConfigError, match=r"quantized checkpoints \('bitsandbytes'\) are not supported"):
+    with pytest.raises(ModelConfigError, match=r"quantization 'bitsandbytes': not supported; supported: "):
         ModelConfig.from_dict(dict(RAW, quantization_config={"quant_method": "bitsandbytes"}))
 
 

@@ -103,5 +103,17 @@ def test_families_and_refusals_say_what_they_are():
         ModelConfig.from_dict(dict(LLAMA, model_type="gemma2"))
     with pytest.raises(ModelConfigError, match="sliding_attention layers need sliding_window"):
         ModelConfig.from_dict(dict(LLAMA, model_type="gemma2", layer_types=["sliding_attention"] * 2))
-    with pytest.raises(ModelConfigError, match="quantized checkpoints \\('awq'\\)"):
-        ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "awq", "bits": 4}))
+    with pytest.raises(ModelConfigError, match="quantization 'gptq': 8-bit weights are not supported .*; supported: "):
+        ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "gptq", "bits": 8}))
+    with pytest.raises(ModelConfigError, match="quantization 'bitsandbytes': not supported; supported: .*awq"):
+        ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "bitsandbytes"}))
+    with pytest.raises(ModelConfigError, match="'mxfp4' is served for gpt_oss's experts only"):
+        ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "mxfp4"}))
+
+
+def test_quantized_checkpoints_are_parsed():
+    assert ModelConfig.from_dict(LLAMA).quant_spec is None
+    awq = ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128}))
+    assert (awq.quantization, awq.quant_spec.label) == ("awq", "awq:4bit-g128")
+    fp8 = ModelConfig.from_dict(dict(LLAMA, quantization_config={"quant_method": "fbgemm_fp8"}))
+    assert (fp8.quantization, fp8.quant_spec.label) == ("fp8", "fbgemm_fp8:fp8-channel")
