@@ -99,6 +99,7 @@ class Server:
     max_prompts: int | None = None  # cap per cell (a server too slow for the full count)
     needs: str | None = None  # a path that exists once the peer is installed
     install: str | None = None
+    dtype: str | None = None  # its own dtype (our app arg; a peer's DTYPE), whatever the matrix's; None: the matrix's
 
     def missing(self) -> str | None:
         if self.needs and not Path(self.needs).exists():
@@ -147,6 +148,14 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            "-t 2 -tb 2 --poll 0 -np 16 -cb", "llama_server.sh", 8300, ALL_CELLS,
            needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh"),
+    # The default model's GGUF as it ships (Q4_1), served by both: ours with its weights kept
+    # quantized (quantization=auto: fp32 activations), llama-server on the file itself.
+    Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively (quantization=auto, dtype auto: fp32 "
+           "activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"), ("quantization=auto",),
+           dtype="auto"),
+    Server("llama-gguf", "llama.cpp llama-server on the shipped Q4_1 GGUF itself, -t 2 -tb 2 --poll 0 -np 16 -cb",
+           "llama_server.sh", 8300, ("c1", "c16"), needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
+           install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh", dtype="gguf"),
     Server("hf", "Hugging Face baseline (bench/hf_server.py: one generate per request), 2 threads",
            "hf_baseline.sh", 8100, ("c1", "c16"), max_prompts=16),
     # Our knobs, one off at a time, on the cell where the feature matters.
@@ -217,8 +226,8 @@ def port_free(port: int) -> bool:
 
 
 def launcher_args(server: Server, dtype: str) -> list[str]:
-    """The launcher's arguments: our servers also get the dtype as an app arg."""
-    return [*server.launcher_args, *([f"dtype={dtype}"] if server.launcher == "ours.sh" else [])]
+    """The launcher's arguments: our servers also get the dtype as an app arg (their own, if they have one)."""
+    return [*server.launcher_args, *([f"dtype={server.dtype or dtype}"] if server.launcher == "ours.sh" else [])]
 
 
 def start(server: Server, model_dir: Path, dtype: str) -> int:
@@ -226,9 +235,9 @@ def start(server: Server, model_dir: Path, dtype: str) -> int:
     if not port_free(server.port):
         raise SystemExit(f"port {server.port} is taken: stop whatever listens there before the matrix")
     env = {**os.environ, "PORT": str(server.port), "MODEL": str(model_dir), "PEERS_DIR": str(PEERS_DIR),
-           "DTYPE": dtype}
+           "DTYPE": server.dtype or dtype}
     argv = launcher_args(server, dtype)
-    print(f"[matrix] starting {server.name}: DTYPE={dtype} bash bench/peers/{server.launcher} {' '.join(argv)}",
+    print(f"[matrix] starting {server.name}: DTYPE={server.dtype or dtype} bash bench/peers/{server.launcher} {' '.join(argv)}",
           flush=True)
     started = time.monotonic()
     proc = subprocess.run(["bash", str(REPO / "bench" / "peers" / server.launcher), *argv], env=env, cwd=REPO)
