@@ -21,7 +21,6 @@ holds the reference's dequantized weights. Then:
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
@@ -201,19 +200,9 @@ def interpreted_quant_linear():
 
     if not isinstance(triton.language.standard.zeros, InterpretedFunction):
         pytest.skip("triton was imported compiled before this module: the interpreter cannot run in this process")
-    name = "workers.kernels.triton_quant"
-    saved_module, saved_env = sys.modules.pop(name, None), os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(name)
-    finally:
-        if saved_env is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        sys.modules.pop(name, None)
-        if saved_module is not None:
-            sys.modules[name] = saved_module
+    from triton_interpreter import import_interpreted
+
+    module = import_interpreted("workers.kernels.triton_quant")
     assert isinstance(module._int4_gemm_kernel, InterpretedFunction)
     return module.quant_linear
 
