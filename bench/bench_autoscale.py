@@ -65,7 +65,14 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-from scheduler.autoscale import AutoscaleConfig, AutoscalePolicy, ClusterLoad, ScaleDecision, WorkerLoad
+from scheduler.autoscale import (
+    AutoscaleConfig,
+    AutoscalePolicy,
+    ClusterLoad,
+    ScaleDecision,
+    unique_cached_blocks,
+    worker_load,
+)
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineRequest, SchedulerOutput
 from scheduler.request import Request
@@ -372,29 +379,13 @@ class Simulation:
     # --- what the policy sees --------------------------------------------------------------
     def cluster_load(self, now: float) -> ClusterLoad:
         live = [w for w in self.workers.values() if w.gone_at is None]
-        cached = {w.worker_id: set(w.scheduler.kv.pool.cached) for w in live if w.state == "serving"}
-        loads = []
-        for w in live:
-            s = w.scheduler
-            others = set().union(*(c for wid, c in cached.items() if wid != w.worker_id))
-            own = cached.get(w.worker_id) or set(s.kv.pool.cached)
-            pool = s.kv.pool
-            loads.append(WorkerLoad(
-                worker_id=w.worker_id, state=w.state, running=len(s.running), waiting=len(s.waiting),
-                waiting_prompt_tokens=sum(map(prompt_tokens_left, s.waiting)) + sum(map(prompt_tokens_left, s.running)),
-                kv_use=pool.num_used_blocks / pool.num_usable_blocks,
-                unique_cached_blocks=len(own - others),
-            ))
+        unique = unique_cached_blocks({w.worker_id: w.scheduler.kv.pool.cached.keys() for w in live},
+                                      [w.worker_id for w in live if w.state == "serving"])
+        loads = [worker_load(w.worker_id, w.state, w.scheduler, unique[w.worker_id]) for w in live]
         while self.queue_times and self.queue_times[0][0] < now - self.setup.queue_window_s:
             self.queue_times.popleft()
         recent = sorted(q for _, q in self.queue_times)
         return ClusterLoad(tuple(loads), len(self.parked), percentile(recent, 0.9) if recent else None)
-
-
-def prompt_tokens_left(request: Request) -> int:
-    """Prompt (or recompute) tokens not yet computed; a decoding request has none."""
-    left = request.num_tokens - request.num_computed_tokens
-    return left if left > 1 or request.num_computed_tokens == 0 else 0
 
 
 # --- running and reporting -----------------------------------------------------------------

@@ -54,7 +54,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from scheduler.autoscale import AutoscaleConfig, AutoscalePolicy, ClusterLoad, ScaleDecision, WorkerLoad
+from scheduler.autoscale import AutoscaleConfig, AutoscalePolicy, ClusterLoad, ScaleDecision, worker_load
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.engine_group import (  # noqa: F401  (SchedulerStatus, NoLiveWorkerError: re-exported)
@@ -387,16 +387,9 @@ class SchedulerActor:
             if state == RETIRED:
                 continue
             scheduler = group.engines[index].scheduler
-            load = scheduler.load()
             ages += [now - request.arrival_time for request in scheduler.waiting]
-            workers.append(WorkerLoad(
-                worker_id=index, state=state, running=load.num_running_seqs, waiting=load.num_waiting_reqs,
-                waiting_prompt_tokens=load.num_waiting_tokens,
-                kv_use=1.0 - load.num_free_blocks / max(1, load.num_usable_blocks),
-                unique_cached_blocks=unique.get(index, 0),
-            ))
-        parked = self._num_waking + sum(len(m.streams) for m in group._parked)
-        return ClusterLoad(tuple(workers), parked, _p90(ages))
+            workers.append(worker_load(index, state, scheduler, unique.get(index, 0)))
+        return ClusterLoad(tuple(workers), self._num_waking + group.num_parked(), _p90(ages))
 
     def _autoscale_once(self) -> ScaleDecision | None:
         if self._policy is None:

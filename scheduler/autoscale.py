@@ -72,7 +72,14 @@ Defaults (AutoscaleConfig), for a GPU deployment:
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
 
 WORKER_STATES = ("starting", "serving", "draining")
 
@@ -131,6 +138,32 @@ class WorkerLoad:
     def __post_init__(self) -> None:
         if self.state not in WORKER_STATES:
             raise ValueError(f"worker {self.worker_id}: state must be one of {WORKER_STATES}, got {self.state!r}")
+
+
+def prompt_tokens_left(request: Request) -> int:
+    """Prompt (or recompute) tokens not yet computed; a decoding request has none."""
+    left = request.num_tokens - request.num_computed_tokens
+    return left if left > 1 or request.num_computed_tokens == 0 else 0
+
+
+def worker_load(worker_id: int, state: str, scheduler: Scheduler, unique_cached_blocks: int) -> WorkerLoad:
+    """One worker's WorkerLoad, read from its scheduler (the Ray shell and the benchmark both use it)."""
+    pool = scheduler.kv.pool
+    return WorkerLoad(
+        worker_id=worker_id, state=state, running=scheduler.num_running_seqs, waiting=len(scheduler.waiting),
+        waiting_prompt_tokens=(sum(map(prompt_tokens_left, scheduler.waiting))
+                               + sum(map(prompt_tokens_left, scheduler.running))),
+        kv_use=pool.num_used_blocks / pool.num_usable_blocks,
+        unique_cached_blocks=unique_cached_blocks,
+    )
+
+
+def unique_cached_blocks(cached: Mapping[int, Set[object]], serving: Collection[int]) -> dict[int, int]:
+    """Per worker of `cached` (worker id -> its cached block hashes): the blocks that no other
+    serving worker holds, which retiring it would lose. `serving` is a subset of cached's keys."""
+    holders = Counter(block for worker in serving for block in cached[worker])
+    return {worker: sum(1 for block in blocks if holders[block] == (worker in serving))
+            for worker, blocks in cached.items()}
 
 
 @dataclass(frozen=True)

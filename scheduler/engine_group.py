@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.admission import Admission, AdmissionConfig
+from scheduler.autoscale import unique_cached_blocks
 from scheduler.engine import Engine, Migration, RequestStream, StreamListener
 from scheduler.outputs import EngineRequest, FinishReason, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.router import Route, Router, route_request
@@ -410,13 +411,13 @@ class EngineGroup:
     def unique_cached_blocks(self) -> dict[int, int]:
         """Per serving or draining worker: cached prefix blocks no other serving worker holds
         (what retiring it would lose)."""
-        cached = {i: set(self.engines[i].scheduler.kv.pool.cached) for i, state in enumerate(self.states)
+        cached = {i: self.engines[i].scheduler.kv.pool.cached.keys() for i, state in enumerate(self.states)
                   if state in (SERVING, DRAINING)}
-        unique = {}
-        for index, mine in cached.items():
-            others = set().union(*(blocks for i, blocks in cached.items() if i != index and self.states[i] == SERVING))
-            unique[index] = len(mine - others)
-        return unique
+        return unique_cached_blocks(cached, [i for i in cached if self.states[i] == SERVING])
+
+    def num_parked(self) -> int:
+        """Client requests of dead or retired workers waiting for a serving worker."""
+        return sum(len(migration.streams) for migration in self._parked)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuses new requests from now on (DrainingError), lets the open ones finish for up
