@@ -104,7 +104,7 @@ def prompt(i: int) -> str:
 
 
 def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_token(apps) -> None:
-    """A burst of 16 streams on 2 slots queues prompts: a second worker starts and serves. Then
+    """16 clients streaming back to back on 2 slots queue prompts: a second worker starts and serves. Then
     two clients keep one stream each open, back to back, with nothing queued: the load is under
     target and a worker retires while they stream (drain 0.5 s, then migration). Every text
     equals the same prompt's text in the fixed one-worker run, and none fails."""
@@ -126,9 +126,20 @@ def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_
             async def send(i: int) -> None:
                 results.append((i, *await complete(http, prompt(i), lengths[i])))
 
-            tasks = [asyncio.create_task(send(i)) for i in burst]
+            grown_at: list[Any] = []
+
+            async def bursty(offset: int) -> None:
+                # back to back until the second worker serves: a worker may take longer to start
+                # than one round of the burst takes to finish, and a quiet spell would cancel it
+                turn = 0
+                while not grown_at:
+                    await send(burst[(offset + turn) % len(burst)])
+                    turn += 1
+
+            tasks = [asyncio.create_task(bursty(k)) for k in range(len(burst))]
             grown = await loop.run_in_executor(None, lambda: elastic.wait_for(
-                lambda s: s.num_workers == 2, 180, "a second serving worker"))
+                lambda s: s.num_workers == 2, 300, "a second serving worker"))
+            grown_at.append(grown)
             await asyncio.gather(*tasks)
             shrunk_at: list[Any] = []
             open_at_retire = 0
