@@ -19,8 +19,18 @@ resident memory is its own: RSS before the model (torch and our modules imported
 loading it, and the peak (VmHWM) over the prefills (a product through the reference
 gguf_linear dequantizes a whole weight for a moment; fast kernels do not). The KV pool is the
 same small one on every side. The products are whatever workers/gguf_weight.py's gguf_linear
-runs (the slow reference until the C kernels land: minutes per side then); nothing here
-depends on which.
+runs.
+
+llama.cpp's own agreement on the same file and positions, for comparison (its tools built from
+the llama.cpp tree, the text written out as this module reads it):
+
+    llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf f32.gguf F32
+    llama-perplexity -m f32.gguf -f topics.txt -c 512 --chunks 10 -t 2 --kl-divergence-base base.kld
+    llama-perplexity -m SmolLM2-135M-Instruct.Q4_1.gguf -f topics.txt -c 512 --chunks 10 -t 2 \
+        --kl-divergence-base base.kld --kl-divergence          # "Same top p"
+
+It scores the second half of each 512-token context: compare with the "2nd halves" column of a
+`--sequences 10` run. The f32 file is the Q4_1 weights dequantized, as this module's reference is.
 """
 
 from __future__ import annotations
@@ -144,16 +154,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def second_halves(predictions: list[list[int]]) -> list[int]:
+    """The predictions llama.cpp's `llama-perplexity --kl-divergence` scores in each context of
+    the same length: from the middle to the second-to-last position (each predicts a token of the
+    sequence). With --sequences 10 --seq-len 512 these are the positions of its `-c 512 --chunks
+    10` on the same text (module docstring), so its "Same top p" compares with this column."""
+    return [token for sequence in predictions for token in sequence[len(sequence) // 2:-1]]
+
+
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     reference = [token for sequence in results[REFERENCE]["predictions"] for token in sequence]
     print(f"model {args.model or 'default (SmolLM2-135M-Instruct)'} | {args.sequences} x {args.seq_len} tokens of "
           f"pydoc_data.topics, {len(reference)} positions teacher-forced | {args.threads} threads")
-    print(f"{'side':>18} | {'dtype':>8} | {'weights':>10} | {'top-1 vs ref':>12} | {'RSS before':>10} | "
-          f"{'RSS loaded':>10} | {'model MiB':>9} | {'peak MiB':>8}")
+    halves = second_halves(results[REFERENCE]["predictions"])
+    print(f"{'side':>18} | {'dtype':>8} | {'weights':>10} | {'top-1 vs ref':>12} | {'2nd halves':>10} | "
+          f"{'RSS before':>10} | {'RSS loaded':>10} | {'model MiB':>9} | {'peak MiB':>8}")
     for side, result in results.items():
         ours = [token for sequence in result["predictions"] for token in sequence]
         agreement = sum(a == b for a, b in zip(ours, reference, strict=True)) / len(reference)
+        ours_halves = second_halves(result["predictions"])
+        on_halves = sum(a == b for a, b in zip(ours_halves, halves, strict=True)) / len(halves)
         print(f"{side:>18} | {result['dtype']:>8} | {result['quantization']:>10} | {agreement:12.4f} | "
+              f"{on_halves:10.4f} | "
               f"{result['rss_before_mib']:10.0f} | {result['rss_loaded_mib']:10.0f} | "
               f"{result['rss_loaded_mib'] - result['rss_before_mib']:9.0f} | {result['peak_mib']:8.0f}")
 

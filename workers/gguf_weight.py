@@ -109,11 +109,20 @@ def reference_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | N
 
 
 def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [rows, in] @ weight.T (+ bias) -> [rows, out] in out_dtype (default: x's dtype; logits: fp32)."""
+                out_dtype: torch.dtype | None = None, mode: str | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias) -> [rows, out] in out_dtype (default: x's dtype; logits: fp32).
+    mode: the kernel's activation mode (workers/kernels/gguf.py; None: its DEFAULT_MODE)."""
     from workers.kernels import gguf  # imported here: it imports this module's types
 
     if gguf.native_takes(x, weight):
-        return gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype)
+        return gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype, mode=mode)
     out = reference_linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def gguf_logits(x: torch.Tensor, weight: GgufWeight) -> torch.Tensor:
+    """fp32 logits of x through a GGUF lm_head, with x kept in fp32 (workers/kernels/gguf.py's
+    LOGITS_MODE says why)."""
+    from workers.kernels import gguf
+
+    return gguf_linear(x, weight, out_dtype=torch.float32, mode=gguf.LOGITS_MODE)

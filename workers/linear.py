@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import GgufWeight, gguf_linear
+from workers.gguf_weight import GgufWeight, gguf_linear, gguf_logits
 from workers.huge_pages import HugeArena
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 from workers.quant_formats import Fp8Weight, Int4Weight, QuantWeight
@@ -117,7 +117,9 @@ class TorchLinear:
             return out if bias is None else out + bias
         return F.linear(x, weight, bias)
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight) -> torch.Tensor:
+        if isinstance(weight, GgufWeight):
+            return gguf_logits(x, weight)
         return self.linear(x, weight).float()
 
 
@@ -214,7 +216,9 @@ class NativeLinear:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._product(x, weight, bias, x.dtype)
 
-    def logits(self, x: torch.Tensor, weight: DualWeight | PanelWeight) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, weight: DualWeight | PanelWeight | GgufWeight) -> torch.Tensor:
+        if isinstance(weight, GgufWeight):
+            return gguf_logits(x, weight)
         return self._product(x, weight, None, torch.float32)
 
     def _product(self, x: torch.Tensor, weight: DualWeight | PanelWeight, bias: torch.Tensor | None,

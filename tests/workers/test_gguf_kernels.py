@@ -154,6 +154,23 @@ def test_gguf_linear_runs_the_kernel_and_falls_back_to_the_reference(weights):
     torch.testing.assert_close(gguf_linear(x64, weight, bias), reference_linear(x64, weight, bias))
 
 
+def test_logits_keep_the_hidden_state_in_fp32_on_every_linear_backend(weights):
+    """A GGUF lm_head (LOGITS_MODE) is the fp32-mode product, not int8's: rounding the last hidden
+    state to 8 bits flips near-tied argmaxes (workers/kernels/gguf.py)."""
+    from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+
+    weight = weights[GGMLType.Q8_0]
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
+    fp32 = gguf.gguf_gemm(x, weight, out_dtype=torch.float32, mode="fp32")
+    assert not torch.equal(fp32, gguf.gguf_gemm(x, weight, out_dtype=torch.float32, mode="int8"))
+    for backend in (TorchLinear(), OneDnnLinear(), NativeLinear()):
+        logits = backend.logits(x, backend.pack(weight))
+        assert logits.dtype == torch.float32 and torch.equal(logits, fp32), backend.name
+    bf16 = x.bfloat16()  # bf16 activations: widened, never rounded to int8
+    torch.testing.assert_close(NativeLinear().logits(bf16, weight),
+                               gguf.gguf_gemm(bf16, weight, out_dtype=torch.float32, mode="fp32"))
+
+
 def test_k_types_need_whole_super_blocks_and_the_kernel_checks_sizes(weights):
     for ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
         with pytest.raises(ValueError, match="256-weight blocks"):
