@@ -1,4 +1,5 @@
 """Products with GGUF-quantized weights (csrc/gguf_gemm.c): the fp32 and int8 modes side by side,
+the prompt-step path (the weight dequantized by our kernel, then F.linear: gguf.DENSE_MIN_ROWS),
 and the dense fp32 panel GEMM of the same shape, at SmolLM2-135M's shapes.
 
     .venv/bin/python -m bench.bench_gguf                         # 1 thread, rows 1 and 16
@@ -8,8 +9,8 @@ Each shape gets enough copies of its weight (distinct memory) that a pass over t
 --min-mb megabytes, so every product streams its weight from memory as a real step does; the
 median over --repeats passes, the three paths alternating, in ms per product and GB/s of the
 weight bytes each path reads (GGUF blocks, or fp32 panels). Projections are --type (the
-default Q4_1, the shipped model's), the lm_head Q8_0. Ratios: int8 / fp32 mode, and int8 /
-dense fp32.
+default Q4_1, the shipped model's), the lm_head Q8_0. Ratios: int8 / fp32 mode, int8 / dense
+fp32, and dequantize-then-F.linear / int8.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from workers.gguf_weight import BLOCK_LAYOUT, GGMLType, GgufWeight
-from workers.kernels.gguf import gguf_gemm
+from workers.kernels.gguf import gguf_dequantize, gguf_gemm
 from workers.linear import NativeLinear
 
 SHAPES = [(576, 576, None), (192, 576, None), (1536, 576, None), (576, 1536, None), (49152, 576, GGMLType.Q8_0)]
@@ -67,7 +69,7 @@ def main() -> None:
     native = NativeLinear()
     print(f"threads {args.threads} | ms per product (median of {args.repeats}) and GB/s of weight bytes read")
     print(f"{'shape':>18} {'rows':>5} | {'fp32 mode':>16} | {'int8 mode':>16} | {'dense fp32':>16} | "
-          f"{'int8/fp32':>9} {'int8/dense':>10}")
+          f"{'dequantized':>16} | {'int8/fp32':>9} {'int8/dense':>10} {'deq/int8':>8}")
     for out_features, in_features, shape_type in SHAPES:
         ggml_type = shape_type or GGMLType[args.type]
         if in_features % BLOCK_LAYOUT[ggml_type][0]:  # K-types need whole 256-weight rows: not SmolLM2's 576
@@ -86,6 +88,7 @@ def main() -> None:
                 "fp32": (lambda x, w: gguf_gemm(x, w, mode="fp32"), quantized, first.nbytes),
                 "int8": (lambda x, w: gguf_gemm(x, w, mode="int8"), quantized, first.nbytes),
                 "dense": (native.linear, dense, dense_bytes),
+                "dequantized": (lambda x, w: F.linear(x, gguf_dequantize(w, scratch=True)), quantized, first.nbytes),
             }
             times: dict[str, list[float]] = {name: [] for name in paths}
             for name, (run, weights, _) in paths.items():  # warm-up
@@ -96,7 +99,8 @@ def main() -> None:
             median = {name: statistics.median(values) for name, values in times.items()}
             cells = [f"{median[name]:7.3f} {paths[name][2] / median[name] / 1e6:5.1f}GB/s" for name in paths]
             print(f"{f'{out_features}x{in_features} {ggml_type.name}':>18} {rows:>5} | " + " | ".join(cells)
-                  + f" | {median['int8'] / median['fp32']:9.2f} {median['int8'] / median['dense']:10.2f}", flush=True)
+                  + f" | {median['int8'] / median['fp32']:9.2f} {median['int8'] / median['dense']:10.2f}"
+                  + f" {median['dequantized'] / median['int8']:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None =
     from workers.kernels import gguf  # imported here: it imports this module's types
 
     if gguf.native_takes(x, weight):
+        if x.shape[0] >= gguf.DENSE_MIN_ROWS:  # a prompt step: the dense fp32 GEMM on the weight dequantized
+            out = F.linear(x.float(), gguf.gguf_dequantize(weight, scratch=True), None if bias is None else bias.float())
+            return out.to(out_dtype or x.dtype)
         return gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype, mode=mode)
     out = reference_linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)

@@ -2,7 +2,8 @@
 product of the step has a C kernel: fp32 panels on AVX2 CPUs (up to their measured row limit,
 workers/linear.py) and AVX-512 CPUs (every row count), bf16 panels on AVX512_BF16 CPUs (every
 row count), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes); a projection kept in its GGUF
-type (workers/gguf_weight.py) runs its own kernel (workers/kernels/gguf.py, any row count), each
+type (workers/gguf_weight.py) runs its own kernel (workers/kernels/gguf.py, below its
+DENSE_MIN_ROWS: a prompt step runs the Python loop, where such products go dense), each
 product of a layer in its own type.
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
@@ -66,16 +67,18 @@ class NativeForward:
         quantized = [w for w in weights if isinstance(w, GgufWeight)]
         if any(w.ggml_type not in gguf.NATIVE_TYPES or w.blocks.device.type != "cpu" for w in quantized):
             return None
+        # a prompt step of GGUF weights runs the Python loop, whose products go dense (gguf.DENSE_MIN_ROWS)
+        limits = [gguf.DENSE_MIN_ROWS - 1] if quantized else []
         dense = [w for w in weights if not isinstance(w, GgufWeight)]
-        if not dense:  # every product is a GGUF weight's own kernel: any row count, whatever the backend
-            return cls(model, LINEAR_GEMV, None)
+        if not dense:  # every product is a GGUF weight's own kernel, whatever the backend
+            return cls(model, LINEAR_GEMV, min(limits, default=None))
         if not isinstance(model.linear_backend, NativeLinear):
             return None
         if all(isinstance(w, PanelWeight) for w in dense):
-            limits = [w.max_rows for w in dense if w.max_rows is not None]
-            return cls(model, LINEAR_PANELS, min(limits) if limits else None)
+            limits += [w.max_rows for w in dense if w.max_rows is not None]
+            return cls(model, LINEAR_PANELS, min(limits, default=None))
         if all(isinstance(w, DualWeight) for w in dense):
-            return cls(model, LINEAR_GEMV, GEMV_MAX_ROWS)
+            return cls(model, LINEAR_GEMV, min(limits + [GEMV_MAX_ROWS]))
         return None
 
     def takes(self, num_tokens: int) -> bool:

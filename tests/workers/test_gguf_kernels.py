@@ -154,6 +154,33 @@ def test_gguf_linear_runs_the_kernel_and_falls_back_to_the_reference(weights):
     torch.testing.assert_close(gguf_linear(x64, weight, bias), reference_linear(x64, weight, bias))
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dequantize_gives_the_gguf_packages_values(library, weights, ggml_type):
+    weight = weights[ggml_type]
+    expected = dequantize(weight)
+    for scratch in (False, True):
+        out = gguf.gguf_dequantize(weight, scratch=scratch, library=library)
+        assert out.dtype == torch.float32 and out.shape == (N, K)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7 * expected.abs().max().item())
+
+
+def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by_the_kernel(weights):
+    """From gguf.DENSE_MIN_ROWS rows, gguf_linear is the dense fp32 product of the dequantized
+    weight (fp32-exact, no int8 rounding); below, the int8 kernel."""
+    weight = weights[GGMLType.Q4_K]
+    generator = torch.Generator().manual_seed(6)
+    bias = torch.randn(N, generator=generator)
+    rows = gguf.DENSE_MIN_ROWS
+    x = torch.randn(rows, K, generator=generator)
+    expected = F.linear(x, dequantize(weight), bias)
+    out = gguf_linear(x, weight, bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert not torch.equal(out, gguf.gguf_gemm(x, weight, bias, mode="int8"))
+    assert gguf_linear(x.bfloat16(), weight, bias.bfloat16()).dtype == torch.bfloat16
+    fewer = x[:rows - 1]
+    assert torch.equal(gguf_linear(fewer, weight, bias), gguf.gguf_gemm(fewer, weight, bias))
+
+
 def test_logits_keep_the_hidden_state_in_fp32_on_every_linear_backend(weights):
     """A GGUF lm_head (LOGITS_MODE) is the fp32-mode product, not int8's: rounding the last hidden
     state to 8 bits flips near-tied argmaxes (workers/kernels/gguf.py)."""
@@ -256,7 +283,8 @@ def test_c_loop_over_gguf_weights_equals_the_python_loop(gguf_model_dir, dtype, 
     runner = make_runner(gguf_model_dir, attention_backend="cpu", dtype=dtype, num_threads=threads)
     quantize_layers(runner.model)
     native = runner.model.native_forward
-    assert native is not None and native.max_rows is None  # every product is a GGUF one: every step
+    # every product is a GGUF one: every step but a prompt step's many rows (those go dense, in Python)
+    assert native is not None and native.max_rows == gguf.DENSE_MIN_ROWS - 1
     compared = compare_every_step(runner)
     prompts = prompts_of_lengths([1, 3, 8, 17, 29], runner.model_info.vocab_size)
     outputs = run_requests(runner, prompts, greedy(8), token_budget=16)

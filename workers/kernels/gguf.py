@@ -36,6 +36,8 @@ weights there.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from workers.gguf_weight import GGMLType, GgufWeight
@@ -51,6 +53,13 @@ DEFAULT_MODE = "int8"
 # where llama.cpp's own Q4_1 gets 0.969; it costs about 0.7 ms of a one-row step (2.6 -> 3.3 ms
 # for the 49152 x 576 Q8_0 head, 2 threads) and 2-3 ms at 16 rows.
 LOGITS_MODE = "fp32"
+# A product of at least this many rows (a prompt step) dequantizes the weight to fp32 with our
+# kernel, into a reused buffer, and runs the dense fp32 GEMM (F.linear). At SmolLM2's Q4_1 shapes
+# and the Q8_0 lm_head, 2 threads, weights streamed from memory, that path against the int8
+# kernel takes 1.4-2.5x the time at 64 rows, 1.0-1.5x at 128 and 0.73-0.87x at 256 (1.22x for
+# the small 192x576, which the model fuses into qkv) (`bench.bench_gguf --threads 2 --rows
+# 64,128,256 --repeats 5 --min-mb 32`). Those rows are then exact (fp32 products), like LOGITS_MODE's.
+DENSE_MIN_ROWS = 256
 
 
 def native_takes(x: torch.Tensor, weight: GgufWeight) -> bool:
@@ -83,4 +92,28 @@ def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = N
         weight.out_features, width, int(weight.ggml_type), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
         GGUF_MODES[mode], torch.get_num_threads(),
     ), "rayllm_gguf_gemm")
+    return out
+
+
+_scratch = threading.local()  # each thread's buffer for gguf_dequantize(scratch=True)
+
+
+def gguf_dequantize(weight: GgufWeight, scratch: bool = False, library=None) -> torch.Tensor:
+    """The weight's values [out, in] in fp32, dequantized by our kernel on the thread pool: the
+    values the fp32 mode multiplies by. scratch: into this thread's reused buffer, valid until the
+    thread's next such call (a fresh buffer of a few MB per product costs its page faults)."""
+    library = library or native_library()
+    assert weight.ggml_type in NATIVE_TYPES
+    blocks = weight.blocks.contiguous()
+    size = weight.out_features * weight.in_features
+    if scratch:
+        if getattr(_scratch, "buffer", None) is None or _scratch.buffer.numel() < size:
+            _scratch.buffer = torch.empty(size, dtype=torch.float32)
+        out = _scratch.buffer[:size].view(weight.out_features, weight.in_features)
+    else:
+        out = torch.empty(weight.out_features, weight.in_features, dtype=torch.float32)
+    check_status(library.rayllm_gguf_dequantize(
+        blocks.data_ptr(), out.data_ptr(), weight.out_features, weight.in_features, int(weight.ggml_type),
+        torch.get_num_threads(),
+    ), "rayllm_gguf_dequantize")
     return out

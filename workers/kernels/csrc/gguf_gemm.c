@@ -511,3 +511,58 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
     free(scratch);
     return 0;
 }
+
+/* ------------------------------------------------------------ whole weights, dequantized to fp32 */
+
+typedef struct {
+    const uint8_t *w;
+    float *out;
+    int64_t N, K, row_bytes;
+    int type;
+} DequantizeJob;
+
+#define ROWS_PER_DEQUANTIZE_ITEM 16
+
+/* Weight rows of one item, each block's sub-blocks widened as the fp32 mode widens them. */
+static void dequantize_rows(void *context, int64_t item) {
+    const DequantizeJob *d = context;
+    const int type = d->type, subs = block_subs(type);
+    const int64_t end = (item + 1) * ROWS_PER_DEQUANTIZE_ITEM < d->N ? (item + 1) * ROWS_PER_DEQUANTIZE_ITEM : d->N;
+    for (int64_t n = item * ROWS_PER_DEQUANTIZE_ITEM; n < end; n++) {
+        const uint8_t *row = d->w + n * d->row_bytes;
+        float *out = d->out + n * d->K;
+        for (int64_t sb = 0; sb < d->K / 32; sb++) {
+            const uint8_t *block = row + sb / subs * block_bytes(type);
+            const int j = (int)(sb % subs);
+            const SubScale s = sub_scale(type, block, j);
+            float *o = out + sb * 32;
+#ifdef RAYLLM_HAS_AVX2
+            const __m256i q = sub_q(type, block, j);
+            const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
+            const __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), off = _mm256_set1_ps(s.off);
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(widen_q(q_lo), lo, off));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_lo, 8)), lo, off));
+            _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(widen_q(q_hi), hi, off));
+            _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_hi, 8)), hi, off));
+#else
+            int8_t q[32];
+            sub_q_scalar(type, block, j, q);
+            for (int l = 0; l < 32; l++) o[l] = (l < 16 ? s.lo : s.hi) * (float)q[l] + s.off;
+#endif
+        }
+    }
+}
+
+/* w: [N, row bytes] GGUF blocks of ggml_type -> out: [N, K] fp32, the values the fp32 mode
+ * multiplies by (the gguf package's dequantization, up to fp32 rounding of scale * q + offset).
+ * Returns 1 for a type this file does not have, 2 for bad sizes. */
+int rayllm_gguf_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K, int32_t ggml_type,
+                           int32_t num_threads) {
+    if (!columns_function(ggml_type)) return 1;
+    const int64_t block_weights = 32 * block_subs(ggml_type);
+    if (N < 1 || K < block_weights || K % block_weights) return 2;
+    DequantizeJob job = {w, out, N, K, K / block_weights * block_bytes(ggml_type), ggml_type};
+    rayllm_parallel_for((N + ROWS_PER_DEQUANTIZE_ITEM - 1) / ROWS_PER_DEQUANTIZE_ITEM, num_threads, dequantize_rows,
+                        &job);
+    return 0;
+}
