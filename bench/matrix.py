@@ -150,9 +150,11 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh"),
     # The default model's GGUF as it ships (Q4_1), served by both: ours with its weights kept
     # quantized (quantization=auto: fp32 activations), llama-server on the file itself.
-    Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively (quantization=auto, dtype auto: fp32 "
-           "activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"), ("quantization=auto",),
-           dtype="auto"),
+    # model=default: the shipped GGUF file itself (ours.sh otherwise points model at the converted safetensors,
+    # which quantization=auto would serve dense)
+    Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively (model=default, quantization=auto, dtype "
+           "auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"),
+           ("model=default", "quantization=auto"), dtype="auto"),
     Server("llama-gguf", "llama.cpp llama-server on the shipped Q4_1 GGUF itself, -t 2 -tb 2 --poll 0 -np 16 -cb",
            "llama_server.sh", 8300, ("c1", "c16"), needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh", dtype="gguf"),

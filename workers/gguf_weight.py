@@ -102,6 +102,19 @@ def dequantize(weight: GgufWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape)
 
 
+def dequantize_rows(weight: GgufWeight, index: torch.Tensor) -> torch.Tensor:
+    """The chosen rows' values [len(index), in] in fp32 (an embedding lookup): our kernel where it
+    takes the type, else the gguf package. Both give the same values: every scale times a
+    quantized integer is exact in fp32 (an fp16 scale's 11 bits times at most 8), so the one
+    rounding left, of the sum with the offset, is the same in both."""
+    from workers.kernels import gguf
+
+    rows = weight.rows(index)
+    if weight.ggml_type in gguf.NATIVE_TYPES and weight.blocks.device.type == "cpu" and gguf.native_available():
+        return gguf.gguf_dequantize(rows)
+    return dequantize(rows)
+
+
 def reference_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantize(weight).T (+ bias) in fp32, returned in x's dtype."""
     out = F.linear(x.float(), dequantize(weight), None if bias is None else bias.float())

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
-from workers.gguf_weight import GgufWeight, concat_rows, dequantize
+from workers.gguf_weight import GgufWeight, concat_rows, dequantize, dequantize_rows
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
@@ -167,7 +167,7 @@ class PagedLlamaModel:
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> the residual stream's start [num_tokens, hidden] (times the family's multiplier)."""
         if isinstance(self.embed, GgufWeight):  # the tokens' rows alone, exactly as the whole table would give
-            embedded = dequantize(self.embed.rows(input_ids)).to(self._dtype)
+            embedded = dequantize_rows(self.embed, input_ids).to(self._dtype)
         else:
             embedded = F.embedding(input_ids, self.embed)
         multiplier = self.config.embedding_multiplier

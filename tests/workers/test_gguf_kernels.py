@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import BLOCK_LAYOUT, GGMLType, GgufWeight, dequantize, gguf_linear, reference_linear
+from workers.gguf_weight import (BLOCK_LAYOUT, GGMLType, GgufWeight, dequantize, dequantize_rows, gguf_linear,
+                                 reference_linear)
 from workers.kernels import gguf
 from workers.kernels.native import CFLAGS, SOURCE_DIR, SOURCES, build, compiler, load, native_available
 
@@ -161,7 +162,9 @@ def test_dequantize_gives_the_gguf_packages_values(library, weights, ggml_type):
     for scratch in (False, True):
         out = gguf.gguf_dequantize(weight, scratch=scratch, library=library)
         assert out.dtype == torch.float32 and out.shape == (N, K)
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7 * expected.abs().max().item())
+        assert torch.equal(out, expected)  # exact: gguf_weight.dequantize_rows says why
+    index = torch.tensor([5, 0, 5, N - 1])
+    assert torch.equal(dequantize_rows(weight, index), expected[index])  # an embedding lookup
 
 
 def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by_the_kernel(weights):
