@@ -110,7 +110,7 @@ def dequantize_rows(weight: GgufWeight, index: torch.Tensor) -> torch.Tensor:
     from workers.kernels import gguf
 
     rows = weight.rows(index)
-    if weight.ggml_type in gguf.NATIVE_TYPES and weight.blocks.device.type == "cpu" and gguf.native_available():
+    if gguf.native_has(weight):
         return gguf.gguf_dequantize(rows)
     return dequantize(rows)
 

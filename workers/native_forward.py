@@ -65,7 +65,7 @@ class NativeForward:
             return None
         weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         quantized = [w for w in weights if isinstance(w, GgufWeight)]
-        if any(w.ggml_type not in gguf.NATIVE_TYPES or w.blocks.device.type != "cpu" for w in quantized):
+        if not all(gguf.native_has(w) for w in quantized):
             return None
         # a prompt step of GGUF weights runs the Python loop, whose products go dense (gguf.DENSE_MIN_ROWS)
         limits = [gguf.DENSE_MIN_ROWS - 1] if quantized else []

@@ -62,10 +62,14 @@ LOGITS_MODE = "fp32"
 DENSE_MIN_ROWS = 256
 
 
+def native_has(weight: GgufWeight) -> bool:
+    """Our kernels read this weight: a type they have, blocks on the CPU, a built library."""
+    return weight.ggml_type in NATIVE_TYPES and weight.blocks.device.type == "cpu" and native_available()
+
+
 def native_takes(x: torch.Tensor, weight: GgufWeight) -> bool:
-    """Our kernel computes this product: a CPU x in fp32 or bf16, a type it has, a built library."""
-    return (x.device.type == "cpu" and x.dtype in DTYPE_CODES and weight.ggml_type in NATIVE_TYPES
-            and weight.blocks.device.type == "cpu" and native_available())
+    """Our kernel computes this product: a CPU x in fp32 or bf16, and a weight it reads (native_has)."""
+    return x.device.type == "cpu" and x.dtype in DTYPE_CODES and native_has(weight)
 
 
 def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,

@@ -219,6 +219,20 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 
 static inline __m256 widen_q(__m128i q8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)); }
 
+/* Sub-block j's 32 weights in fp32 (scale * q + offset), four vectors of 8: what the fp32 mode
+ * multiplies by and rayllm_gguf_dequantize writes. */
+static inline __attribute__((always_inline)) void sub_weights(const int type, const uint8_t *block, const int j,
+                                                              __m256 w[4]) {
+    const SubScale s = sub_scale(type, block, j);
+    const __m256i q = sub_q(type, block, j);
+    const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
+    const __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), off = _mm256_set1_ps(s.off);
+    w[0] = _mm256_fmadd_ps(widen_q(q_lo), lo, off);
+    w[1] = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_lo, 8)), lo, off);
+    w[2] = _mm256_fmadd_ps(widen_q(q_hi), hi, off);
+    w[3] = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_hi, 8)), hi, off);
+}
+
 /* GGUF_FP32: rows [m0, m0 + MR) of x times weight row w, into sums[0, MR). */
 static inline __attribute__((always_inline)) void dot_f32(const int type, const GgufJob *job, const uint8_t *w,
                                                           int64_t m0, const int MR, float *sums, const int stride) {
@@ -229,14 +243,9 @@ static inline __attribute__((always_inline)) void dot_f32(const int type, const 
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = w + b * block_bytes(type);
         for (int j = 0; j < block_subs(type); j++) {
-            const SubScale s = sub_scale(type, block, j);
-            const __m256i q = sub_q(type, block, j);
-            const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
-            const __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), off = _mm256_set1_ps(s.off);
-            const __m256 w0 = _mm256_fmadd_ps(widen_q(q_lo), lo, off);
-            const __m256 w1 = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_lo, 8)), lo, off);
-            const __m256 w2 = _mm256_fmadd_ps(widen_q(q_hi), hi, off);
-            const __m256 w3 = _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_hi, 8)), hi, off);
+            __m256 wv[4];
+            sub_weights(type, block, j, wv);
+            const __m256 w0 = wv[0], w1 = wv[1], w2 = wv[2], w3 = wv[3];
             const float *xk = x + (b * block_subs(type) + j) * 32;
             const int parity = j & 1; /* two sums per row, alternating sub-blocks: half the latency chain */
             for (int i = 0; i < MR; i++) {
@@ -329,18 +338,23 @@ static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *
     }
 }
 #else /* portable C */
+/* Sub-block j's 32 weights in fp32 (scale * q + offset). */
+static inline void sub_weights(const int type, const uint8_t *block, const int j, float w[32]) {
+    const SubScale s = sub_scale(type, block, j);
+    int8_t q[32];
+    sub_q_scalar(type, block, j, q);
+    for (int l = 0; l < 32; l++) w[l] = (l < 16 ? s.lo : s.hi) * (float)q[l] + s.off;
+}
+
 static inline __attribute__((always_inline)) void dot_f32(const int type, const GgufJob *job, const uint8_t *w,
                                                           int64_t m0, const int MR, float *sums, const int stride) {
     const int64_t K = job->K, num_subs = K / 32;
     float acc[TILE_ROWS] = {0};
-    int8_t q[32];
     for (int64_t sb = 0; sb < num_subs; sb++) {
         const uint8_t *block = w + sb / block_subs(type) * block_bytes(type);
         const int j = (int)(sb % block_subs(type));
-        const SubScale s = sub_scale(type, block, j);
-        sub_q_scalar(type, block, j, q);
         float wf[32];
-        for (int l = 0; l < 32; l++) wf[l] = (l < 16 ? s.lo : s.hi) * (float)q[l] + s.off;
+        sub_weights(type, block, j, wf);
         for (int i = 0; i < MR; i++) {
             const float *x = job->x + (m0 + i) * K + sb * 32;
             for (int l = 0; l < 32; l++) acc[i] += x[l] * wf[l];
@@ -538,7 +552,7 @@ typedef struct {
 
 #define ROWS_PER_DEQUANTIZE_ITEM 16
 
-/* Weight rows of one item, each block's sub-blocks widened as the fp32 mode widens them. */
+/* Weight rows of one item, each sub-block widened by sub_weights, as the fp32 mode widens it. */
 static void dequantize_rows(void *context, int64_t item) {
     const DequantizeJob *d = context;
     const int type = d->type, subs = block_subs(type);
@@ -549,20 +563,13 @@ static void dequantize_rows(void *context, int64_t item) {
         for (int64_t sb = 0; sb < d->K / 32; sb++) {
             const uint8_t *block = row + sb / subs * block_bytes(type);
             const int j = (int)(sb % subs);
-            const SubScale s = sub_scale(type, block, j);
             float *o = out + sb * 32;
 #ifdef RAYLLM_HAS_AVX2
-            const __m256i q = sub_q(type, block, j);
-            const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
-            const __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), off = _mm256_set1_ps(s.off);
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(widen_q(q_lo), lo, off));
-            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_lo, 8)), lo, off));
-            _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(widen_q(q_hi), hi, off));
-            _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(widen_q(_mm_srli_si128(q_hi, 8)), hi, off));
+            __m256 w[4];
+            sub_weights(type, block, j, w);
+            for (int t = 0; t < 4; t++) _mm256_storeu_ps(o + 8 * t, w[t]);
 #else
-            int8_t q[32];
-            sub_q_scalar(type, block, j, q);
-            for (int l = 0; l < 32; l++) o[l] = (l < 16 ? s.lo : s.hi) * (float)q[l] + s.off;
+            sub_weights(type, block, j, o);
 #endif
         }
     }
