@@ -1,6 +1,9 @@
 """Products with GGUF-quantized weights (csrc/gguf_gemm.c): the fp32 and int8 modes side by side,
-the prompt-step path (the weight dequantized by our kernel, then F.linear: gguf.DENSE_MIN_ROWS),
-and the dense fp32 panel GEMM of the same shape, at SmolLM2-135M's shapes.
+each weight repacked eight rows at a time as the model packs it (gguf_weight.pack_for_kernels:
+a layer's Q4_0 and Q4_1 in the int8 mode, the lm_head's Q8_0 in the fp32 mode; the file's layout
+again for the other types), the prompt-step path of weights in
+the file's layout (the weight dequantized by our kernel, then F.linear: gguf.DENSE_MIN_ROWS), and
+the dense fp32 panel GEMM of the same shape, at SmolLM2-135M's shapes.
 
     .venv/bin/python -m bench.bench_gguf                         # 1 thread, rows 1 and 16
     .venv/bin/python -m bench.bench_gguf --threads 2 --rows 1,4,16,64 --type Q4_K
@@ -9,8 +12,8 @@ Each shape gets enough copies of its weight (distinct memory) that a pass over t
 --min-mb megabytes, so every product streams its weight from memory as a real step does; the
 median over --repeats passes, the three paths alternating, in ms per product and GB/s of the
 weight bytes each path reads (GGUF blocks, or fp32 panels). Projections are --type (the
-default Q4_1, the shipped model's), the lm_head Q8_0. Ratios: int8 / fp32 mode, int8 / dense
-fp32, and dequantize-then-F.linear / int8.
+default Q4_1, the shipped model's), the lm_head Q8_0. Ratios: packed / the same mode in the
+file's layout, packed / dense fp32, and dequantize-then-F.linear / packed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import BLOCK_LAYOUT, GGMLType, GgufWeight
+from workers.gguf_weight import (BLOCK_LAYOUT, LAYER_PACKED_TYPES, LOGITS_PACKED_TYPES, PACKED_ROWS, GGMLType,
+                                 GgufWeight, pack_columns)
 from workers.kernels.gguf import gguf_dequantize, gguf_gemm
 from workers.linear import NativeLinear
 
@@ -68,8 +72,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     native = NativeLinear()
     print(f"threads {args.threads} | ms per product (median of {args.repeats}) and GB/s of weight bytes read")
-    print(f"{'shape':>18} {'rows':>5} | {'fp32 mode':>16} | {'int8 mode':>16} | {'dense fp32':>16} | "
-          f"{'dequantized':>16} | {'int8/fp32':>9} {'int8/dense':>10} {'deq/int8':>8}")
+    print(f"{'shape':>18} {'rows':>5} | {'fp32 mode':>16} | {'int8 mode':>16} | {'packed':>16} | "
+          f"{'dense fp32':>16} | {'dequantized':>16} | {'pack/file':>9} {'pack/dense':>10} {'deq/pack':>8}")
     for out_features, in_features, shape_type in SHAPES:
         ggml_type = shape_type or GGMLType[args.type]
         if in_features % BLOCK_LAYOUT[ggml_type][0]:  # K-types need whole 256-weight rows: not SmolLM2's 576
@@ -79,6 +83,12 @@ def main() -> None:
         copies = max(1, int(args.min_mb * 1e6 / first.nbytes))
         quantized = [first] + [GgufWeight(ggml_type, out_features, in_features, first.blocks.clone())
                                for _ in range(copies - 1)]
+        # packed as the model packs it: a layer's Q4_0/Q4_1 for int8, the lm_head's Q8_0 for fp32
+        is_head = shape_type is not None
+        packed_mode = "fp32" if is_head else "int8"
+        packable = (ggml_type in (LOGITS_PACKED_TYPES if is_head else LAYER_PACKED_TYPES)
+                    and out_features % PACKED_ROWS == 0)
+        packed = [pack_columns(w) for w in quantized] if packable else quantized
         dense_copies = max(1, int(args.min_mb * 1e6 / (out_features * in_features * 4)))
         dense = [native.pack(torch.randn(out_features, in_features)) for _ in range(dense_copies)]
         dense_bytes = out_features * in_features * 4
@@ -87,6 +97,7 @@ def main() -> None:
             paths = {
                 "fp32": (lambda x, w: gguf_gemm(x, w, mode="fp32"), quantized, first.nbytes),
                 "int8": (lambda x, w: gguf_gemm(x, w, mode="int8"), quantized, first.nbytes),
+                "packed": (lambda x, w: gguf_gemm(x, w, mode=packed_mode), packed, first.nbytes),
                 "dense": (native.linear, dense, dense_bytes),
                 "dequantized": (lambda x, w: F.linear(x, gguf_dequantize(w, scratch=True)), quantized, first.nbytes),
             }
@@ -99,8 +110,8 @@ def main() -> None:
             median = {name: statistics.median(values) for name, values in times.items()}
             cells = [f"{median[name]:7.3f} {paths[name][2] / median[name] / 1e6:5.1f}GB/s" for name in paths]
             print(f"{f'{out_features}x{in_features} {ggml_type.name}':>18} {rows:>5} | " + " | ".join(cells)
-                  + f" | {median['int8'] / median['fp32']:9.2f} {median['int8'] / median['dense']:10.2f}"
-                  + f" {median['dequantized'] / median['int8']:8.2f}", flush=True)
+                  + f" | {median['packed'] / median[packed_mode]:9.2f} {median['packed'] / median['dense']:10.2f}"
+                  + f" {median['dequantized'] / median['packed']:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class GgufWeight:
     out_features: int
     in_features: int
     blocks: torch.Tensor  # uint8 [out_features, row_bytes(ggml_type, in_features)], contiguous
+    packed: bool = False  # the bytes permuted eight rows at a time (pack_columns), else the file's layout
 
     def __post_init__(self) -> None:
         expected = (self.out_features, row_bytes(self.ggml_type, self.in_features))
@@ -79,8 +80,17 @@ class GgufWeight:
         return self.blocks.numel()
 
     def rows(self, index: torch.Tensor | slice) -> GgufWeight:
-        """The weight of the chosen output rows (a permutation, a slice) in the same type."""
-        blocks = self.blocks[index].contiguous()
+        """The weight of the chosen output rows (a permutation, a slice) in the same type, in the
+        file's layout (of a packed weight, only the groups of 8 holding them are unpacked: an
+        embedding lookup's few rows of a packed tied lm_head)."""
+        if not self.packed:
+            blocks = self.blocks[index].contiguous()
+            return GgufWeight(self.ggml_type, blocks.shape[0], self.in_features, blocks)
+        index = torch.arange(self.out_features)[index]
+        groups, inverse = torch.unique(index // PACKED_ROWS, return_inverse=True)
+        picked = self.blocks.view(self.out_features // PACKED_ROWS, -1)[groups].view(len(groups) * PACKED_ROWS, -1)
+        file_rows = unpack_columns(GgufWeight(self.ggml_type, picked.shape[0], self.in_features, picked, packed=True))
+        blocks = file_rows.blocks[inverse * PACKED_ROWS + index % PACKED_ROWS].contiguous()
         return GgufWeight(self.ggml_type, blocks.shape[0], self.in_features, blocks)
 
 
@@ -90,15 +100,85 @@ def concat_rows(weights: list[GgufWeight]) -> GgufWeight:
     if any(w.ggml_type != first.ggml_type or w.in_features != first.in_features for w in weights):
         raise ValueError("fused GGUF weights must share one type and input width, got "
                          + ", ".join(f"{w.ggml_type.name}[{w.out_features}, {w.in_features}]" for w in weights))
-    blocks = torch.cat([w.blocks for w in weights]).contiguous()
+    blocks = torch.cat([unpack_columns(w).blocks for w in weights]).contiguous()
     return GgufWeight(first.ggml_type, blocks.shape[0], first.in_features, blocks)
+
+
+# Types our kernels read faster repacked eight output rows at a time (csrc/gguf_gemm.c says how):
+# Q4_0 and Q4_1 layers, whose int8 product then keeps eight rows' sums in the lanes of one vector,
+# and a Q8_0 lm_head (or tied embedding), whose fp32 product (gguf.LOGITS_MODE) does the same.
+# Timings against the file's layout: workers/kernels/gguf.py.
+PACKABLE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
+LAYER_PACKED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1)
+LOGITS_PACKED_TYPES = (GGMLType.Q8_0,)
+PACKED_ROWS = 8
+
+
+def _packed_parts(ggml_type: GGMLType) -> list[tuple[int, int, int]]:
+    """A block's parts as (start, size, piece) in the file's layout: each part is permuted so
+    that `piece` bytes of each of the 8 rows follow one another (see pack_columns)."""
+    if ggml_type == GGMLType.Q8_0:
+        return [(0, 2, 2), (2, 32, 1)]
+    if ggml_type == GGMLType.Q4_1:
+        return [(0, 2, 2), (2, 2, 2), (4, 16, 4)]
+    return [(0, 2, 2), (2, 16, 4)]
+
+
+def pack_columns(weight: GgufWeight) -> GgufWeight:
+    """The same bytes permuted for the packed kernels: for each group of 8 rows and each block,
+    the 8 rows' fp16 scales, then (Q4_1) their minimums, then their values: Q4_0 and Q4_1 in
+    four 4-byte pieces (piece t: bytes 4t..4t+3 of each row in turn), Q8_0 byte by byte (weight k
+    of each row in turn). Exact: unpack_columns undoes it."""
+    if weight.packed:
+        return weight
+    if weight.ggml_type not in PACKABLE_TYPES or weight.out_features % PACKED_ROWS:
+        raise ValueError(f"only Q4_0, Q4_1 and Q8_0 weights of a multiple of {PACKED_ROWS} rows are packed, "
+                         f"not {weight.ggml_type.name} [{weight.out_features}, {weight.in_features}]")
+    groups, num_blocks = weight.out_features // PACKED_ROWS, weight.in_features // 32
+    blocks = weight.blocks.view(groups, PACKED_ROWS, num_blocks, -1)  # [group, row, block, bytes]
+    parts = []
+    for start, size, piece in _packed_parts(weight.ggml_type):
+        part = blocks[..., start:start + size].reshape(groups, PACKED_ROWS, num_blocks, size // piece, piece)
+        parts.append(part.permute(0, 2, 3, 1, 4).reshape(groups, num_blocks, PACKED_ROWS * size))
+    packed = torch.cat(parts, dim=-1)
+    return GgufWeight(weight.ggml_type, weight.out_features, weight.in_features,
+                      packed.reshape(weight.out_features, -1).contiguous(), packed=True)
+
+
+def unpack_columns(weight: GgufWeight) -> GgufWeight:
+    """The weight in the file's layout (itself where it is)."""
+    if not weight.packed:
+        return weight
+    groups, num_blocks = weight.out_features // PACKED_ROWS, weight.in_features // 32
+    packed = weight.blocks.view(groups, num_blocks, -1)  # [group, block, 8 rows' blocks]
+    parts = []
+    for start, size, piece in _packed_parts(weight.ggml_type):
+        part = packed[..., PACKED_ROWS * start:PACKED_ROWS * (start + size)]
+        part = part.reshape(groups, num_blocks, size // piece, PACKED_ROWS, piece).permute(0, 3, 1, 2, 4)
+        parts.append(part.reshape(groups, PACKED_ROWS, num_blocks, size))
+    rows = torch.cat(parts, dim=-1)
+    return GgufWeight(weight.ggml_type, weight.out_features, weight.in_features,
+                      rows.reshape(weight.out_features, -1).contiguous())
+
+
+def pack_for_kernels(weight: GgufWeight, logits: bool = False) -> GgufWeight:
+    """The weight as our kernels read it fastest: a layer's projection (or, logits=True, the
+    lm_head) packed where its type and rows allow and the kernels are ours (not a GPU's, not the
+    reference's), else as it is."""
+    from workers.kernels import gguf
+
+    types = LOGITS_PACKED_TYPES if logits else LAYER_PACKED_TYPES
+    if (weight.ggml_type in types and weight.out_features % PACKED_ROWS == 0 and gguf.native_has(weight)
+            and gguf.PACK_WEIGHTS):
+        return pack_columns(weight)
+    return weight
 
 
 def dequantize(weight: GgufWeight) -> torch.Tensor:
     """fp32 [out, in]: the gguf package's own dequantization of the blocks (the reference)."""
     from gguf import GGMLQuantizationType, quants
 
-    values = quants.dequantize(weight.blocks.numpy(), GGMLQuantizationType(int(weight.ggml_type)))
+    values = quants.dequantize(unpack_columns(weight).blocks.numpy(), GGMLQuantizationType(int(weight.ggml_type)))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape)
 
 
@@ -128,7 +208,8 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None =
     from workers.kernels import gguf  # imported here: it imports this module's types
 
     if gguf.native_takes(x, weight):
-        if x.shape[0] >= gguf.DENSE_MIN_ROWS:  # a prompt step: the dense fp32 GEMM on the weight dequantized
+        # a prompt step: the dense fp32 GEMM on the weight dequantized (a packed weight's kernel is faster)
+        if x.shape[0] >= gguf.DENSE_MIN_ROWS and not weight.packed:
             out = F.linear(x.float(), gguf.gguf_dequantize(weight, scratch=True), None if bias is None else bias.float())
             return out.to(out_dtype or x.dtype)
         return gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype, mode=mode)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
-from workers.gguf_weight import GgufWeight, concat_rows, dequantize, dequantize_rows
+from workers.gguf_weight import GgufWeight, concat_rows, dequantize, dequantize_rows, pack_for_kernels
 from workers.kernels import bind_attention
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
@@ -219,9 +219,13 @@ class PagedLlamaModel:
         final_norm = weights.take_norm("model.", "norm")
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
+            if isinstance(embed, GgufWeight):  # one packed copy serves the lm_head and the lookups (rows)
+                embed = pack_for_kernels(embed, logits=True)
             lm_head_plain = embed  # native's GEMV reads it in place (no copy); its AVX2 panels are a copy
         else:
             lm_head_plain = weights.take("lm_head.weight", (config.vocab_size, config.hidden_size))
+            if isinstance(lm_head_plain, GgufWeight):
+                lm_head_plain = pack_for_kernels(lm_head_plain, logits=True)
         lm_head = linear.pack(lm_head_plain)
         weights.check_all_used()
         weights.warn_dequantized()
@@ -275,7 +279,7 @@ class _WeightReader:
         self.config = config
         self.tensors = tensors
         self.device = device
-        self.pack = linear.pack
+        self.linear = linear
         # the activations' dtype: the plain tensors' (a GGUF checkpoint's norms are in it too)
         self.dtype = next((t.dtype for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
                           torch.float32)
@@ -346,6 +350,11 @@ class _WeightReader:
             raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a kernel-ready "
                               f"{type(tensor).__name__}; serve this quantized checkpoint on a CPU worker")
         return tensor if multiplier == 1.0 else (tensor.float() * multiplier).to(tensor.dtype)
+
+    def pack(self, weight: torch.Tensor | GgufWeight) -> object:
+        """A layer's projection in the linear backend's form; a GGUF weight repacked where our int8
+        kernel reads it faster that way (gguf_weight.pack_for_kernels)."""
+        return self.linear.pack(pack_for_kernels(weight) if isinstance(weight, GgufWeight) else weight)
 
     @staticmethod
     def error(message: str) -> WeightError:

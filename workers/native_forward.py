@@ -36,7 +36,7 @@ LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
 
 def _type_code(weight) -> int:
     """LayerArgs' per-product type: 0 for a dense weight (the step's linear kind), else the ggml type."""
-    return int(weight.ggml_type) if isinstance(weight, GgufWeight) else 0
+    return gguf.type_code(weight) if isinstance(weight, GgufWeight) else 0
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -67,8 +67,9 @@ class NativeForward:
         quantized = [w for w in weights if isinstance(w, GgufWeight)]
         if not all(gguf.native_has(w) for w in quantized):
             return None
-        # a prompt step of GGUF weights runs the Python loop, whose products go dense (gguf.DENSE_MIN_ROWS)
-        limits = [gguf.DENSE_MIN_ROWS - 1] if quantized else []
+        # a prompt step of GGUF weights in the file's layout runs the Python loop, whose products go
+        # dense (gguf.DENSE_MIN_ROWS); packed weights' int8 kernel is the faster at any number of rows
+        limits = [gguf.DENSE_MIN_ROWS - 1] if any(not w.packed for w in quantized) else []
         dense = [w for w in weights if not isinstance(w, GgufWeight)]
         if not dense:  # every product is a GGUF weight's own kernel, whatever the backend
             return cls(model, LINEAR_GEMV, min(limits, default=None))

@@ -30,6 +30,7 @@ from workers.gguf_checkpoint import (
 )
 from workers.gguf_weight import GgufWeight, GGMLType, dequantize, row_bytes
 from workers.kernels import get_attention_backend
+from workers.kernels.native import native_available
 from workers.layer_ops import TorchOps
 from workers.linear import TorchLinear
 from workers.loader import (
@@ -151,6 +152,9 @@ def test_quantized_default_model_agrees_with_its_dequantized_fp32_model(smollm2_
     assert isinstance(native.embed, GgufWeight) and native.lm_head is native.embed  # tied, kept quantized
     assert all(isinstance(w, GgufWeight) and w.ggml_type == GGMLType.Q4_1
                for layer in native.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    if native_available():  # repacked for our kernels: the Q4_1 layers and the Q8_0 lm_head (and lookups)
+        assert all(w.packed for layer in native.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        assert native.embed.ggml_type == GGMLType.Q8_0 and native.embed.packed
     dequantized = load_weights(smollm2_dir, config, torch.float32)
     ours, reference = top1_of_one_prefill(native, token_ids), top1_of_one_prefill(dequantized, token_ids)
     agreement = (ours == reference).float().mean().item()

@@ -23,8 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import (BLOCK_LAYOUT, GGMLType, GgufWeight, dequantize, dequantize_rows, gguf_linear,
-                                 reference_linear)
+from workers.gguf_weight import (BLOCK_LAYOUT, PACKABLE_TYPES, GGMLType, GgufWeight, concat_rows, dequantize,
+                                 dequantize_rows, gguf_linear, pack_columns, pack_for_kernels, reference_linear,
+                                 unpack_columns)
 from workers.kernels import gguf
 from workers.kernels.native import CFLAGS, SOURCE_DIR, SOURCES, build, compiler, load, native_available
 
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do
 TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 ROWS = [1, 2, 3, 4, 5, 17, 64]
 N, K = 37, 512  # odd N: a last column range of 5
+PACKED_N = 40  # a packed weight's rows come in groups of 8
 
 
 def random_gguf_weight(ggml_type: GGMLType, out_features: int, in_features: int, seed: int = 0,
@@ -118,21 +120,89 @@ def test_every_type_and_row_count_matches_the_reference(library, weights, ggml_t
             assert_close_to_reference(logits, x, weight, full, None, mode)
 
 
+@pytest.fixture(scope="module")
+def packed_weights():
+    return {t: pack_columns(random_gguf_weight(t, PACKED_N, K, seed=int(t) + 100)) for t in PACKABLE_TYPES}
+
+
+@pytest.mark.parametrize("layout", ["file", "packed"])
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
-def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(weights, mode):
+def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(weights, packed_weights, mode, layout):
     """Each output is one sum in block order whatever the row tile or thread: a sequence gets
     the same logits alone or in a batch."""
-    weight = weights[GGMLType.Q4_K]
+    chosen = [weights[GGMLType.Q4_K]] if layout == "file" else [packed_weights[t] for t in PACKABLE_TYPES]
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        batch = gguf.gguf_gemm(x, weight, mode=mode)
-        torch.set_num_threads(1)
-        alone = torch.cat([gguf.gguf_gemm(x[i:i + 1], weight, mode=mode) for i in range(17)])
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batch, alone)
+    for weight in chosen:
+        try:
+            torch.set_num_threads(2)
+            batch = gguf.gguf_gemm(x, weight, mode=mode)
+            torch.set_num_threads(1)
+            alone = torch.cat([gguf.gguf_gemm(x[i:i + 1], weight, mode=mode) for i in range(17)])
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(batch, alone), weight.ggml_type.name
+
+
+def test_packing_permutes_the_bytes_eight_rows_at_a_time_and_unpacking_restores_them(weights):
+    for ggml_type in PACKABLE_TYPES:
+        weight = random_gguf_weight(ggml_type, PACKED_N, K, seed=3)
+        packed = pack_columns(weight)
+        assert packed.packed and not weight.packed and packed.blocks.shape == weight.blocks.shape
+        assert not torch.equal(packed.blocks, weight.blocks)
+        assert torch.equal(packed.blocks.flatten().sort().values, weight.blocks.flatten().sort().values)
+        # group 0, block 0: the 8 rows' fp16 scales, then (Q4_1) minimums, then the values: piece 0
+        # of each row (Q4_0, Q4_1) or weight 0 of each row (Q8_0)
+        head = 4 if ggml_type == GGMLType.Q4_1 else 2
+        first = packed.blocks.flatten()[:8 * BLOCK_LAYOUT[ggml_type][1]]
+        assert torch.equal(first[:16], weight.blocks[:8, :2].flatten())
+        if ggml_type == GGMLType.Q8_0:
+            assert torch.equal(first[16:32], weight.blocks[:8, 2:4].T.flatten())  # weights 0 and 1 of each row
+        else:
+            assert torch.equal(first[8 * head:8 * head + 32], weight.blocks[:8, head:head + 4].flatten())
+        assert torch.equal(unpack_columns(packed).blocks, weight.blocks) and unpack_columns(weight) is weight
+        assert torch.equal(dequantize(packed), dequantize(weight))
+        index = torch.tensor([3, PACKED_N - 1, 0, 3])
+        assert torch.equal(packed.rows(index).blocks, weight.rows(index).blocks)
+        assert torch.equal(concat_rows([packed, weight]).blocks, concat_rows([weight, weight]).blocks)
+        assert torch.equal(dequantize_rows(packed, index), dequantize(weight)[index])
+    with pytest.raises(ValueError, match="Q4_0, Q4_1 and Q8_0"):
+        pack_columns(random_gguf_weight(GGMLType.Q4_K, PACKED_N, K))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_columns(weights[GGMLType.Q4_1])  # 37 rows
+    assert pack_for_kernels(weights[GGMLType.Q4_1]) is weights[GGMLType.Q4_1]  # kept as it is: 37 rows
+    assert pack_for_kernels(random_gguf_weight(GGMLType.Q4_0, PACKED_N, K)).packed  # a layer's Q4_0
+    q8 = random_gguf_weight(GGMLType.Q8_0, PACKED_N, K)
+    assert pack_for_kernels(q8) is q8 and pack_for_kernels(q8, logits=True).packed  # Q8_0: an lm_head's only
+    q4 = random_gguf_weight(GGMLType.Q4_1, PACKED_N, K)
+    assert pack_for_kernels(q4, logits=True) is q4
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("ggml_type", PACKABLE_TYPES, ids=lambda t: t.name)
+def test_packed_weights_match_the_reference_and_every_build_agrees(library, packed_weights, ggml_type, mode):
+    """The packed kernels (Q4_0 and Q4_1 int8, Q8_0 fp32) within their mode's bound of the
+    reference, bit for bit the same on this machine's, the AVX2 and the portable build (one
+    arithmetic: csrc/gguf_gemm.c); the other modes and the dequantization as through the file's
+    layout."""
+    from workers.kernels.native import native_library
+
+    weight = packed_weights[ggml_type]
+    full = dequantize(weight)
+    assert torch.equal(gguf.gguf_dequantize(weight, library=library), full)
+    generator = torch.Generator().manual_seed(int(ggml_type))
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = torch.randn(PACKED_N, generator=generator).to(dtype)
+        for rows in ROWS:
+            x = torch.randn(rows, K, generator=generator).to(dtype)
+            for b in (None, bias):
+                out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
+                assert out.dtype == dtype and out.shape == (rows, PACKED_N)
+                assert_close_to_reference(out, x, weight, full, b, mode)
+                if (mode == "int8") == (ggml_type != GGMLType.Q8_0):  # a packed kernel
+                    assert torch.equal(out, gguf.gguf_gemm(x, weight, b, mode=mode, library=native_library()))
+                else:
+                    assert torch.equal(out, gguf.gguf_gemm(x, unpack_columns(weight), b, mode=mode, library=library))
 
 
 def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights):
@@ -182,6 +252,13 @@ def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by
     assert gguf_linear(x.bfloat16(), weight, bias.bfloat16()).dtype == torch.bfloat16
     fewer = x[:rows - 1]
     assert torch.equal(gguf_linear(fewer, weight, bias), gguf.gguf_gemm(fewer, weight, bias))
+
+
+def test_a_packed_weights_prompt_step_stays_on_its_int8_kernel(packed_weights):
+    """The packed kernel is faster than dequantizing at any number of rows (bench.bench_gguf)."""
+    weight = packed_weights[GGMLType.Q4_1]
+    x = torch.randn(gguf.DENSE_MIN_ROWS, K, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(gguf_linear(x, weight), gguf.gguf_gemm(x, weight, mode="int8"))
 
 
 def test_logits_keep_the_hidden_state_in_fp32_on_every_linear_backend(weights):
@@ -262,17 +339,17 @@ def gguf_model_dir(tmp_path_factory):
                                 num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
 
 
-def quantize_layers(model) -> None:
-    """Every layer's qkv, o, gate_up and down replaced by GGUF weights of LAYER_TYPES, and the C
-    loop rebuilt for them."""
+def quantize_layers(model, layer_types=LAYER_TYPES) -> None:
+    """Every layer's qkv, o, gate_up and down replaced by GGUF weights of layer_types (Q4_0 and
+    Q4_1 packed, as the model loader packs them), and the C loop rebuilt for them."""
     from workers.native_forward import NativeForward
 
     c = model.config
     shapes = {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
               "o": (c.hidden_size, c.num_heads * c.head_dim),
               "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
-    for index, types in enumerate(LAYER_TYPES):
-        replaced = {name: random_gguf_weight(t, *shapes[name], seed=10 * index + i, std=0.08)
+    for index, types in enumerate(layer_types):
+        replaced = {name: pack_for_kernels(random_gguf_weight(t, *shapes[name], seed=10 * index + i, std=0.08))
                     for i, (name, t) in enumerate(zip(shapes, types))}
         model.layers[index] = dataclasses.replace(model.layers[index], **replaced)
     model.native_forward = NativeForward.for_model(model)
@@ -295,3 +372,19 @@ def test_c_loop_over_gguf_weights_equals_the_python_loop(gguf_model_dir, dtype, 
     assert all(len(tokens) == 8 for tokens in outputs)
     hidden = runner.model.layers[0]
     assert all(isinstance(getattr(hidden, name), GgufWeight) for name in ("qkv", "o", "gate_up", "down"))
+    assert hidden.o.packed and hidden.gate_up.packed and not hidden.qkv.packed  # LAYER_TYPES[0]: Q4_0, Q4_1
+
+
+def test_c_loop_over_packed_weights_takes_prompt_steps_too(gguf_model_dir):
+    """Every product packed: no row limit, the C loop runs prompt steps of any length."""
+    from runner_helpers import greedy, make_runner, prompts_of_lengths, run_requests
+    from test_native_forward import compare_every_step
+
+    runner = make_runner(gguf_model_dir, attention_backend="cpu", dtype="float32", num_threads=2)
+    quantize_layers(runner.model, [(GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_0)] * 3)
+    native = runner.model.native_forward
+    assert native is not None and native.max_rows is None
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([3, 40, 300], runner.model_info.vocab_size)
+    outputs = run_requests(runner, prompts, greedy(4), token_budget=512)
+    assert max(compared) >= 300 and all(len(tokens) == 4 for tokens in outputs)

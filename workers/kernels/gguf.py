@@ -7,6 +7,16 @@ The kernel dequantizes each block in registers inside the dot products (never to
 splits the output columns over our thread pool; a tile of up to 4 rows of x shares each weight
 block's read and decode. Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
 
+A model's Q4_0 and Q4_1 layer weights are repacked at load, eight rows at a time
+(gguf_weight.pack_columns, PACK_WEIGHTS): the int8 kernel then keeps eight output columns in the
+lanes of one vector and multiplies four of their weights by four bytes of x per instruction, with
+no horizontal sums. Against the file's layout, 2 threads, SmolLM2's Q4_1 shapes streamed from
+memory (`bench.bench_gguf --threads 2 --rows 1,16,64,256 --repeats 5 --min-mb 32`, one run):
+0.79-0.99x the time at 1 row, 0.50-0.66x at 16, 0.44-0.58x at 64 and 0.45-0.54x at 256. That is
+0.28-0.53x the dense fp32 panels' time at 1 row, 0.70-0.83x at 16 and 0.58-1.18x at 256, so a
+packed weight's prompt step stays on it (DENSE_MIN_ROWS is for the file's layout). The lm_head
+and embedding (Q8_0 in the default model) keep the file's layout.
+
 Two modes (csrc/gguf_gemm.c says how each works):
   "fp32": x in fp32 against weights widened in registers; error: fp32 rounding (~1e-6 relative).
   "int8": x quantized once per call to int8 per 32-block with an fp32 scale (llama.cpp's
@@ -60,6 +70,13 @@ LOGITS_MODE = "fp32"
 # the small 192x576, which the model fuses into qkv) (`bench.bench_gguf --threads 2 --rows
 # 64,128,256 --repeats 5 --min-mb 32`). Those rows are then exact (fp32 products), like LOGITS_MODE's.
 DENSE_MIN_ROWS = 256
+PACK_WEIGHTS = True  # layers' Q4_0 and Q4_1 and a Q8_0 lm_head repacked at load (gguf_weight.pack_for_kernels)
+GGUF_PACKED = 0x100  # the type code's flag for a packed weight (csrc/entry_points.h)
+
+
+def type_code(weight: GgufWeight) -> int:
+    """The kernels' ggml_type argument: the type, with GGUF_PACKED for a packed weight."""
+    return int(weight.ggml_type) | (GGUF_PACKED if weight.packed else 0)
 
 
 def native_has(weight: GgufWeight) -> bool:
@@ -93,7 +110,7 @@ def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = N
         bias = bias.to(x.dtype).contiguous()
     check_status(library.rayllm_gguf_gemm(
         x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
-        weight.out_features, width, int(weight.ggml_type), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
+        weight.out_features, width, type_code(weight), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
         GGUF_MODES[mode], torch.get_num_threads(),
     ), "rayllm_gguf_gemm")
     return out
@@ -117,7 +134,7 @@ def gguf_dequantize(weight: GgufWeight, scratch: bool = False, library=None) -> 
     else:
         out = torch.empty(weight.out_features, weight.in_features, dtype=torch.float32)
     check_status(library.rayllm_gguf_dequantize(
-        blocks.data_ptr(), out.data_ptr(), weight.out_features, weight.in_features, int(weight.ggml_type),
+        blocks.data_ptr(), out.data_ptr(), weight.out_features, weight.in_features, type_code(weight),
         torch.get_num_threads(),
     ), "rayllm_gguf_dequantize")
     return out

@@ -63,11 +63,13 @@ int64_t rayllm_argmax_row(const float *row, int64_t width); /* one row of it, on
  * GGUF_FP32 (x in fp32 against weights widened in registers) or GGUF_INT8 (x quantized to int8
  * blocks, integer dot products). 1: a type or mode it does not have, 2: bad sizes, 3: out of memory. */
 enum { GGUF_FP32 = 0, GGUF_INT8 = 1 };
+/* ggml_type | GGUF_PACKED: Q4_0, Q4_1 or Q8_0 blocks repacked eight columns at a time (gguf_gemm.c) */
+enum { GGUF_PACKED = 0x100 };
 int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                      int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t mode,
                      int32_t num_threads);
-/* gguf_gemm.c: w [N, K] in GGUF blocks of ggml_type -> out [N, K] fp32. 1: a type it does not have,
- * 2: bad sizes. */
+/* gguf_gemm.c: w [N, K] in GGUF blocks of ggml_type (packed or not) -> out [N, K] fp32. 1: a type it
+ * does not have, 2: bad sizes, 3: out of memory. */
 int rayllm_gguf_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K, int32_t ggml_type,
                            int32_t num_threads);
 

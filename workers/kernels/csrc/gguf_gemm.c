@@ -26,6 +26,9 @@
  * is one sum in block order whatever the tile or thread, so a row's result is the same alone or
  * in any batch. Vector paths: AVX2 + FMA (AVX-512 builds run the same 256-bit kernels, with
  * VNNI's vpdpbusd where the CPU has it), else portable C.
+ *
+ * Weights repacked eight columns at a time (ggml_type | GGUF_PACKED) have kernels of their own,
+ * below: eight columns' sums in one vector's lanes (Q4_0 and Q4_1 int8, Q8_0 fp32).
  */
 #include <math.h>
 #include <stdint.h>
@@ -167,7 +170,8 @@ typedef struct {
     void *out;                      /* [num_rows, N] in out_dtype */
     int64_t num_rows, N, K, row_bytes;
     int type, dtype, out_dtype, mode;
-    int64_t span; /* column groups (of COLUMNS_PER_ITEM) per parallel item */
+    int64_t span; /* column groups (of COLUMNS_PER_ITEM, or packed: PACKED_COLUMNS) per parallel item */
+    uint8_t *unpacked; /* packed, no packed kernel: [items, PACKED_COLUMNS, row_bytes], a group's rows */
 } GgufJob;
 
 #ifdef RAYLLM_HAS_AVX2
@@ -450,6 +454,16 @@ static ColumnsFunction columns_function(int type) {
     return NULL;
 }
 
+/* out[m0 + i, n] = sums[i * stride + n - n0] + bias[n] for the tile's rows and columns [n0, n1). */
+static void store_sums(const GgufJob *job, int64_t n0, int64_t n1, int64_t m0, int rows, const float *sums,
+                       int stride) {
+    for (int i = 0; i < rows; i++)
+        for (int64_t n = n0; n < n1; n++) {
+            const float bias = job->bias ? load_element(job->bias, n, job->dtype) : 0.0f;
+            store_element(job->out, (m0 + i) * job->N + n, sums[i * stride + n - n0] + bias, job->out_dtype);
+        }
+}
+
 /* Column group g: output columns [g * COLUMNS_PER_ITEM, ...) for every row, TILE_ROWS rows at a time. */
 static void gguf_group(const GgufJob *job, int64_t g) {
     const ColumnsFunction columns = columns_function(job->type);
@@ -458,12 +472,7 @@ static void gguf_group(const GgufJob *job, int64_t g) {
         const int rows = job->num_rows - m0 < TILE_ROWS ? (int)(job->num_rows - m0) : TILE_ROWS;
         float sums[TILE_ROWS * COLUMNS_PER_ITEM];
         columns(job, n0, n1, m0, rows, sums);
-        for (int i = 0; i < rows; i++)
-            for (int64_t n = n0; n < n1; n++) {
-                const float bias = job->bias ? load_element(job->bias, n, job->dtype) : 0.0f;
-                store_element(job->out, (m0 + i) * job->N + n, sums[i * COLUMNS_PER_ITEM + n - n0] + bias,
-                              job->out_dtype);
-            }
+        store_sums(job, n0, n1, m0, rows, sums, COLUMNS_PER_ITEM);
     }
 }
 
@@ -473,6 +482,256 @@ static void gguf_columns(void *context, int64_t item) {
     const int64_t groups = (job->N + COLUMNS_PER_ITEM - 1) / COLUMNS_PER_ITEM;
     const int64_t end = (item + 1) * job->span < groups ? (item + 1) * job->span : groups;
     for (int64_t g = item * job->span; g < end; g++) gguf_group(job, g);
+}
+
+/* ------------------------------------------------------- weights repacked eight columns at a time
+ *
+ * ggml_type | GGUF_PACKED: the weight's bytes are permuted (workers/gguf_weight.py, pack_columns)
+ * so that a group of PACKED_COLUMNS output columns holds, for each 32-weight block in turn, the
+ * 8 columns' fp16 scales (16 bytes), then:
+ *   Q4_1: their fp16 minimums (16 bytes); then, as Q4_0,
+ *   Q4_0: their 16 bytes of 4-bit values as four 32-byte pieces, piece t holding bytes 4t..4t+3
+ *         of column 0, then of column 1, ... A piece's low nibbles are weights 4t..4t+3 of each
+ *         column and its high nibbles weights 16+4t..16+4t+3: one load gives eight columns' four
+ *         consecutive weights, which the int8 product multiplies by the same four bytes of x,
+ *         broadcast;
+ *   Q8_0: their int8 weights k by k, weight k of column c at byte 8k + c: one 8-byte load widens
+ *         to eight columns' weight k, which the fp32 product (the lm_head's LOGITS_MODE)
+ *         multiplies by x[k], broadcast.
+ * Each column's sum stays in its own lane from the first block to the last: no horizontal sums,
+ * no sign tricks (the 4-bit values are unsigned; Q4_0's zero point goes in with x's block sum,
+ * like Q4_1's minimum), and a block's decode is shared by every row of the tile. The same bytes
+ * as the file's layout, so the memory is unchanged.
+ *
+ * Arithmetic, the same for every tile height and build (a row's result does not depend on its
+ * batch): int8 (Q4_0, Q4_1): per block, the exact int32 sum of q * xq for each column, then
+ *     acc = fma(float(sum), d * x_scale, acc); acc = fma(offset, x_sum, acc)
+ * with offset Q4_1's minimum or Q4_0's -8 d. fp32 (Q8_0): even and odd k's sums of
+ * fma(x[k], q[k] * d, acc) over the blocks in turn, added at the end. Other pairs of type and
+ * mode, and the dequantization, read a group through a copy in the file's layout. */
+#define PACKED_COLUMNS 8
+#define PACKED_TILE 4
+_Static_assert(PACKED_TILE <= TILE_ROWS && PACKED_COLUMNS <= COLUMNS_PER_ITEM, "the fp32 mode's tiles hold a packed one");
+
+static inline int packable(const int type) { return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0; }
+
+/* The (type, mode) pairs with a packed kernel of their own; the others unpack each group. */
+static inline int packed_kernel(const int type, const int mode) {
+    return mode == GGUF_INT8 ? type == GGML_Q4_0 || type == GGML_Q4_1 : type == GGML_Q8_0;
+}
+
+#ifdef RAYLLM_HAS_AVX2
+/* sums += the products of u's unsigned and s's signed bytes, four to a lane: int32 lanes with
+ * VNNI; else int16 lanes (maddubs), which 8 products of 4-bit q and int8 x cannot overflow
+ * (8 * 2 * 15 * 127 = 30480), widened once per block by packed_sums. */
+static inline __m256i packed_dot(__m256i sums, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(sums, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(sums, u, s);
+#else
+    return _mm256_add_epi16(sums, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+static inline __m256i packed_sums(__m256i sums) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return sums;
+#else
+    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i broadcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* Rows [m0, m0 + MR) of x's int8 blocks times the 8 columns of `group`, into out[i * 8 + c]. */
+static inline __attribute__((always_inline)) void packed_int8(const int type, const GgufJob *job,
+                                                              const uint8_t *group, int64_t m0, const int MR,
+                                                              float *out) {
+    const int64_t K = job->K, num_blocks = K / 32;
+    const int bb = PACKED_COLUMNS * block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[PACKED_TILE];
+    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = group + b * bb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        const __m256 offset = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)))
+                                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const int8_t *x = job->xq + m0 * K + b * 32;
+        __m256i sums[PACKED_TILE];
+        for (int i = 0; i < MR; i++) sums[i] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            const __m256i piece = _mm256_loadu_si256((const __m256i *)(block + qs + 32 * t));
+            const __m256i lo = _mm256_and_si256(piece, low4), hi = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+            for (int i = 0; i < MR; i++) {
+                sums[i] = packed_dot(sums[i], lo, broadcast4(x + i * K + 4 * t));
+                sums[i] = packed_dot(sums[i], hi, broadcast4(x + i * K + 16 + 4 * t));
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            const int64_t xb = (m0 + i) * num_blocks + b;
+            const __m256 dot = _mm256_cvtepi32_ps(packed_sums(sums[i]));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(job->x_scale[xb])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(job->x_sum[xb]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, acc[i]);
+}
+/* GGUF_FP32, Q8_0 packed: rows [m0, m0 + MR) of x (fp32) times the 8 columns of `group`, into
+ * out[i * 8 + c]. Each k's eight weights are widened and scaled once for the tile, exactly (an
+ * int8 times an fp16 scale fits fp32's mantissa), then one FMA per row; two sums per row, even
+ * and odd k, to halve the latency chain. */
+static inline __attribute__((always_inline)) void packed_q8_f32(const GgufJob *job, const uint8_t *group,
+                                                                int64_t m0, const int MR, float *out) {
+    const int64_t K = job->K, num_blocks = K / 32;
+    const int bb = PACKED_COLUMNS * block_bytes(GGML_Q8_0);
+    __m256 even[PACKED_TILE], odd[PACKED_TILE];
+    for (int i = 0; i < MR; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = group + b * bb, *q = block + 16;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        const float *x = job->x + m0 * K + b * 32;
+        for (int k = 0; k < 32; k += 2) {
+            const __m256 w0 = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)))), d);
+            const __m256 w1 = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k + 8)))), d);
+            for (int i = 0; i < MR; i++) {
+                even[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * K + k), w0, even[i]);
+                odd[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * K + k + 1), w1, odd[i]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, _mm256_add_ps(even[i], odd[i]));
+}
+#else /* portable C: the same sums and the same fmaf as the vector kernels */
+static inline void packed_int8(const int type, const GgufJob *job, const uint8_t *group, int64_t m0, const int MR,
+                               float *out) {
+    const int64_t K = job->K, num_blocks = K / 32;
+    const int bb = PACKED_COLUMNS * block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16;
+    for (int i = 0; i < MR * PACKED_COLUMNS; i++) out[i] = 0.0f;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = group + b * bb;
+        for (int c = 0; c < PACKED_COLUMNS; c++) {
+            const float d = fp16_to_f32(block + 2 * c);
+            const float offset = type == GGML_Q4_1 ? fp16_to_f32(block + 16 + 2 * c) : d * -8.0f;
+            for (int i = 0; i < MR; i++) {
+                const int8_t *x = job->xq + (m0 + i) * K + b * 32;
+                int32_t sum = 0;
+                for (int t = 0; t < 4; t++)
+                    for (int l = 0; l < 4; l++) {
+                        const uint8_t byte = block[qs + 32 * t + 4 * c + l];
+                        sum += (byte & 0x0F) * x[4 * t + l] + (byte >> 4) * x[16 + 4 * t + l];
+                    }
+                const int64_t xb = (m0 + i) * num_blocks + b;
+                float *acc = out + i * PACKED_COLUMNS + c;
+                *acc = fmaf((float)sum, d * job->x_scale[xb], *acc);
+                *acc = fmaf(offset, job->x_sum[xb], *acc);
+            }
+        }
+    }
+}
+
+static inline void packed_q8_f32(const GgufJob *job, const uint8_t *group, int64_t m0, const int MR, float *out) {
+    const int64_t K = job->K, num_blocks = K / 32;
+    const int bb = PACKED_COLUMNS * block_bytes(GGML_Q8_0);
+    for (int i = 0; i < MR; i++)
+        for (int c = 0; c < PACKED_COLUMNS; c++) {
+            float even = 0.0f, odd = 0.0f;
+            for (int64_t b = 0; b < num_blocks; b++) {
+                const uint8_t *block = group + b * bb;
+                const float d = fp16_to_f32(block + 2 * c), *x = job->x + (m0 + i) * K + b * 32;
+                for (int k = 0; k < 32; k += 2) {
+                    even = fmaf(x[k], (float)(int8_t)block[16 + 8 * k + c] * d, even);
+                    odd = fmaf(x[k + 1], (float)(int8_t)block[16 + 8 * k + 8 + c] * d, odd);
+                }
+            }
+            out[i * PACKED_COLUMNS + c] = even + odd;
+        }
+}
+#endif
+
+#define PACKED_CASE(T, R)                                                                                \
+    case R: packed_int8(T, job, group, m0, R, sums); break;
+#define PACKED_FUNCTION(T)                                                                               \
+    static void packed_##T(const GgufJob *job, const uint8_t *group, int64_t m0, int MR, float *sums) {  \
+        switch (MR) {                                                                                    \
+            PACKED_CASE(T, 4)                                                                            \
+            PACKED_CASE(T, 3)                                                                            \
+            PACKED_CASE(T, 2)                                                                            \
+            PACKED_CASE(T, 1)                                                                            \
+        }                                                                                                \
+    }
+PACKED_FUNCTION(GGML_Q4_0)
+PACKED_FUNCTION(GGML_Q4_1)
+
+static void packed_q8_f32_tile(const GgufJob *job, const uint8_t *group, int64_t m0, int MR, float *sums) {
+    switch (MR) {
+    case 4: packed_q8_f32(job, group, m0, 4, sums); break;
+    case 3: packed_q8_f32(job, group, m0, 3, sums); break;
+    case 2: packed_q8_f32(job, group, m0, 2, sums); break;
+    case 1: packed_q8_f32(job, group, m0, 1, sums); break;
+    }
+}
+
+/* Group g of a packed weight back in the file's layout: its PACKED_COLUMNS rows into rows
+ * [PACKED_COLUMNS, row_bytes] (the inverse of gguf_weight.pack_columns). */
+static void unpack_group(const uint8_t *group, uint8_t *rows, int type, int64_t row_bytes) {
+    const int block = block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16, head = qs / PACKED_COLUMNS;
+    for (int64_t b = 0; b < row_bytes / block; b++) {
+        const uint8_t *packed = group + b * PACKED_COLUMNS * block;
+        for (int c = 0; c < PACKED_COLUMNS; c++) {
+            uint8_t *out = rows + c * row_bytes + b * block;
+            memcpy(out, packed + 2 * c, 2);                              /* d */
+            if (type == GGML_Q8_0)                                       /* weight k of column c at 8k + c */
+                for (int k = 0; k < 32; k++) out[2 + k] = packed[16 + 8 * k + c];
+            else {
+                if (head == 4) memcpy(out + 2, packed + 16 + 2 * c, 2);  /* Q4_1's m */
+                for (int t = 0; t < 4; t++) memcpy(out + head + 4 * t, packed + qs + 32 * t + 4 * c, 4);
+            }
+        }
+    }
+}
+
+/* Item `item`: groups [item * span, (item + 1) * span) of PACKED_COLUMNS columns, every row. A
+ * type and mode without a packed kernel (packed_kernel) runs the file layout's kernel on each
+ * group unpacked into a buffer of the item's. */
+static void packed_columns(void *context, int64_t item) {
+    const GgufJob *job = context;
+    const int64_t groups = job->N / PACKED_COLUMNS;
+    const int64_t end = (item + 1) * job->span < groups ? (item + 1) * job->span : groups;
+    uint8_t *unpacked = job->unpacked ? job->unpacked + item * PACKED_COLUMNS * job->row_bytes : NULL;
+    GgufJob local = *job; /* the fp32 mode's: its weight the unpacked group */
+    local.w = unpacked;
+    for (int64_t g = item * job->span; g < end; g++) {
+        const uint8_t *group = job->w + g * PACKED_COLUMNS * job->row_bytes;
+        const int64_t n0 = g * PACKED_COLUMNS;
+        if (unpacked) unpack_group(group, unpacked, job->type, job->row_bytes);
+        for (int64_t m0 = 0; m0 < job->num_rows; m0 += PACKED_TILE) {
+            const int rows = job->num_rows - m0 < PACKED_TILE ? (int)(job->num_rows - m0) : PACKED_TILE;
+            float sums[TILE_ROWS * COLUMNS_PER_ITEM];
+            if (unpacked)
+                columns_function(job->type)(&local, 0, PACKED_COLUMNS, m0, rows, sums);
+            else if (job->type == GGML_Q8_0)
+                packed_q8_f32_tile(job, group, m0, rows, sums);
+            else if (job->type == GGML_Q4_1)
+                packed_GGML_Q4_1(job, group, m0, rows, sums);
+            else
+                packed_GGML_Q4_0(job, group, m0, rows, sums);
+            store_sums(job, n0, n0 + PACKED_COLUMNS, m0, rows, sums, unpacked ? COLUMNS_PER_ITEM : PACKED_COLUMNS);
+        }
+    }
+}
+
+/* The whole packed weight w back in the file's layout, into rows [N, row_bytes]. */
+static void unpack_columns(const uint8_t *w, uint8_t *rows, int type, int64_t N, int64_t row_bytes) {
+    for (int64_t g = 0; g < N / PACKED_COLUMNS; g++)
+        unpack_group(w + g * PACKED_COLUMNS * row_bytes, rows + g * PACKED_COLUMNS * row_bytes, type, row_bytes);
 }
 
 typedef struct {
@@ -496,17 +755,22 @@ static void prepare_rows(void *context, int64_t item) {
     }
 }
 
-/* x: [num_rows, K] in dtype; w: [N, K / weights-per-block * block bytes] GGUF blocks of ggml_type;
- * bias: [N] in dtype or NULL; out: [num_rows, N] in out_dtype. Returns 1 for a type or mode this
- * file does not have, 2 for bad sizes (K must be a whole number of the type's blocks), 3 when
- * the scratch for x cannot be allocated. */
+/* x: [num_rows, K] in dtype; w: [N, K / weights-per-block * block bytes] GGUF blocks of ggml_type
+ * (with GGUF_PACKED: Q4_0, Q4_1 or Q8_0 repacked, N a multiple of PACKED_COLUMNS); bias: [N] in dtype
+ * or NULL; out: [num_rows, N] in out_dtype. Returns 1 for a type or mode this file does not have,
+ * 2 for bad sizes (K must be a whole number of the type's blocks), 3 when scratch cannot be
+ * allocated. */
 int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                      int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t mode,
                      int32_t num_threads) {
+    const int packed = (ggml_type & GGUF_PACKED) != 0;
+    ggml_type &= ~GGUF_PACKED;
     if (!columns_function(ggml_type) || (mode != GGUF_FP32 && mode != GGUF_INT8)) return 1;
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (out_dtype != DTYPE_F32 && out_dtype != DTYPE_BF16)) return 1;
+    if (packed && !packable(ggml_type)) return 1;
     const int64_t block_weights = 32 * block_subs(ggml_type);
     if (num_rows < 1 || N < 1 || K < block_weights || K % block_weights) return 2;
+    if (packed && N % PACKED_COLUMNS) return 2;
     const int threads = num_threads > 1 && (N >= 64 || num_rows >= 64) ? num_threads : 1;
     GgufJob job = {NULL, NULL, NULL, NULL, w, bias, out, num_rows, N, K, K / block_weights * block_bytes(ggml_type),
                    ggml_type, dtype, out_dtype, mode};
@@ -534,6 +798,20 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
      * microsecond, and claiming it (two atomics on the pool's shared line) cost a fair part of
      * that: a one-row decode step of the default model, 2 threads, 13.0 -> 10.8 and 13.3 -> 10.3 ms
      * (runs alternating). More rows keep one group per item (16 rows measured 4% slower coarser). */
+    if (packed) { /* items of several 8-column groups, about 8 a thread at any number of rows */
+        const int64_t groups = N / PACKED_COLUMNS;
+        job.span = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
+        const int64_t items = (groups + job.span - 1) / job.span;
+        if (!packed_kernel(ggml_type, mode) &&
+            !(job.unpacked = malloc((size_t)(items * PACKED_COLUMNS * job.row_bytes)))) {
+            free(scratch);
+            return 3;
+        }
+        rayllm_parallel_for(items, threads, packed_columns, &job);
+        free(job.unpacked);
+        free(scratch);
+        return 0;
+    }
     const int64_t groups = (N + COLUMNS_PER_ITEM - 1) / COLUMNS_PER_ITEM;
     job.span = num_rows <= TILE_ROWS && groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
     rayllm_parallel_for((groups + job.span - 1) / job.span, threads, gguf_columns, &job);
@@ -575,14 +853,25 @@ static void dequantize_rows(void *context, int64_t item) {
     }
 }
 
-/* w: [N, row bytes] GGUF blocks of ggml_type -> out: [N, K] fp32, the values the fp32 mode
- * multiplies by (the gguf package's dequantization, up to fp32 rounding of scale * q + offset).
- * Returns 1 for a type this file does not have, 2 for bad sizes. */
+/* w: [N, row bytes] GGUF blocks of ggml_type (packed or not) -> out: [N, K] fp32, the values the
+ * fp32 mode multiplies by (the gguf package's dequantization, up to fp32 rounding of scale * q +
+ * offset). Returns 1 for a type this file does not have, 2 for bad sizes, 3 out of memory. */
 int rayllm_gguf_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K, int32_t ggml_type,
                            int32_t num_threads) {
-    if (!columns_function(ggml_type)) return 1;
+    const int packed = (ggml_type & GGUF_PACKED) != 0;
+    ggml_type &= ~GGUF_PACKED;
+    if (!columns_function(ggml_type) || (packed && !packable(ggml_type))) return 1;
     const int64_t block_weights = 32 * block_subs(ggml_type);
-    if (N < 1 || K < block_weights || K % block_weights) return 2;
+    if (N < 1 || K < block_weights || K % block_weights || (packed && N % PACKED_COLUMNS)) return 2;
+    if (packed) { /* through a copy in the file's layout */
+        const int64_t row_bytes = K / block_weights * block_bytes(ggml_type);
+        uint8_t *rows = malloc((size_t)(N * row_bytes));
+        if (!rows) return 3;
+        unpack_columns(w, rows, ggml_type, N, row_bytes);
+        const int status = rayllm_gguf_dequantize(rows, out, N, K, ggml_type, num_threads);
+        free(rows);
+        return status;
+    }
     DequantizeJob job = {w, out, N, K, K / block_weights * block_bytes(ggml_type), ggml_type};
     rayllm_parallel_for((N + ROWS_PER_DEQUANTIZE_ITEM - 1) / ROWS_PER_DEQUANTIZE_ITEM, num_threads, dequantize_rows,
                         &job);
