@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.bench_runner                      # SmolLM2, batch 1 8 16, prompt 128, 128 new
     .venv/bin/python -m bench.bench_runner --batch-sizes 16 --repeats 3 --threads 1
     .venv/bin/python -m bench.bench_runner --breakdown          # step vs GEMM-only vs attention (bench/step_breakdown.py)
+    .venv/bin/python -m bench.bench_runner --breakdown --quantization auto --dtypes auto   # the GGUF weights
     .venv/bin/python -m bench.bench_runner --sampling           # sampled vs greedy decode steps (bench/sampling_cost.py)
 
 Both sides run greedy on the same random prompts (prompt_len tokens each, no padding) for
@@ -127,6 +128,9 @@ def parse_args() -> argparse.Namespace:
                         help="instead: greedy vs sampled (temperature 1.0, top_p 0.95) decode steps side by side "
                              "(bench/sampling_cost.py), at --batch-sizes (default here 1,16), --threads, --dtypes "
                              "(default here auto) and --prompt-len (256)")
+    parser.add_argument("--quantization", default="none", choices=["none", "auto"],
+                        help="--breakdown: auto serves a GGUF model (the default's Q4_1 file, a .gguf path) with its "
+                             "quantized weights; the weight-read time is then that of their blocks")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="--breakdown: also a step computing N prompts of --prompt-len tokens (8: the 2048-token "
                              "steps of a c16 wave), against its GEMM-only time")
@@ -142,8 +146,9 @@ def run_breakdown(args: argparse.Namespace) -> None:
           f"{os.environ.get('OMP_WAIT_POLICY')} | load average before {os.getloadavg()[0]:.2f}")
     print(step_breakdown.HEADER)
     print("-" * len(step_breakdown.HEADER))
-    step_breakdown.run(str(resolve_model_path(args.model)), args.dtypes.split(","),
-                       [int(t) for t in args.threads_list.split(",")], batches, prompt_len, prefill_seqs=args.prefill)
+    model = str(resolve_model_path(args.model)) if args.quantization == "none" else (args.model or "default")
+    step_breakdown.run(model, args.dtypes.split(","), [int(t) for t in args.threads_list.split(",")], batches,
+                       prompt_len, prefill_seqs=args.prefill, quantization=args.quantization)
     print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 

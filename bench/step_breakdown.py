@@ -42,6 +42,7 @@ from types import SimpleNamespace
 import torch
 
 from scheduler.sampling_params import SamplingParams
+from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.model_runner import ModelRunner, RunnerConfig
 from workers.simple_driver import SimpleDriver
@@ -96,8 +97,13 @@ def _timed(fn) -> float:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of every weight a decode step reads once: the layers' and the lm_head's."""
+    """Bytes of every weight a decode step reads once: the layers' and the lm_head's (GGUF
+    weights: their blocks, as the file holds them)."""
     model = runner.model
+    if isinstance(model.lm_head, GgufWeight):
+        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        assert all(isinstance(w, GgufWeight) for w in weights), "a mix of GGUF and dense layer weights"
+        return sum(w.nbytes for w in weights) + model.lm_head.nbytes
     element = torch.empty(0, dtype=model.dtype).element_size()
     c = runner.model_config
     per_layer = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size + c.num_heads * c.head_dim * c.hidden_size
@@ -245,11 +251,15 @@ def prefill_step(runner: ModelRunner, num_seqs: int, prompt_len: int, repeats: i
 
 
 def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: list[int], prompt_len: int,
-        num_steps: int = 16, repeats: int = 5, prefill_seqs: int = 0) -> list[Breakdown | PrefillBreakdown]:
+        num_steps: int = 16, repeats: int = 5, prefill_seqs: int = 0,
+        quantization: str = "none") -> list[Breakdown | PrefillBreakdown]:
+    """quantization "auto": a GGUF model_dir ("default", a .gguf path) served with its quantized weights."""
     results = []
     for dtype in dtypes:
         blocks = max(max(batches), prefill_seqs) * (-(-(prompt_len + 2 * num_steps + 8) // 16)) + 1
-        runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks))
+        runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks, quantization=quantization))
+        if runner.model_info.quantization != "none":
+            dtype = f"{dtype}, {runner.model_info.quantization}"
         weights = weight_bytes(runner)
         for threads in threads_list:
             torch.set_num_threads(threads)

@@ -189,10 +189,9 @@ def dequantize_rows(weight: GgufWeight, index: torch.Tensor) -> torch.Tensor:
     rounding left, of the sum with the offset, is the same in both."""
     from workers.kernels import gguf
 
-    rows = weight.rows(index)
     if gguf.native_has(weight):
-        return gguf.gguf_dequantize(rows)
-    return dequantize(rows)
+        return gguf.gguf_dequantize(weight, index=index)
+    return dequantize(weight.rows(index))
 
 
 def reference_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -190,6 +190,8 @@ def test_packed_weights_match_the_reference_and_every_build_agrees(library, pack
     weight = packed_weights[ggml_type]
     full = dequantize(weight)
     assert torch.equal(gguf.gguf_dequantize(weight, library=library), full)
+    index = torch.tensor([9, 0, PACKED_N - 1, 9])  # rows unpacked one by one: an embedding lookup
+    assert torch.equal(gguf.gguf_dequantize(weight, index=index, library=library), full[index])
     generator = torch.Generator().manual_seed(int(ggml_type))
     for dtype in (torch.float32, torch.bfloat16):
         bias = torch.randn(PACKED_N, generator=generator).to(dtype)
@@ -235,6 +237,10 @@ def test_dequantize_gives_the_gguf_packages_values(library, weights, ggml_type):
         assert torch.equal(out, expected)  # exact: gguf_weight.dequantize_rows says why
     index = torch.tensor([5, 0, 5, N - 1])
     assert torch.equal(dequantize_rows(weight, index), expected[index])  # an embedding lookup
+    assert torch.equal(gguf.gguf_dequantize(weight, index=index, library=library), expected[index])
+    assert gguf.gguf_dequantize(weight, index=index[:0], library=library).shape == (0, K)
+    with pytest.raises(RuntimeError, match="rayllm_gguf_dequantize"):
+        gguf.gguf_dequantize(weight, index=torch.tensor([N]), library=library)
 
 
 def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by_the_kernel(weights):

@@ -119,22 +119,30 @@ def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = N
 _scratch = threading.local()  # each thread's buffer for gguf_dequantize(scratch=True)
 
 
-def gguf_dequantize(weight: GgufWeight, scratch: bool = False, library=None) -> torch.Tensor:
+def gguf_dequantize(weight: GgufWeight, scratch: bool = False, index: torch.Tensor | None = None,
+                    library=None) -> torch.Tensor:
     """The weight's values [out, in] in fp32, dequantized by our kernel on the thread pool: the
-    values the fp32 mode multiplies by. scratch: into this thread's reused buffer, valid until the
-    thread's next such call (a fresh buffer of a few MB per product costs its page faults)."""
+    values the fp32 mode multiplies by. index: only these rows, [len(index), in] (an embedding
+    lookup; a packed weight's rows are unpacked one by one). scratch: into this thread's reused
+    buffer, valid until the thread's next such call (a fresh buffer of a few MB per product costs
+    its page faults)."""
     library = library or native_library()
     assert weight.ggml_type in NATIVE_TYPES
     blocks = weight.blocks.contiguous()
-    size = weight.out_features * weight.in_features
+    if index is not None:
+        index = index.to(torch.int64).contiguous()
+    num_out = weight.out_features if index is None else index.numel()
+    size = num_out * weight.in_features
     if scratch:
         if getattr(_scratch, "buffer", None) is None or _scratch.buffer.numel() < size:
             _scratch.buffer = torch.empty(size, dtype=torch.float32)
-        out = _scratch.buffer[:size].view(weight.out_features, weight.in_features)
+        out = _scratch.buffer[:size].view(num_out, weight.in_features)
     else:
-        out = torch.empty(weight.out_features, weight.in_features, dtype=torch.float32)
+        out = torch.empty(num_out, weight.in_features, dtype=torch.float32)
+    if num_out == 0:
+        return out
     check_status(library.rayllm_gguf_dequantize(
-        blocks.data_ptr(), out.data_ptr(), weight.out_features, weight.in_features, type_code(weight),
-        torch.get_num_threads(),
+        blocks.data_ptr(), None if index is None else index.data_ptr(), num_out, out.data_ptr(), weight.out_features,
+        weight.in_features, type_code(weight), torch.get_num_threads(),
     ), "rayllm_gguf_dequantize")
     return out

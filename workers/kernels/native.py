@@ -263,7 +263,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, mode, num_threads
     "rayllm_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     # blocks, out, N, K, ggml_type, num_threads (fp32 out)
-    "rayllm_gguf_dequantize": [_P, _P, _I64, _I64, _I32, _I32],
+    "rayllm_gguf_dequantize": [_P, _P, _I64, _P, _I64, _I64, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
 }

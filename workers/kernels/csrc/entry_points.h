@@ -68,10 +68,10 @@ enum { GGUF_PACKED = 0x100 };
 int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                      int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t mode,
                      int32_t num_threads);
-/* gguf_gemm.c: w [N, K] in GGUF blocks of ggml_type (packed or not) -> out [N, K] fp32. 1: a type it
- * does not have, 2: bad sizes, 3: out of memory. */
-int rayllm_gguf_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K, int32_t ggml_type,
-                           int32_t num_threads);
+/* gguf_gemm.c: rows index[0..num_out) (index NULL: all N) of w [N, K] in GGUF blocks of ggml_type
+ * (packed or not) -> out [num_out, K] fp32. 1: a type it does not have, 2: bad sizes or index. */
+int rayllm_gguf_dequantize(const uint8_t *w, const int64_t *index, int64_t num_out, float *out, int64_t N, int64_t K,
+                           int32_t ggml_type, int32_t num_threads);
 
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */

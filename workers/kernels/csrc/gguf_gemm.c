@@ -679,21 +679,19 @@ static void packed_q8_f32_tile(const GgufJob *job, const uint8_t *group, int64_t
     }
 }
 
-/* Group g of a packed weight back in the file's layout: its PACKED_COLUMNS rows into rows
- * [PACKED_COLUMNS, row_bytes] (the inverse of gguf_weight.pack_columns). */
-static void unpack_group(const uint8_t *group, uint8_t *rows, int type, int64_t row_bytes) {
+/* Column c of a packed group back in the file's layout: its row_bytes into row (the inverse of
+ * gguf_weight.pack_columns for one row). */
+static void unpack_row(const uint8_t *group, int c, uint8_t *row, int type, int64_t row_bytes) {
     const int block = block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16, head = qs / PACKED_COLUMNS;
     for (int64_t b = 0; b < row_bytes / block; b++) {
         const uint8_t *packed = group + b * PACKED_COLUMNS * block;
-        for (int c = 0; c < PACKED_COLUMNS; c++) {
-            uint8_t *out = rows + c * row_bytes + b * block;
-            memcpy(out, packed + 2 * c, 2);                              /* d */
-            if (type == GGML_Q8_0)                                       /* weight k of column c at 8k + c */
-                for (int k = 0; k < 32; k++) out[2 + k] = packed[16 + 8 * k + c];
-            else {
-                if (head == 4) memcpy(out + 2, packed + 16 + 2 * c, 2);  /* Q4_1's m */
-                for (int t = 0; t < 4; t++) memcpy(out + head + 4 * t, packed + qs + 32 * t + 4 * c, 4);
-            }
+        uint8_t *out = row + b * block;
+        memcpy(out, packed + 2 * c, 2);                              /* d */
+        if (type == GGML_Q8_0)                                       /* weight k of column c at 8k + c */
+            for (int k = 0; k < 32; k++) out[2 + k] = packed[16 + 8 * k + c];
+        else {
+            if (head == 4) memcpy(out + 2, packed + 16 + 2 * c, 2);  /* Q4_1's m */
+            for (int t = 0; t < 4; t++) memcpy(out + head + 4 * t, packed + qs + 32 * t + 4 * c, 4);
         }
     }
 }
@@ -711,7 +709,8 @@ static void packed_columns(void *context, int64_t item) {
     for (int64_t g = item * job->span; g < end; g++) {
         const uint8_t *group = job->w + g * PACKED_COLUMNS * job->row_bytes;
         const int64_t n0 = g * PACKED_COLUMNS;
-        if (unpacked) unpack_group(group, unpacked, job->type, job->row_bytes);
+        for (int c = 0; unpacked && c < PACKED_COLUMNS; c++)
+            unpack_row(group, c, unpacked + c * job->row_bytes, job->type, job->row_bytes);
         for (int64_t m0 = 0; m0 < job->num_rows; m0 += PACKED_TILE) {
             const int rows = job->num_rows - m0 < PACKED_TILE ? (int)(job->num_rows - m0) : PACKED_TILE;
             float sums[TILE_ROWS * COLUMNS_PER_ITEM];
@@ -726,12 +725,6 @@ static void packed_columns(void *context, int64_t item) {
             store_sums(job, n0, n0 + PACKED_COLUMNS, m0, rows, sums, unpacked ? COLUMNS_PER_ITEM : PACKED_COLUMNS);
         }
     }
-}
-
-/* The whole packed weight w back in the file's layout, into rows [N, row_bytes]. */
-static void unpack_columns(const uint8_t *w, uint8_t *rows, int type, int64_t N, int64_t row_bytes) {
-    for (int64_t g = 0; g < N / PACKED_COLUMNS; g++)
-        unpack_group(w + g * PACKED_COLUMNS * row_bytes, rows + g * PACKED_COLUMNS * row_bytes, type, row_bytes);
 }
 
 typedef struct {
@@ -823,21 +816,31 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
 
 typedef struct {
     const uint8_t *w;
+    const int64_t *index; /* the rows to dequantize, or NULL: all N */
     float *out;
-    int64_t N, K, row_bytes;
-    int type;
+    int64_t N, K, row_bytes, num_out;
+    int type, packed;
 } DequantizeJob;
 
 #define ROWS_PER_DEQUANTIZE_ITEM 16
 
-/* Weight rows of one item, each sub-block widened by sub_weights, as the fp32 mode widens it. */
+/* Out rows of one item, each sub-block widened by sub_weights, as the fp32 mode widens it; a
+ * packed weight's row first unpacked from its group into the file's layout. */
 static void dequantize_rows(void *context, int64_t item) {
     const DequantizeJob *d = context;
     const int type = d->type, subs = block_subs(type);
-    const int64_t end = (item + 1) * ROWS_PER_DEQUANTIZE_ITEM < d->N ? (item + 1) * ROWS_PER_DEQUANTIZE_ITEM : d->N;
-    for (int64_t n = item * ROWS_PER_DEQUANTIZE_ITEM; n < end; n++) {
+    uint8_t unpacked[d->packed ? d->row_bytes : 1];
+    const int64_t end = (item + 1) * ROWS_PER_DEQUANTIZE_ITEM < d->num_out ? (item + 1) * ROWS_PER_DEQUANTIZE_ITEM
+                                                                          : d->num_out;
+    for (int64_t i = item * ROWS_PER_DEQUANTIZE_ITEM; i < end; i++) {
+        const int64_t n = d->index ? d->index[i] : i;
         const uint8_t *row = d->w + n * d->row_bytes;
-        float *out = d->out + n * d->K;
+        if (d->packed) {
+            unpack_row(d->w + (n - n % PACKED_COLUMNS) * d->row_bytes, (int)(n % PACKED_COLUMNS), unpacked, type,
+                       d->row_bytes);
+            row = unpacked;
+        }
+        float *out = d->out + i * d->K;
         for (int64_t sb = 0; sb < d->K / 32; sb++) {
             const uint8_t *block = row + sb / subs * block_bytes(type);
             const int j = (int)(sb % subs);
@@ -853,27 +856,23 @@ static void dequantize_rows(void *context, int64_t item) {
     }
 }
 
-/* w: [N, row bytes] GGUF blocks of ggml_type (packed or not) -> out: [N, K] fp32, the values the
- * fp32 mode multiplies by (the gguf package's dequantization, up to fp32 rounding of scale * q +
- * offset). Returns 1 for a type this file does not have, 2 for bad sizes, 3 out of memory. */
-int rayllm_gguf_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K, int32_t ggml_type,
-                           int32_t num_threads) {
+/* w: [N, row bytes] GGUF blocks of ggml_type (packed or not) -> out: [num_out, K] fp32, rows
+ * index[0..num_out) of the weight (index NULL: every row, num_out = N), the values the fp32 mode
+ * multiplies by (the gguf package's dequantization, up to fp32 rounding of scale * q + offset).
+ * Returns 1 for a type this file does not have, 2 for bad sizes or an index outside [0, N). */
+int rayllm_gguf_dequantize(const uint8_t *w, const int64_t *index, int64_t num_out, float *out, int64_t N, int64_t K,
+                           int32_t ggml_type, int32_t num_threads) {
     const int packed = (ggml_type & GGUF_PACKED) != 0;
     ggml_type &= ~GGUF_PACKED;
     if (!columns_function(ggml_type) || (packed && !packable(ggml_type))) return 1;
     const int64_t block_weights = 32 * block_subs(ggml_type);
     if (N < 1 || K < block_weights || K % block_weights || (packed && N % PACKED_COLUMNS)) return 2;
-    if (packed) { /* through a copy in the file's layout */
-        const int64_t row_bytes = K / block_weights * block_bytes(ggml_type);
-        uint8_t *rows = malloc((size_t)(N * row_bytes));
-        if (!rows) return 3;
-        unpack_columns(w, rows, ggml_type, N, row_bytes);
-        const int status = rayllm_gguf_dequantize(rows, out, N, K, ggml_type, num_threads);
-        free(rows);
-        return status;
-    }
-    DequantizeJob job = {w, out, N, K, K / block_weights * block_bytes(ggml_type), ggml_type};
-    rayllm_parallel_for((N + ROWS_PER_DEQUANTIZE_ITEM - 1) / ROWS_PER_DEQUANTIZE_ITEM, num_threads, dequantize_rows,
-                        &job);
+    if (!index) num_out = N;
+    for (int64_t i = 0; index && i < num_out; i++)
+        if (index[i] < 0 || index[i] >= N) return 2;
+    if (num_out < 1) return 0;
+    DequantizeJob job = {w, index, out, N, K, K / block_weights * block_bytes(ggml_type), num_out, ggml_type, packed};
+    rayllm_parallel_for((num_out + ROWS_PER_DEQUANTIZE_ITEM - 1) / ROWS_PER_DEQUANTIZE_ITEM, num_threads,
+                        dequantize_rows, &job);
     return 0;
 }
