@@ -112,7 +112,8 @@ ALL_CELLS = tuple(CELLS)
 _ONE_WORKER = ("num_workers=1", "worker_num_cpus=1", "worker_num_threads=1", "max_num_batched_tokens=2048")
 _TWO_WORKERS = ("num_workers=2", "worker_num_cpus=0.5", "worker_num_threads=1", "max_num_batched_tokens=2048")
 SERVERS: dict[str, Server] = {s.name: s for s in [
-    Server("ours", "our server, deploy/serve.yaml as shipped (num_workers auto: 1 worker x a thread per core; "
+    Server("ours", "our server, deploy/serve.yaml as shipped but for the model: the converted safetensors, so the "
+           "weights are in the dtype as every peer's (num_workers auto: 1 worker x a thread per core; "
            "2048-token steps, 512 per prompt, async scheduling, new prompts batched while streams decode)", "ours.sh",
            8000, ALL_CELLS),
     Server("ours-sync", "ours with async_scheduling=false: each step scheduled after the last one's result came back "
@@ -148,12 +149,12 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            "-t 2 -tb 2 --poll 0 -np 16 -cb", "llama_server.sh", 8300, ALL_CELLS,
            needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh"),
-    # The default model's GGUF as it ships (Q4_1), served by both: ours with its weights kept
-    # quantized (quantization=auto: fp32 activations), llama-server on the file itself.
-    # model=default: the shipped GGUF file itself (ours.sh otherwise points model at the converted safetensors,
-    # which quantization=auto would serve dense)
-    Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively (model=default, quantization=auto, dtype "
-           "auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"),
+    # The default model's GGUF as it ships (Q4_1), served by both: ours as deploy/serve.yaml ships
+    # (model: default, quantization: auto, the weights kept quantized with fp32 activations),
+    # llama-server on the file itself. ours.sh otherwise points model at the converted safetensors,
+    # which are served dense whatever the quantization (the "ours" server of the fp32 matrix).
+    Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively, the default deployment (model=default, "
+           "quantization=auto, dtype auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"),
            ("model=default", "quantization=auto"), dtype="auto"),
     Server("llama-gguf", "llama.cpp llama-server on the shipped Q4_1 GGUF itself, -t 2 -tb 2 --poll 0 -np 16 -cb",
            "llama_server.sh", 8300, ("c1", "c16"), needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),

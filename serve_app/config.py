@@ -108,9 +108,10 @@ class AppArgs(BaseModel):
         "weights (the exact path). Reported in /v1/models.",
     )
     quantization: Literal["auto", "none"] = Field(
-        "none", description="auto: a GGUF checkpoint (the default model, a .gguf path) is served with its weights "
-        "in their GGUF types on CPU workers, unless dtype is float32 (10x less memory; on AVX2 CPUs about even at "
-        "one stream and slower at 16, docs/models.md); none (the default): its dequantized weights are served. "
+        "auto", description="auto (the default): a GGUF checkpoint (the default model, a .gguf path) is served with "
+        "its weights in their GGUF types on CPU workers, unless dtype is float32 (a tenth of the memory; on a 2-core "
+        "AVX2 CPU twice the tokens per second of one stream and even at 16, docs/models.md); none: its dequantized "
+        "weights are served. "
         "A safetensors checkpoint with a quantization_config (fp8, awq, gptq) is always dequantized at load. "
         "Reported in /v1/models (backend.quantization, e.g. gguf:Q4_1, awq:4bit-g128 (dequantized at load), or none).",
     )

@@ -167,12 +167,12 @@ def test_quantized_default_model_agrees_with_its_dequantized_fp32_model(smollm2_
 def test_quantization_auto_serves_the_gguf_and_float32_the_dequantized_weights(smollm2_dir, monkeypatch):
     """quantization auto: dtype auto is fp32 activations over the quantized weights on every CPU
     (one with native bf16 is pretended here, where auto alone would pick bf16); an explicit float32
-    is the dequantized model; their greedy tokens agree. The default (none) serves the dequantized."""
+    is the dequantized model; their greedy tokens agree. auto is the default."""
     from runner_helpers import greedy, run_requests
     from transformers import AutoTokenizer
 
     monkeypatch.setattr(model_runner, "cpu_has_fast_bf16", lambda: True)
-    assert RunnerConfig().quantization == "none"
+    assert RunnerConfig().quantization == "auto"
     settings = dict(block_size=16, num_blocks=16, attention_backend="torch", quantization="auto")
     native = ModelRunner(RunnerConfig(**settings))
     assert (native.model_info.quantization, native.model_info.dtype) == ("gguf:Q4_1", "float32")
@@ -338,7 +338,7 @@ def test_app_argument_quantization():
 
     from serve_app.config import AppArgs
 
-    assert AppArgs().quantization == "none" and AppArgs(quantization="auto").quantization == "auto"
+    assert AppArgs().quantization == "auto" and AppArgs(quantization="none").quantization == "none"
     with pytest.raises(ValidationError):
         AppArgs(quantization="q4_1")
 

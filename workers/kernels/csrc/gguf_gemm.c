@@ -791,9 +791,13 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
      * microsecond, and claiming it (two atomics on the pool's shared line) cost a fair part of
      * that: a one-row decode step of the default model, 2 threads, 13.0 -> 10.8 and 13.3 -> 10.3 ms
      * (runs alternating). More rows keep one group per item (16 rows measured 4% slower coarser). */
-    if (packed) { /* items of several 8-column groups, about 8 a thread at any number of rows */
+    if (packed) {
+        /* Items of several 8-column groups, about 4 a thread at any number of rows: longer runs of
+         * contiguous blocks for each thread to stream than 8 a thread (one row, 2 threads, SmolLM2's
+         * Q4_1 shapes streamed from memory: 5-12% less time), and still spare items for a thread
+         * whose partner the OS has descheduled. */
         const int64_t groups = N / PACKED_COLUMNS;
-        job.span = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
+        job.span = groups / (threads * 4) > 1 ? groups / (threads * 4) : 1;
         const int64_t items = (groups + job.span - 1) / job.span;
         if (!packed_kernel(ggml_type, mode) &&
             !(job.unpacked = malloc((size_t)(items * PACKED_COLUMNS * job.row_bytes)))) {
