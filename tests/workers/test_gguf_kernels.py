@@ -101,20 +101,29 @@ def assert_close_to_reference(out, x, weight, full, bias, mode):
                                       f"worst error {(error - allowed).max().item():.3g} over its bound")
 
 
+def checked_products(weight: GgufWeight, mode: str, library):
+    """The kernel's product for every dtype, row count in ROWS and bias (none, or one), each
+    asserted within its bound of the reference; yields (x, bias, out) for further checks."""
+    full = dequantize(weight)
+    generator = torch.Generator().manual_seed(int(weight.ggml_type))
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = torch.randn(weight.out_features, generator=generator).to(dtype)
+        for rows in ROWS:
+            x = torch.randn(rows, weight.in_features, generator=generator).to(dtype)
+            for b in (None, bias):
+                out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
+                assert out.dtype == dtype and out.shape == (rows, weight.out_features)
+                assert_close_to_reference(out, x, weight, full, b, mode)
+                yield x, b, out
+
+
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_every_type_and_row_count_matches_the_reference(library, weights, ggml_type, mode):
     weight = weights[ggml_type]
     full = dequantize(weight)
-    generator = torch.Generator().manual_seed(int(ggml_type))
-    for dtype in (torch.float32, torch.bfloat16):
-        bias = torch.randn(N, generator=generator).to(dtype)
-        for rows in ROWS:
-            x = torch.randn(rows, K, generator=generator).to(dtype)
-            for b in (None, bias):
-                out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
-                assert out.dtype == dtype and out.shape == (rows, N)
-                assert_close_to_reference(out, x, weight, full, b, mode)
+    for x, bias, _ in checked_products(weight, mode, library):
+        if bias is None:  # logits: fp32 out of any x
             logits = gguf.gguf_gemm(x, weight, None, out_dtype=torch.float32, mode=mode, library=library)
             assert logits.dtype == torch.float32
             assert_close_to_reference(logits, x, weight, full, None, mode)
@@ -192,19 +201,11 @@ def test_packed_weights_match_the_reference_and_every_build_agrees(library, pack
     assert torch.equal(gguf.gguf_dequantize(weight, library=library), full)
     index = torch.tensor([9, 0, PACKED_N - 1, 9])  # rows unpacked one by one: an embedding lookup
     assert torch.equal(gguf.gguf_dequantize(weight, index=index, library=library), full[index])
-    generator = torch.Generator().manual_seed(int(ggml_type))
-    for dtype in (torch.float32, torch.bfloat16):
-        bias = torch.randn(PACKED_N, generator=generator).to(dtype)
-        for rows in ROWS:
-            x = torch.randn(rows, K, generator=generator).to(dtype)
-            for b in (None, bias):
-                out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
-                assert out.dtype == dtype and out.shape == (rows, PACKED_N)
-                assert_close_to_reference(out, x, weight, full, b, mode)
-                if (mode == "int8") == (ggml_type != GGMLType.Q8_0):  # a packed kernel
-                    assert torch.equal(out, gguf.gguf_gemm(x, weight, b, mode=mode, library=native_library()))
-                else:
-                    assert torch.equal(out, gguf.gguf_gemm(x, unpack_columns(weight), b, mode=mode, library=library))
+    for x, bias, out in checked_products(weight, mode, library):
+        if (mode == "int8") == (ggml_type != GGMLType.Q8_0):  # a packed kernel
+            assert torch.equal(out, gguf.gguf_gemm(x, weight, bias, mode=mode, library=native_library()))
+        else:
+            assert torch.equal(out, gguf.gguf_gemm(x, unpack_columns(weight), bias, mode=mode, library=library))
 
 
 def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights):
