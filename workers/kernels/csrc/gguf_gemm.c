@@ -515,6 +515,9 @@ _Static_assert(PACKED_TILE <= TILE_ROWS && PACKED_COLUMNS <= COLUMNS_PER_ITEM, "
 
 static inline int packable(const int type) { return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0; }
 
+/* Where a packed Q4_0/Q4_1 block's values start: after the 8 scales (and Q4_1's 8 minimums). */
+static inline int packed_values(const int type) { return type == GGML_Q4_1 ? 32 : 16; }
+
 /* The (type, mode) pairs with a packed kernel of their own; the others unpack each group. */
 static inline int packed_kernel(const int type, const int mode) {
     return mode == GGUF_INT8 ? type == GGML_Q4_0 || type == GGML_Q4_1 : type == GGML_Q8_0;
@@ -553,7 +556,7 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
                                                               const uint8_t *group, int64_t m0, const int MR,
                                                               float *out) {
     const int64_t K = job->K, num_blocks = K / 32;
-    const int bb = PACKED_COLUMNS * block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16;
+    const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[PACKED_TILE];
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
@@ -586,10 +589,11 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
  * out[i * 8 + c]. Each k's eight weights are widened and scaled once for the tile, exactly (an
  * int8 times an fp16 scale fits fp32's mantissa), then one FMA per row; two sums per row, even
  * and odd k, to halve the latency chain. */
-static inline __attribute__((always_inline)) void packed_q8_f32(const GgufJob *job, const uint8_t *group,
-                                                                int64_t m0, const int MR, float *out) {
+static inline __attribute__((always_inline)) void packed_q8_f32(const int type, const GgufJob *job,
+                                                                const uint8_t *group, int64_t m0, const int MR,
+                                                                float *out) {
     const int64_t K = job->K, num_blocks = K / 32;
-    const int bb = PACKED_COLUMNS * block_bytes(GGML_Q8_0);
+    const int bb = PACKED_COLUMNS * block_bytes(type); /* type: Q8_0 */
     __m256 even[PACKED_TILE], odd[PACKED_TILE];
     for (int i = 0; i < MR; i++) even[i] = odd[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -613,7 +617,7 @@ static inline __attribute__((always_inline)) void packed_q8_f32(const GgufJob *j
 static inline void packed_int8(const int type, const GgufJob *job, const uint8_t *group, int64_t m0, const int MR,
                                float *out) {
     const int64_t K = job->K, num_blocks = K / 32;
-    const int bb = PACKED_COLUMNS * block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16;
+    const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
     for (int i = 0; i < MR * PACKED_COLUMNS; i++) out[i] = 0.0f;
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = group + b * bb;
@@ -637,9 +641,10 @@ static inline void packed_int8(const int type, const GgufJob *job, const uint8_t
     }
 }
 
-static inline void packed_q8_f32(const GgufJob *job, const uint8_t *group, int64_t m0, const int MR, float *out) {
+static inline void packed_q8_f32(const int type, const GgufJob *job, const uint8_t *group, int64_t m0, const int MR,
+                                 float *out) {
     const int64_t K = job->K, num_blocks = K / 32;
-    const int bb = PACKED_COLUMNS * block_bytes(GGML_Q8_0);
+    const int bb = PACKED_COLUMNS * block_bytes(type); /* type: Q8_0 */
     for (int i = 0; i < MR; i++)
         for (int c = 0; c < PACKED_COLUMNS; c++) {
             float even = 0.0f, odd = 0.0f;
@@ -656,33 +661,26 @@ static inline void packed_q8_f32(const GgufJob *job, const uint8_t *group, int64
 }
 #endif
 
-#define PACKED_CASE(T, R)                                                                                \
-    case R: packed_int8(T, job, group, m0, R, sums); break;
-#define PACKED_FUNCTION(T)                                                                               \
-    static void packed_##T(const GgufJob *job, const uint8_t *group, int64_t m0, int MR, float *sums) {  \
+/* NAME(job, group, m0, MR, sums): KERNEL(T, ...) with the tile height MR a compile-time constant. */
+#define PACKED_CASE(KERNEL, T, R)                                                                        \
+    case R: KERNEL(T, job, group, m0, R, sums); break;
+#define PACKED_FUNCTION(NAME, KERNEL, T)                                                                 \
+    static void NAME(const GgufJob *job, const uint8_t *group, int64_t m0, int MR, float *sums) {       \
         switch (MR) {                                                                                    \
-            PACKED_CASE(T, 4)                                                                            \
-            PACKED_CASE(T, 3)                                                                            \
-            PACKED_CASE(T, 2)                                                                            \
-            PACKED_CASE(T, 1)                                                                            \
+            PACKED_CASE(KERNEL, T, 4)                                                                    \
+            PACKED_CASE(KERNEL, T, 3)                                                                    \
+            PACKED_CASE(KERNEL, T, 2)                                                                    \
+            PACKED_CASE(KERNEL, T, 1)                                                                    \
         }                                                                                                \
     }
-PACKED_FUNCTION(GGML_Q4_0)
-PACKED_FUNCTION(GGML_Q4_1)
-
-static void packed_q8_f32_tile(const GgufJob *job, const uint8_t *group, int64_t m0, int MR, float *sums) {
-    switch (MR) {
-    case 4: packed_q8_f32(job, group, m0, 4, sums); break;
-    case 3: packed_q8_f32(job, group, m0, 3, sums); break;
-    case 2: packed_q8_f32(job, group, m0, 2, sums); break;
-    case 1: packed_q8_f32(job, group, m0, 1, sums); break;
-    }
-}
+PACKED_FUNCTION(packed_GGML_Q4_0, packed_int8, GGML_Q4_0)
+PACKED_FUNCTION(packed_GGML_Q4_1, packed_int8, GGML_Q4_1)
+PACKED_FUNCTION(packed_GGML_Q8_0, packed_q8_f32, GGML_Q8_0)
 
 /* Column c of a packed group back in the file's layout: its row_bytes into row (the inverse of
  * gguf_weight.pack_columns for one row). */
 static void unpack_row(const uint8_t *group, int c, uint8_t *row, int type, int64_t row_bytes) {
-    const int block = block_bytes(type), qs = type == GGML_Q4_1 ? 32 : 16, head = qs / PACKED_COLUMNS;
+    const int block = block_bytes(type), qs = packed_values(type), head = qs / PACKED_COLUMNS;
     for (int64_t b = 0; b < row_bytes / block; b++) {
         const uint8_t *packed = group + b * PACKED_COLUMNS * block;
         uint8_t *out = row + b * block;
@@ -704,7 +702,7 @@ static void packed_columns(void *context, int64_t item) {
     const int64_t groups = job->N / PACKED_COLUMNS;
     const int64_t end = (item + 1) * job->span < groups ? (item + 1) * job->span : groups;
     uint8_t *unpacked = job->unpacked ? job->unpacked + item * PACKED_COLUMNS * job->row_bytes : NULL;
-    GgufJob local = *job; /* the fp32 mode's: its weight the unpacked group */
+    GgufJob local = *job; /* for the file layout's kernel: its weight the unpacked group */
     local.w = unpacked;
     for (int64_t g = item * job->span; g < end; g++) {
         const uint8_t *group = job->w + g * PACKED_COLUMNS * job->row_bytes;
@@ -717,7 +715,7 @@ static void packed_columns(void *context, int64_t item) {
             if (unpacked)
                 columns_function(job->type)(&local, 0, PACKED_COLUMNS, m0, rows, sums);
             else if (job->type == GGML_Q8_0)
-                packed_q8_f32_tile(job, group, m0, rows, sums);
+                packed_GGML_Q8_0(job, group, m0, rows, sums);
             else if (job->type == GGML_Q4_1)
                 packed_GGML_Q4_1(job, group, m0, rows, sums);
             else
@@ -787,10 +785,6 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
     if (scratch)
         rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? threads : 1,
                             prepare_rows, &prepare);
-    /* One row tile: about 8 items per thread. An item of one 16-column group is then about a
-     * microsecond, and claiming it (two atomics on the pool's shared line) cost a fair part of
-     * that: a one-row decode step of the default model, 2 threads, 13.0 -> 10.8 and 13.3 -> 10.3 ms
-     * (runs alternating). More rows keep one group per item (16 rows measured 4% slower coarser). */
     if (packed) {
         /* Items of several 8-column groups, about 4 a thread at any number of rows: longer runs of
          * contiguous blocks for each thread to stream than 8 a thread (one row, 2 threads, SmolLM2's
@@ -809,6 +803,10 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
         free(scratch);
         return 0;
     }
+    /* One row tile: about 8 items per thread. An item of one 16-column group is then about a
+     * microsecond, and claiming it (two atomics on the pool's shared line) cost a fair part of
+     * that: a one-row decode step of the default model, 2 threads, 13.0 -> 10.8 and 13.3 -> 10.3 ms
+     * (runs alternating). More rows keep one group per item (16 rows measured 4% slower coarser). */
     const int64_t groups = (N + COLUMNS_PER_ITEM - 1) / COLUMNS_PER_ITEM;
     job.span = num_rows <= TILE_ROWS && groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
     rayllm_parallel_for((groups + job.span - 1) / job.span, threads, gguf_columns, &job);
