@@ -207,8 +207,7 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None =
     from workers.kernels import gguf  # imported here: it imports this module's types
 
     if gguf.native_takes(x, weight):
-        # a prompt step: the dense fp32 GEMM on the weight dequantized (a packed weight's kernel is faster)
-        if x.shape[0] >= gguf.DENSE_MIN_ROWS and not weight.packed:
+        if gguf.goes_dense(weight, x.shape[0], mode):  # a prompt step: dense fp32 on the weight dequantized
             out = F.linear(x.float(), gguf.gguf_dequantize(weight, scratch=True), None if bias is None else bias.float())
             return out.to(out_dtype or x.dtype)
         return gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype, mode=mode)

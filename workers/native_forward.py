@@ -67,9 +67,8 @@ class NativeForward:
         quantized = [w for w in weights if isinstance(w, GgufWeight)]
         if not all(gguf.native_has(w) for w in quantized):
             return None
-        # a prompt step of GGUF weights in the file's layout runs the Python loop, whose products go
-        # dense (gguf.DENSE_MIN_ROWS); packed weights' int8 kernel is the faster at any number of rows
-        limits = [gguf.DENSE_MIN_ROWS - 1] if any(not w.packed for w in quantized) else []
+        # a prompt step whose GGUF products go dense (gguf.goes_dense) runs the Python loop
+        limits = [gguf.DENSE_MIN_ROWS - 1] if any(gguf.goes_dense(w, gguf.DENSE_MIN_ROWS) for w in quantized) else []
         dense = [w for w in weights if not isinstance(w, GgufWeight)]
         if not dense:  # every product is a GGUF weight's own kernel, whatever the backend
             return cls(model, LINEAR_GEMV, min(limits, default=None))

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.gguf_weight import (BLOCK_LAYOUT, PACKABLE_TYPES, GGMLType, GgufWeight, concat_rows, dequantize,
-                                 dequantize_rows, gguf_linear, pack_columns, pack_for_kernels, reference_linear,
-                                 unpack_columns)
+                                 dequantize_rows, gguf_linear, gguf_logits, pack_columns, pack_for_kernels,
+                                 reference_linear, unpack_columns)
 from workers.kernels import gguf
 from workers.kernels.native import CFLAGS, SOURCE_DIR, SOURCES, build, compiler, load, native_available
 
@@ -262,10 +262,15 @@ def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by
 
 
 def test_a_packed_weights_prompt_step_stays_on_its_int8_kernel(packed_weights):
-    """The packed kernel is faster than dequantizing at any number of rows (bench.bench_gguf)."""
+    """The packed int8 kernel is faster than dequantizing at any number of rows (bench.bench_gguf);
+    a packed Q8_0 lm_head's fp32 product is not, and its prompt logits go dense (gguf.goes_dense)."""
     weight = packed_weights[GGMLType.Q4_1]
     x = torch.randn(gguf.DENSE_MIN_ROWS, K, generator=torch.Generator().manual_seed(7))
     assert torch.equal(gguf_linear(x, weight), gguf.gguf_gemm(x, weight, mode="int8"))
+    assert gguf.goes_dense(weight, gguf.DENSE_MIN_ROWS, "fp32") and not gguf.goes_dense(weight, gguf.DENSE_MIN_ROWS)
+    head = packed_weights[GGMLType.Q8_0]
+    assert gguf.goes_dense(head, gguf.DENSE_MIN_ROWS, "fp32") and not gguf.goes_dense(head, gguf.DENSE_MIN_ROWS - 1)
+    assert torch.equal(gguf_logits(x, head), F.linear(x, gguf.gguf_dequantize(head)))
 
 
 def test_logits_keep_the_hidden_state_in_fp32_on_every_linear_backend(weights):

@@ -14,8 +14,9 @@ no horizontal sums. Against the file's layout, 2 threads, SmolLM2's Q4_1 shapes 
 memory (`bench.bench_gguf --threads 2 --rows 1,16,64,256 --repeats 5 --min-mb 32`, one run):
 0.79-0.99x the time at 1 row, 0.50-0.66x at 16, 0.44-0.58x at 64 and 0.45-0.54x at 256. That is
 0.28-0.53x the dense fp32 panels' time at 1 row, 0.70-0.83x at 16 and 0.58-1.18x at 256, so a
-packed weight's prompt step stays on it (DENSE_MIN_ROWS is for the file's layout). The lm_head
-and embedding (Q8_0 in the default model) keep the file's layout.
+packed weight's int8 prompt step stays on it (goes_dense). A Q8_0 lm_head (and the tied
+embedding's lookups) is packed for the fp32 mode's product (LOGITS_MODE): 0.60-0.72x the file
+layout's time at 1 to 64 rows.
 
 Two modes (csrc/gguf_gemm.c says how each works):
   "fp32": x in fp32 against weights widened in registers; error: fp32 rounding (~1e-6 relative).
@@ -50,7 +51,7 @@ import threading
 
 import torch
 
-from workers.gguf_weight import GGMLType, GgufWeight
+from workers.gguf_weight import LAYER_PACKED_TYPES, GGMLType, GgufWeight
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 
 NATIVE_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
@@ -77,6 +78,15 @@ GGUF_PACKED = 0x100  # the type code's flag for a packed weight (csrc/entry_poin
 def type_code(weight: GgufWeight) -> int:
     """The kernels' ggml_type argument: the type, with GGUF_PACKED for a packed weight."""
     return int(weight.ggml_type) | (GGUF_PACKED if weight.packed else 0)
+
+
+def goes_dense(weight: GgufWeight, num_rows: int, mode: str | None = None) -> bool:
+    """A product of this many rows (a prompt step: DENSE_MIN_ROWS or more) runs as the dense fp32
+    GEMM on the weight dequantized, not as our kernel; except a packed weight's int8 product, the
+    faster at any number of rows. (A packed Q8_0 lm_head's fp32 product at 256 rows took 216 ms
+    against 146 ms dequantized, 2 threads: it goes dense.)"""
+    return num_rows >= DENSE_MIN_ROWS and not (weight.packed and (mode or DEFAULT_MODE) == "int8"
+                                               and weight.ggml_type in LAYER_PACKED_TYPES)
 
 
 def native_has(weight: GgufWeight) -> bool:
