@@ -510,8 +510,10 @@ static void gguf_columns(void *context, int64_t item) {
  * fma(x[k], q[k] * d, acc) over the blocks in turn, added at the end. Other pairs of type and
  * mode, and the dequantization, read a group through a copy in the file's layout. */
 #define PACKED_COLUMNS 8
-#define PACKED_TILE 4
+#define PACKED_TILE 4       /* rows whose sums stay in registers through all the blocks */
+#define PACKED_INT8_TILE 16 /* rows of a packed int8 tile past PACKED_TILE: their sums in L1 (packed_int8_rows) */
 _Static_assert(PACKED_TILE <= TILE_ROWS && PACKED_COLUMNS <= COLUMNS_PER_ITEM, "the fp32 mode's tiles hold a packed one");
+_Static_assert(TILE_ROWS * COLUMNS_PER_ITEM <= PACKED_INT8_TILE * PACKED_COLUMNS, "a packed tile's sums hold a file-layout tile's");
 
 static inline int packable(const int type) { return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0; }
 
@@ -584,6 +586,45 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
         }
     }
     for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, acc[i]);
+}
+/* packed_int8 for a tile of more rows (up to PACKED_INT8_TILE), with the same arithmetic. Block
+ * by block: the block's 4-bit values are decoded once into eight registers, then each row takes
+ * its eight products from them, its running sums in L1. Keeping more rows' sums in registers
+ * through all the blocks spilled them, and each 4-row tile decoded the block again: prompt
+ * steps' products (256 rows, SmolLM2's Q4_1 shapes, 2 threads) take 0.73-0.91x the time. */
+static inline __attribute__((always_inline)) void packed_int8_rows(const int type, const GgufJob *job,
+                                                                   const uint8_t *group, int64_t m0, const int MR,
+                                                                   float *out) {
+    const int64_t K = job->K, num_blocks = K / 32;
+    const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, _mm256_setzero_ps());
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = group + b * bb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        const __m256 offset = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)))
+                                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        __m256i lo[4], hi[4];
+        for (int t = 0; t < 4; t++) {
+            const __m256i piece = _mm256_loadu_si256((const __m256i *)(block + qs + 32 * t));
+            lo[t] = _mm256_and_si256(piece, low4);
+            hi[t] = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+        }
+        for (int i = 0; i < MR; i++) {
+            const int8_t *x = job->xq + (m0 + i) * K + b * 32;
+            __m256i sums = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                sums = packed_dot(sums, lo[t], broadcast4(x + 4 * t));
+                sums = packed_dot(sums, hi[t], broadcast4(x + 16 + 4 * t));
+            }
+            const int64_t xb = (m0 + i) * num_blocks + b;
+            const __m256 dot = _mm256_cvtepi32_ps(packed_sums(sums));
+            __m256 acc = _mm256_loadu_ps(out + i * PACKED_COLUMNS);
+            acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(job->x_scale[xb])), acc);
+            acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(job->x_sum[xb]), acc);
+            _mm256_storeu_ps(out + i * PACKED_COLUMNS, acc);
+        }
+    }
 }
 /* GGUF_FP32, Q8_0 packed: rows [m0, m0 + MR) of x (fp32) times the 8 columns of `group`, into
  * out[i * 8 + c]. Each k's eight weights are widened and scaled once for the tile, exactly (an
@@ -659,6 +700,7 @@ static inline void packed_q8_f32(const int type, const GgufJob *job, const uint8
             out[i * PACKED_COLUMNS + c] = even + odd;
         }
 }
+#define packed_int8_rows packed_int8 /* its loops take any number of rows */
 #endif
 
 /* NAME(job, group, m0, MR, sums): KERNEL(T, ...) with the tile height MR a compile-time constant. */
@@ -709,13 +751,18 @@ static void packed_columns(void *context, int64_t item) {
         const int64_t n0 = g * PACKED_COLUMNS;
         for (int c = 0; unpacked && c < PACKED_COLUMNS; c++)
             unpack_row(group, c, unpacked + c * job->row_bytes, job->type, job->row_bytes);
-        for (int64_t m0 = 0; m0 < job->num_rows; m0 += PACKED_TILE) {
-            const int rows = job->num_rows - m0 < PACKED_TILE ? (int)(job->num_rows - m0) : PACKED_TILE;
-            float sums[TILE_ROWS * COLUMNS_PER_ITEM];
+        const int tile = unpacked || job->type == GGML_Q8_0 ? PACKED_TILE : PACKED_INT8_TILE;
+        for (int64_t m0 = 0; m0 < job->num_rows; m0 += tile) {
+            const int rows = job->num_rows - m0 < tile ? (int)(job->num_rows - m0) : tile;
+            float sums[PACKED_INT8_TILE * PACKED_COLUMNS];
             if (unpacked)
                 columns_function(job->type)(&local, 0, PACKED_COLUMNS, m0, rows, sums);
             else if (job->type == GGML_Q8_0)
                 packed_GGML_Q8_0(job, group, m0, rows, sums);
+            else if (rows > PACKED_TILE && job->type == GGML_Q4_1)
+                packed_int8_rows(GGML_Q4_1, job, group, m0, rows, sums);
+            else if (rows > PACKED_TILE)
+                packed_int8_rows(GGML_Q4_0, job, group, m0, rows, sums);
             else if (job->type == GGML_Q4_1)
                 packed_GGML_Q4_1(job, group, m0, rows, sums);
             else
