@@ -553,6 +553,21 @@ static inline __m256i broadcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+/* A packed Q4 block's eight columns' offsets: Q4_1's minimums, or Q4_0's zero point -8 d. */
+static inline __m256 packed_offset(const int type, const uint8_t *block, const __m256 d) {
+    return type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)))
+                             : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+}
+
+/* acc plus one block's products for x's block xb (row and block), from their int sums: the
+ * arithmetic every packed int8 tile shares. */
+static inline __m256 packed_block_sum(__m256 acc, const __m256i sums, const __m256 d, const __m256 offset,
+                                      const GgufJob *job, const int64_t xb) {
+    const __m256 dot = _mm256_cvtepi32_ps(packed_sums(sums));
+    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(job->x_scale[xb])), acc);
+    return _mm256_fmadd_ps(offset, _mm256_set1_ps(job->x_sum[xb]), acc);
+}
+
 /* Rows [m0, m0 + MR) of x's int8 blocks times the 8 columns of `group`, into out[i * 8 + c]. */
 static inline __attribute__((always_inline)) void packed_int8(const int type, const GgufJob *job,
                                                               const uint8_t *group, int64_t m0, const int MR,
@@ -565,8 +580,7 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = group + b * bb;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
-        const __m256 offset = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)))
-                                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 offset = packed_offset(type, block, d);
         const int8_t *x = job->xq + m0 * K + b * 32;
         __m256i sums[PACKED_TILE];
         for (int i = 0; i < MR; i++) sums[i] = _mm256_setzero_si256();
@@ -578,12 +592,7 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
                 sums[i] = packed_dot(sums[i], hi, broadcast4(x + i * K + 16 + 4 * t));
             }
         }
-        for (int i = 0; i < MR; i++) {
-            const int64_t xb = (m0 + i) * num_blocks + b;
-            const __m256 dot = _mm256_cvtepi32_ps(packed_sums(sums[i]));
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(job->x_scale[xb])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(job->x_sum[xb]), acc[i]);
-        }
+        for (int i = 0; i < MR; i++) acc[i] = packed_block_sum(acc[i], sums[i], d, offset, job, (m0 + i) * num_blocks + b);
     }
     for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, acc[i]);
 }
@@ -591,7 +600,8 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
  * by block: the block's 4-bit values are decoded once into eight registers, then each row takes
  * its eight products from them, its running sums in L1. Keeping more rows' sums in registers
  * through all the blocks spilled them, and each 4-row tile decoded the block again: prompt
- * steps' products (256 rows, SmolLM2's Q4_1 shapes, 2 threads) take 0.73-0.91x the time. */
+ * steps' products (256 rows, SmolLM2's Q4_1 shapes, 2 threads) take 0.73-0.91x the time (three
+ * runs, both builds alternating in one process). */
 static inline __attribute__((always_inline)) void packed_int8_rows(const int type, const GgufJob *job,
                                                                    const uint8_t *group, int64_t m0, const int MR,
                                                                    float *out) {
@@ -602,8 +612,7 @@ static inline __attribute__((always_inline)) void packed_int8_rows(const int typ
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = group + b * bb;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
-        const __m256 offset = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)))
-                                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 offset = packed_offset(type, block, d);
         __m256i lo[4], hi[4];
         for (int t = 0; t < 4; t++) {
             const __m256i piece = _mm256_loadu_si256((const __m256i *)(block + qs + 32 * t));
@@ -617,12 +626,9 @@ static inline __attribute__((always_inline)) void packed_int8_rows(const int typ
                 sums = packed_dot(sums, lo[t], broadcast4(x + 4 * t));
                 sums = packed_dot(sums, hi[t], broadcast4(x + 16 + 4 * t));
             }
-            const int64_t xb = (m0 + i) * num_blocks + b;
-            const __m256 dot = _mm256_cvtepi32_ps(packed_sums(sums));
-            __m256 acc = _mm256_loadu_ps(out + i * PACKED_COLUMNS);
-            acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(job->x_scale[xb])), acc);
-            acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(job->x_sum[xb]), acc);
-            _mm256_storeu_ps(out + i * PACKED_COLUMNS, acc);
+            const __m256 acc = _mm256_loadu_ps(out + i * PACKED_COLUMNS);
+            _mm256_storeu_ps(out + i * PACKED_COLUMNS,
+                             packed_block_sum(acc, sums, d, offset, job, (m0 + i) * num_blocks + b));
         }
     }
 }
