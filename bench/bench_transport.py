@@ -19,13 +19,8 @@ from typing import Any
 
 import ray
 
+from bench.served_app import process_cpu_s
 from scheduler.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
-
-
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def decode_step(num_requests: int) -> SchedulerOutput:

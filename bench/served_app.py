@@ -172,16 +172,21 @@ def process_name(pid: int) -> str:
     return exe
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used so far (OSError once it is gone). The
+    fields are counted after the command name's last ')': a name may hold spaces and parentheses."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_by_process(session_id: int) -> dict[int, tuple[str, float]]:
     """pid -> (name, user + system CPU seconds so far) for every process of the session."""
-    ticks = os.sysconf("SC_CLK_TCK")
     found = {}
     for pid in _session_members(session_id):
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            found[pid] = (process_name(pid), process_cpu_s(pid))
         except OSError:
             continue
-        found[pid] = (process_name(pid), (int(fields[11]) + int(fields[12])) / ticks)
     return found
 
 
@@ -214,18 +219,28 @@ def serving_share(rows: list[CpuRow]) -> float:
     return sum(row.share for row in rows if row.name != WORKER_PROCESS)
 
 
-def format_cpu_table(rows: list[CpuRow], min_cpu_s: float = 0.05) -> str:
+def format_cpu_table(rows: list[CpuRow], min_cpu_s: float = 0.05, output_tokens: int | None = None) -> str:
+    """Markdown, most CPU first; with output_tokens, a column of CPU ms per output token."""
+    def per_token(cpu_s: float, bold: bool = False) -> str:
+        if output_tokens is None:
+            return ""
+        cell = f"{1e3 * cpu_s / max(output_tokens, 1):.2f}"
+        return f" {f'**{cell}**' if bold else cell} |"
+
     total = sum(row.cpu_s for row in rows)
-    lines = ["| process | pid | CPU s | share of the app |", "|---|---|---|---|"]
+    serving = sum(r.cpu_s for r in rows if r.name != WORKER_PROCESS)
+    extra = ("", "") if output_tokens is None else (" CPU ms per output token |", "---|")
+    lines = [f"| process | pid | CPU s | share of the app |{extra[0]}", f"|---|---|---|---|{extra[1]}"]
     shown = [row for row in rows if row.cpu_s >= min_cpu_s]
-    lines += [f"| {row.name} | {row.pid} | {row.cpu_s:.1f} | {row.share:.1%} |" for row in shown]
+    lines += [f"| {row.name} | {row.pid} | {row.cpu_s:.1f} | {row.share:.1%} |{per_token(row.cpu_s)}" for row in shown]
     hidden = [row for row in rows if row.cpu_s < min_cpu_s]
     if hidden:
-        lines.append(f"| {len(hidden)} others (< {min_cpu_s} s each) | | {sum(r.cpu_s for r in hidden):.2f} | "
-                     f"{sum(r.share for r in hidden):.1%} |")
-    lines.append(f"| **all {len(rows)} processes** | | **{total:.1f}** | 100% |")
-    lines.append(f"| **all but {WORKER_PROCESS}** | | **{sum(r.cpu_s for r in rows if r.name != WORKER_PROCESS):.1f}** "
-                 f"| **{serving_share(rows):.1%}** |")
+        hidden_s = sum(r.cpu_s for r in hidden)
+        lines.append(f"| {len(hidden)} others (< {min_cpu_s} s each) | | {hidden_s:.2f} | "
+                     f"{sum(r.share for r in hidden):.1%} |{per_token(hidden_s)}")
+    lines.append(f"| **all {len(rows)} processes** | | **{total:.1f}** | 100% |{per_token(total, bold=True)}")
+    lines.append(f"| **all but {WORKER_PROCESS}** | | **{serving:.1f}** "
+                 f"| **{serving_share(rows):.1%}** |{per_token(serving, bold=True)}")
     return "\n".join(lines)
 
 
