@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU session's checks in one call (docs/gpu.md): the machine, `pytest tests/gpu`, the GPU
-# runner benchmark (bench/bench_gpu.py) and, when the carried wheels hold Ray Serve, the served
+# The GPU session's checks in one call (docs/gpu.md): the machine, `pytest tests/gpu`, the
+# quantized linears against bf16 (bench/bench_quant_gpu.py), the GPU runner benchmark
+# (bench/bench_gpu.py) and, when the carried wheels hold Ray Serve, the served
 # path against the in-process engine (bench/bench_gpu_served.py). Run from the
 # repository root on a machine with CUDA, torch and triton; logs go to $OUT (default /tmp/gpu-check).
 #
@@ -23,6 +24,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 } 2>&1 | tee "$OUT/env.txt"
 echo "== pytest tests/gpu"
 timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest tests/gpu -ra -m gpu -n "${TEST_WORKERS:-8}" --dist loadgroup 2>&1 | tee "$OUT/tests.txt"
+echo "== bench.bench_quant_gpu"
+timeout "${QUANT_TIMEOUT_S:-180}" python3 -m bench.bench_quant_gpu ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.txt"
 echo "== bench.bench_gpu"
 timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.bench_gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
 if [ -d .whl/tokenizer ] && python3 -c "import ray.serve" 2>/dev/null; then

@@ -6,12 +6,18 @@ nearest on a min/max grid per group, scales rounded to the stored dtype first, s
 expected dense weight is exact), packs it into the checkpoint's tensors by the format's rules
 (written here from the formats' descriptions, independently of workers/quant_formats.py) and
 returns (tensors by checkpoint name, the expected dense [N, K] fp32 weight). `weight=` quantizes a
-given weight (a checkpoint's) instead of a random one.
+given weight (a checkpoint's) instead of a random one. write_checkpoints turns a tiny model
+directory into a quantized checkpoint of one of CHECKPOINT_FORMATS and its dequantized twin.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
 import torch
+from safetensors.torch import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column AWQ_ORDER[i] of its 8
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -141,3 +147,65 @@ def compressed_tensors_config(strategy: str = "channel", activations: str | None
             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": inputs,
                                           "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
                                                       "dynamic": False, "symmetric": True}}}}
+
+
+# ----------------------------------------------------------------------------- tiny quantized checkpoints
+
+CHECKPOINT_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+CHECKPOINT_GROUP = 32
+
+# format -> (quantization_config, (weight, prefix) -> (checkpoint tensors, dequantized weight), /v1/models label)
+CHECKPOINT_FORMATS = {
+    "awq": (AWQ_CONFIG, lambda w, p: make_awq(*w.shape, CHECKPOINT_GROUP, prefix=p, weight=w), "awq:4bit-g32"),
+    "gptq": (GPTQ_CONFIG, lambda w, p: make_gptq(*w.shape, CHECKPOINT_GROUP, prefix=p, weight=w), "gptq:4bit-g32"),
+    "gptq-v2-act-order": (
+        {**GPTQ_CONFIG, "desc_act": True, "checkpoint_format": "gptq_v2"},
+        lambda w, p: make_gptq(*w.shape, CHECKPOINT_GROUP, v1=False, act_order=True, prefix=p, weight=w),
+        "gptq:4bit-g32-act-order"),
+    "compressed-tensors-fp8": (compressed_tensors_config("channel", "dynamic"),
+                               lambda w, p: make_fp8(*w.shape, prefix=p, weight=w),
+                               "compressed-tensors:fp8-channel"),
+    "compressed-tensors-fp8-static": (
+        compressed_tensors_config("tensor", "static"),
+        lambda w, p: make_fp8(*w.shape, per_channel=False, input_scale=0.02, prefix=p, weight=w),
+        "compressed-tensors:fp8-tensor"),
+    "fbgemm_fp8": (FBGEMM_CONFIG, lambda w, p: make_fp8(*w.shape, prefix=p, weight=w), "fbgemm_fp8:fp8-channel"),
+}
+
+
+def write_checkpoints(plain_dir, root, config: dict, quantize) -> tuple:
+    """(quantized dir, dense dir with the reference's dequantized weights, name -> dequantized weight)."""
+    quantized_dir, dense_dir = root / "quantized", root / "dense"
+    shutil.copytree(plain_dir, quantized_dir)
+    shutil.copytree(plain_dir, dense_dir)
+    tensors = load_file(plain_dir / "model.safetensors")
+    quantized, dense, expected = dict(tensors), dict(tensors), {}
+    for name in sorted(tensors):
+        if CHECKPOINT_LINEAR.fullmatch(name):
+            packed, dequantized = quantize(tensors[name], name.removesuffix(".weight"))
+            del quantized[name]
+            quantized.update(packed)
+            dense[name] = expected[name] = dequantized
+            assert not torch.equal(dequantized, tensors[name])  # the quantization changed the weight
+    save_file(quantized, quantized_dir / "model.safetensors")
+    save_file(dense, dense_dir / "model.safetensors")
+    raw = json.loads((quantized_dir / "config.json").read_text())
+    raw["quantization_config"] = config
+    (quantized_dir / "config.json").write_text(json.dumps(raw))
+    return quantized_dir, dense_dir, expected
+
+
+# the formats whose whole model the CUDA path runs on packed weights with transformers' greedy
+# tokens (on the dequantized weights): the 4-bit ones and weights-only fp8
+KERNEL_CHECKPOINT_FORMATS = {
+    "awq": CHECKPOINT_FORMATS["awq"],
+    "gptq-v2-act-order": CHECKPOINT_FORMATS["gptq-v2-act-order"],
+    "compressed-tensors-fp8-weights-only": (compressed_tensors_config("channel", None),
+                                            CHECKPOINT_FORMATS["compressed-tensors-fp8"][1], "compressed-tensors:fp8-channel"),
+    # act-order with another input order in every projection: q, k and v (gate and up) cannot share
+    # one g_idx, so the model dequantizes those fused products and keeps o and down packed
+    "gptq-act-order-per-projection": (
+        {**GPTQ_CONFIG, "desc_act": True},
+        lambda w, p: make_gptq(*w.shape, CHECKPOINT_GROUP, act_order=True, seed=sum(map(ord, p)), prefix=p, weight=w),
+        "gptq:4bit-g32-act-order"),
+}

@@ -3,8 +3,10 @@ checks of tests/workers/test_triton_quant.py (which runs them in Triton's interp
 same small shapes and at one Llama-sized shape, the FP8 dispatch both ways (torch._scaled_mm on
 sm_89+, the Triton FP8 GEMM everywhere), loading onto CUDA, and capture in a CUDA graph.
 
-Skips as a whole without a CUDA device. Written on a machine without a GPU: it has not run
-on one yet. Run it in its own process (nothing may have flipped triton to the interpreter):
+Also the loader's CUDA path on tiny checkpoints of every format: linears kept packed, greedy
+tokens (Triton attention, decode graphs) equal to the same packed weights on CPU times
+reference_quant_linear. Passed on an H200 (2026-11-27, docs/gpu.md). Skips as a whole without a
+CUDA device. Run it in its own process (nothing may have flipped triton to the interpreter):
 
     pytest tests/gpu/test_gpu_quant.py -m gpu -ra
 """
@@ -170,3 +172,59 @@ def test_moe_mxfp4_gemm(num_tokens, top_k, dtype):
     reference = routing.double().to(DEVICE)[:, None] * (
         torch.einsum("pnk,pk->pn", dense, rows.double()) + bias.to(dtype).double().to(DEVICE)[flat.to(DEVICE)])
     assert_near(out, reference, dtype)
+
+
+def reference_quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """quant_linear's arithmetic in torch on CPU: activations quantized to e4m3 as the fp8 path
+    does (per token, or by the static scale), times the dequantized weight, plus the bias."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if isinstance(weight, qf.Fp8Weight) and weight.activations is not None:
+        static = weight.input_scale if weight.activations == "static_tensor" else None
+        q, scale = tq.quantize_fp8_reference(rows, weight.activation_scale_ub, static_scale=static)
+        rows = q.float() * scale[:, None]
+    out = rows @ qf.dequantize(weight).t()
+    if getattr(weight, "bias", None) is not None:
+        out = out + weight.bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+@pytest.mark.parametrize("format_name", sorted(qc.CHECKPOINT_FORMATS) + ["compressed-tensors-fp8-weights-only"])
+def test_quantized_checkpoint_loads_packed_on_cuda_and_decodes_as_the_reference(tmp_path, format_name):
+    """A tiny quantized llama checkpoint through the real loader on CUDA (fp32): its linears stay
+    packed (/v1/models says "Triton kernels"), and greedy tokens with Triton attention, the quant
+    kernels and decode steps replayed from CUDA graphs equal those of the same packed weights on
+    CPU multiplied by reference_quant_linear (w8a8 formats quantize activations in both)."""
+    from kernel_cases import greedy_generate
+    from tiny_model import build_tiny_model_dir
+
+    from workers.config import ModelConfig
+    from workers.kernels import get_attention_backend
+    from workers.layer_ops import TorchOps
+    from workers.linear import TorchLinear
+    from workers.loader import read_safetensors
+    from workers.model import PagedLlamaModel
+    from workers.model_runner import ModelRunner, RunnerConfig
+    from workers.quant_checkpoint import pack_checkpoint
+
+    formats = qc.CHECKPOINT_FORMATS | qc.KERNEL_CHECKPOINT_FORMATS
+    config, quantize, label = formats[format_name]
+    plain_dir = build_tiny_model_dir(tmp_path / "plain", "llama", seed=3)
+    quantized_dir, _, _ = qc.write_checkpoints(plain_dir, tmp_path, config, quantize)
+    settings = dict(model=str(quantized_dir), dtype="float32", block_size=16, num_blocks=256)
+    cuda_runner = ModelRunner(RunnerConfig(**settings, device=DEVICE, attention_backend="triton",
+                                           cuda_graph_batch_sizes=(1, 2, 4)))
+    assert cuda_runner.model_info.quantization == f"{label} (Triton kernels)"
+    assert cuda_runner.model_info.cuda_graph_batch_sizes == (1, 2, 4)
+    assert isinstance(cuda_runner.model.layers[0].o, (qf.Int4Weight, qf.Fp8Weight))
+
+    cpu_runner = ModelRunner(RunnerConfig(**settings, attention_backend="torch", linear_backend="torch",
+                                          layer_ops="torch"))
+    model_config = ModelConfig.from_model_dir(quantized_dir)
+    tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(quantized_dir, None), torch.float32, "cpu")
+    cpu_runner.model = PagedLlamaModel.from_hf_weights(  # the CUDA worker's model, on CPU tensors
+        model_config, tensors, "cpu", get_attention_backend("torch"), cpu_runner.max_model_len,
+        linear=TorchLinear(quant_linear=reference_quant_linear), ops=TorchOps())
+
+    prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(length)] for i, length in enumerate((5, 18, 40))]
+    expected = greedy_generate(cpu_runner, prompts, max_tokens=12, chunk_size=16)
+    assert greedy_generate(cuda_runner, prompts, max_tokens=12, chunk_size=16) == expected

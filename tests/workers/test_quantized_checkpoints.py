@@ -22,10 +22,8 @@ holds the reference's dequantized weights. Then:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
-import shutil
 import sys
 
 import pytest
@@ -47,59 +45,16 @@ from workers.model import PagedLlamaModel
 from workers.quant_checkpoint import pack_checkpoint
 from workers.quant_formats import Fp8Weight, Int4Weight
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
-GROUP = 32
-
-# format -> (quantization_config, (weight, prefix) -> (checkpoint tensors, dequantized weight), /v1/models label)
-FORMATS = {
-    "awq": (qc.AWQ_CONFIG, lambda w, p: qc.make_awq(*w.shape, GROUP, prefix=p, weight=w), "awq:4bit-g32"),
-    "gptq": (qc.GPTQ_CONFIG, lambda w, p: qc.make_gptq(*w.shape, GROUP, prefix=p, weight=w), "gptq:4bit-g32"),
-    "gptq-v2-act-order": (
-        {**qc.GPTQ_CONFIG, "desc_act": True, "checkpoint_format": "gptq_v2"},
-        lambda w, p: qc.make_gptq(*w.shape, GROUP, v1=False, act_order=True, prefix=p, weight=w),
-        "gptq:4bit-g32-act-order"),
-    "compressed-tensors-fp8": (qc.compressed_tensors_config("channel", "dynamic"),
-                               lambda w, p: qc.make_fp8(*w.shape, prefix=p, weight=w),
-                               "compressed-tensors:fp8-channel"),
-    "compressed-tensors-fp8-static": (
-        qc.compressed_tensors_config("tensor", "static"),
-        lambda w, p: qc.make_fp8(*w.shape, per_channel=False, input_scale=0.02, prefix=p, weight=w),
-        "compressed-tensors:fp8-tensor"),
-    "fbgemm_fp8": (qc.FBGEMM_CONFIG, lambda w, p: qc.make_fp8(*w.shape, prefix=p, weight=w), "fbgemm_fp8:fp8-channel"),
-}
-
 
 @pytest.fixture(scope="module")
 def plain_dir(tmp_path_factory):
     return build_tiny_model_dir(tmp_path_factory.mktemp("plain") / "llama", "llama", seed=3)
 
 
-def write_checkpoints(plain_dir, root, config: dict, quantize) -> tuple:
-    """(quantized dir, dense dir with the reference's dequantized weights, name -> dequantized weight)."""
-    quantized_dir, dense_dir = root / "quantized", root / "dense"
-    shutil.copytree(plain_dir, quantized_dir)
-    shutil.copytree(plain_dir, dense_dir)
-    tensors = load_file(plain_dir / "model.safetensors")
-    quantized, dense, expected = dict(tensors), dict(tensors), {}
-    for name in sorted(tensors):
-        if LINEAR.fullmatch(name):
-            packed, dequantized = quantize(tensors[name], name.removesuffix(".weight"))
-            del quantized[name]
-            quantized.update(packed)
-            dense[name] = expected[name] = dequantized
-            assert not torch.equal(dequantized, tensors[name])  # the quantization changed the weight
-    save_file(quantized, quantized_dir / "model.safetensors")
-    save_file(dense, dense_dir / "model.safetensors")
-    raw = json.loads((quantized_dir / "config.json").read_text())
-    raw["quantization_config"] = config
-    (quantized_dir / "config.json").write_text(json.dumps(raw))
-    return quantized_dir, dense_dir, expected
-
-
-@pytest.fixture(scope="module", params=sorted(FORMATS))
+@pytest.fixture(scope="module", params=sorted(qc.CHECKPOINT_FORMATS))
 def checkpoint(request, plain_dir, tmp_path_factory):
-    config, quantize, label = FORMATS[request.param]
-    return (*write_checkpoints(plain_dir, tmp_path_factory.mktemp(request.param), config, quantize), label)
+    config, quantize, label = qc.CHECKPOINT_FORMATS[request.param]
+    return (*qc.write_checkpoints(plain_dir, tmp_path_factory.mktemp(request.param), config, quantize), label)
 
 
 def layer_weights(model, index: int) -> dict[str, torch.Tensor]:
@@ -169,8 +124,8 @@ def rewrite(model_dir, change) -> None:
      "model.layers.0.mlp.up_proj: fp8 weight_scale has 5 values for 128 output rows"),
 ])
 def test_missing_or_misshapen_tensors_fail_in_one_line(plain_dir, tmp_path, format_name, change, words):
-    config, quantize, _ = FORMATS[format_name]
-    quantized_dir, _, _ = write_checkpoints(plain_dir, tmp_path, config, quantize)
+    config, quantize, _ = qc.CHECKPOINT_FORMATS[format_name]
+    quantized_dir, _, _ = qc.write_checkpoints(plain_dir, tmp_path, config, quantize)
     rewrite(quantized_dir, change)
     with pytest.raises(ModelPathError) as error:
         load_model(quantized_dir, torch.float32, "cpu", attention_backend="torch")
@@ -180,8 +135,8 @@ def test_missing_or_misshapen_tensors_fail_in_one_line(plain_dir, tmp_path, form
 
 def test_a_layer_whose_dequantized_shape_does_not_fit_names_the_weight(plain_dir, tmp_path):
     """A self-consistent but wrongly sized layer (fp8 weight of another width) is caught by the model."""
-    config, quantize, _ = FORMATS["fbgemm_fp8"]
-    quantized_dir, _, _ = write_checkpoints(plain_dir, tmp_path, config, quantize)
+    config, quantize, _ = qc.CHECKPOINT_FORMATS["fbgemm_fp8"]
+    quantized_dir, _, _ = qc.write_checkpoints(plain_dir, tmp_path, config, quantize)
     name = "model.layers.1.self_attn.v_proj"
     rewrite(quantized_dir, lambda t: t.update({f"{name}.weight": t[f"{name}.weight"][:16].contiguous(),
                                                f"{name}.weight_scale": t[f"{name}.weight_scale"][:16].contiguous()}))
@@ -207,24 +162,10 @@ def interpreted_quant_linear():
     return module.quant_linear
 
 
-KERNEL_FORMATS = {
-    "awq": FORMATS["awq"],
-    "gptq-v2-act-order": FORMATS["gptq-v2-act-order"],
-    "compressed-tensors-fp8-weights-only": (qc.compressed_tensors_config("channel", None),
-                                            FORMATS["compressed-tensors-fp8"][1], "compressed-tensors:fp8-channel"),
-    # act-order with another input order in every projection: q, k and v (gate and up) cannot share
-    # one g_idx, so the model dequantizes those fused products and keeps o and down packed
-    "gptq-act-order-per-projection": (
-        {**qc.GPTQ_CONFIG, "desc_act": True},
-        lambda w, p: qc.make_gptq(*w.shape, GROUP, act_order=True, seed=sum(map(ord, p)), prefix=p, weight=w),
-        "gptq:4bit-g32-act-order"),
-}
-
-
-@pytest.mark.parametrize("format_name", sorted(KERNEL_FORMATS))
+@pytest.mark.parametrize("format_name", sorted(qc.KERNEL_CHECKPOINT_FORMATS))
 def test_kernel_path_in_the_interpreter_equals_transformers(plain_dir, tmp_path, format_name, interpreted_quant_linear):
-    config, quantize, _ = KERNEL_FORMATS[format_name]
-    quantized_dir, dense_dir, _ = write_checkpoints(plain_dir, tmp_path, config, quantize)
+    config, quantize, _ = qc.KERNEL_CHECKPOINT_FORMATS[format_name]
+    quantized_dir, dense_dir, _ = qc.write_checkpoints(plain_dir, tmp_path, config, quantize)
     runner = make_runner(quantized_dir, linear_backend="torch", layer_ops="torch")
     model_config = ModelConfig.from_model_dir(quantized_dir)
     tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(quantized_dir, None), torch.float32, "cpu")
@@ -252,14 +193,14 @@ def test_concat_outputs_stacks_in_the_format_or_declines():
         raw = {role.rstrip("?"): tensors.get(name) for role, name in spec.tensor_names("layer").items()}
         return to_kernel_form(spec, {**raw, "bias": None}, "cpu", torch.float32)
 
-    awq = [kernel_form(qc.AWQ_CONFIG, qc.make_awq(n, 64, GROUP, seed=n)[0]) for n in (16, 8, 24)]
+    awq = [kernel_form(qc.AWQ_CONFIG, qc.make_awq(n, 64, qc.CHECKPOINT_GROUP, seed=n)[0]) for n in (16, 8, 24)]
     fused = concat_outputs(awq)
     assert fused.shape == (48, 64) and torch.equal(dequantize(fused), torch.cat([dequantize(w) for w in awq]))
     fp8 = [kernel_form(qc.compressed_tensors_config("tensor", None), qc.make_fp8(n, 64, per_channel=False, seed=n)[0])
            for n in (16, 8)]
     assert torch.equal(dequantize(concat_outputs(fp8)), torch.cat([dequantize(w) for w in fp8]))  # scales expanded
     act_order = {**qc.GPTQ_CONFIG, "desc_act": True}
-    orders = [kernel_form(act_order, qc.make_gptq(8, 64, GROUP, act_order=True, seed=seed)[0]) for seed in (1, 2)]
+    orders = [kernel_form(act_order, qc.make_gptq(8, 64, qc.CHECKPOINT_GROUP, act_order=True, seed=seed)[0]) for seed in (1, 2)]
     assert concat_outputs(orders) is None  # different g_idx: the model dequantizes such a product
     static = [kernel_form(qc.compressed_tensors_config("tensor", "static"),
                           qc.make_fp8(8, 64, per_channel=False, input_scale=scale)[0]) for scale in (0.01, 0.02)]
