@@ -4,9 +4,11 @@
     python -m bench.bench_quant_gpu --batches 1,16,64,256 --formats awq,fp8 --iters 100
 
 Random weights in each format's kernel-ready form (workers/quant_formats.py), built on the
-device; workers/kernels/triton_quant.quant_linear multiplies. Per (format, batch, shape): the
-median of --iters timed calls (CUDA events), each call on the next of enough weight copies to
-exceed L2 (so the weight streams from HBM, as in a real step, not from cache). Printed: time
+device; workers/kernels/triton_quant.quant_linear multiplies. Per (format, batch, shape): at
+least --iters calls captured in one CUDA graph, each call on the next of enough weight copies
+to exceed L2 (so the weight streams from HBM, as in a real step, not from cache); the graph's
+replay time over its calls, median of 5 replays. The GPU's time only, as in a decode step
+replayed from a graph: timing one eager call at a time adds the host's launch cost. Printed: time
 in microseconds, the ratio to bf16 F.linear measured in the same run, and the max error of
 the output against x @ dequantize(W).T relative to its largest value (a sanity column).
 
@@ -39,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64", help="rows per call, comma separated")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma separated, of {FORMATS}")
-    parser.add_argument("--iters", type=int, default=50, help="timed calls per cell (the median is printed)")
+    parser.add_argument("--iters", type=int, default=50, help="calls per cell in the timed CUDA graph")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -103,20 +105,34 @@ def _call(fmt: str, tq, x: torch.Tensor, weight) -> torch.Tensor:
     return tq.quant_linear(x, weight)
 
 
-def time_cell(fmt: str, tq, x: torch.Tensor, weights: list, iters: int) -> float:
-    """Median microseconds of one call, cycling through the weight copies."""
+def graph_time_us(call, weights: list, *, min_calls: int = 24, replays: int = 5) -> float:
+    """Median microseconds of call(weight), from a CUDA graph of calls cycling through the weight
+    copies: the GPU's time alone, as a decode step replayed from a graph spends it (timed eagerly,
+    one call at a time, the host's launch cost of 20-100 us would hide the kernels)."""
     for weight in weights[:2]:
-        _call(fmt, tq, x, weight)  # compile and warm up
+        call(weight)  # compile and warm up
     torch.cuda.synchronize()
+    rounds = -(-min_calls // len(weights))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for weight in weights:
+                call(weight)
+    graph.replay()
     times = []
-    for i in range(iters):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _call(fmt, tq, x, weights[i % len(weights)])
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+        times.append(start.elapsed_time(end) * 1000 / (rounds * len(weights)))
+    del graph
     return statistics.median(times)
+
+
+def time_cell(fmt: str, tq, x: torch.Tensor, weights: list, iters: int) -> float:
+    return graph_time_us(lambda weight: _call(fmt, tq, x, weight), weights, min_calls=iters)
 
 
 def max_rel_error(fmt: str, tq, x: torch.Tensor, weight) -> float:
@@ -130,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
 
     device = torch.device(args.device)
     print(f"{torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}),"
-          f" torch {torch.__version__}; median of {args.iters} calls; x bf16; weights streamed from HBM")
+          f" torch {torch.__version__}; {args.iters}+ calls replayed from a CUDA graph; x bf16;"
+          " weights streamed from HBM")
     print(f"{'shape':20s} | {'batch':>5s} | {'format':13s} | {'MB':>6s} | {'us':>8s} | {'vs bf16':>7s} | max rel err")
     per_layer: dict[tuple[str, int], float] = {}
     for name, n, k, repeats in LLAMA_8B_SHAPES:
