@@ -44,3 +44,20 @@ def test_main_refuses_without_cuda():
         pytest.skip("a CUDA device is present")
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bench.main(["--batches", "1"])
+
+
+def test_tune_arguments_and_candidates():
+    from bench import tune_quant_gpu as tune
+    from workers.kernels.triton_quant import Tiles
+
+    args = tune.parse_args(["--kernels", "awq,fp8-w8a8", "--batches", "1,64"])
+    assert args.kernels == ["awq", "fp8-w8a8"] and args.batches == [1, 64]
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--kernels", "int3"])
+    for kernel in tune.KERNELS:
+        for batch in (1, 64):
+            tiles = [Tiles(*t) for t in tune.candidates(kernel, batch)]
+            assert len(set(tiles)) == len(tiles) and all(t.block_n % 8 == 0 and t.block_k % 32 == 0 for t in tiles)
+            assert {t.block_m for t in tiles} == {16 if batch == 1 else 64}
+            assert any(t.packed_loads for t in tiles) == (kernel in tune.PACKED_KERNELS)
+        assert tune.weight_format(kernel) in bench.FORMATS

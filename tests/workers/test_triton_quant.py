@@ -54,6 +54,10 @@ NOT_IN_PROCESS_REASON = (
 )
 N = 40
 TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K)
+# the 4-bit and MXFP4 GEMMs' two ways to read packed weights (triton_quant.Tiles: ..., num_warps,
+# num_stages, packed_loads): a load per weight, or each word (byte) once and unpacked in registers,
+# with K tiles of one group (32) and of two (64: act-order, groups of 32, and MXFP4's scale pairs)
+INT4_TILES = {"per-weight": TILES, "packed-32": (16, 16, 32, 4, 3, True), "packed-64": (16, 16, 64, 4, 3, True)}
 MS = (1, 16, 33)
 REL_TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # of the largest |result|
 
@@ -75,6 +79,11 @@ def test_quant_kernels_in_interpreter_subprocess():
     if IN_PROCESS:
         pytest.skip("the interpreter runs in this process: the tests below ran here")
     run_file_in_interpreter(__file__)
+
+
+@pytest.fixture(params=sorted(INT4_TILES))
+def tiles(request):
+    return INT4_TILES[request.param]
 
 
 @pytest.fixture
@@ -268,36 +277,36 @@ def _int4_case(layout: str, k: int, group_size: int, **kwargs):
 
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("layout", ["awq", "gptq"])
-def test_int4_gemm_fp16(tq, layout, m):
+def test_int4_gemm_fp16(tq, layout, m, tiles):
     """Group 32 = BLOCK_K: the one-group-per-tile path (integer dot, scale after)."""
     config, (tensors, expected) = _int4_case(layout, 96, 32, seed=m)
     weight = kernel_weight(config, tensors, torch.float16)
     x = x_for(m, 96, torch.float16, seed=m)
-    out = tq.int4_gemm(x, weight, blocks=TILES)
+    out = tq.int4_gemm(x, weight, blocks=tiles)
     assert out.shape == (m, N) and out.dtype == torch.float16
     assert_near(out, x.double() @ expected.double().t(), torch.float16)
 
 
 @pytest.mark.parametrize("layout", ["awq", "gptq"])
-def test_int4_gemm_groups_smaller_than_a_tile_fp32_with_bias(tq, layout):
+def test_int4_gemm_groups_smaller_than_a_tile_fp32_with_bias(tq, layout, tiles):
     """Group 16 < BLOCK_K 32: each weight scaled before the dot; plus a bias; K = 80 leaves a masked tail."""
     config, (tensors, expected) = _int4_case(layout, 80, 16, seed=3)
     tensors["layer.bias"] = torch.randn(N)
     weight = kernel_weight(config, tensors, torch.float32)
     x = x_for(33, 80, torch.float32)
-    out = tq.int4_gemm(x, weight, blocks=TILES)
+    out = tq.int4_gemm(x, weight, blocks=tiles)
     assert_near(out, x.double() @ expected.double().t() + tensors["layer.bias"].double(), torch.float32)
 
 
 @pytest.mark.parametrize("m", [1, 33])
-def test_gptq_act_order_and_v2_and_per_channel(tq, m):
+def test_gptq_act_order_and_v2_and_per_channel(tq, m, tiles):
     for config, (tensors, expected) in (
             _int4_case("gptq", 96, 32, act_order=True, seed=m),
             (qc.GPTQ_CONFIG | {"checkpoint_format": "gptq_v2"}, qc.make_gptq(N, 96, 32, v1=False, seed=m)),
             (qc.GPTQ_CONFIG | {"group_size": -1}, qc.make_gptq(N, 96, 96, seed=m))):
         weight = kernel_weight(config, tensors, torch.float16)
         x = x_for(m, 96, torch.float16, seed=m)
-        assert_near(tq.int4_gemm(x, weight, blocks=TILES), x.double() @ expected.double().t(), torch.float16)
+        assert_near(tq.int4_gemm(x, weight, blocks=tiles), x.double() @ expected.double().t(), torch.float16)
     assert weight.group_size == 96 and weight.g_idx is None
 
 
@@ -312,7 +321,7 @@ def test_int4_gemm_bf16_and_default_tiles(tq, bf16_interpreter):
 
 @pytest.mark.parametrize("split_k", [2, 3])
 @pytest.mark.parametrize("case", ["awq", "gptq-act-order", "mxfp4"])
-def test_split_k_adds_partial_tiles_once_each(tq, case, split_k):
+def test_split_k_adds_partial_tiles_once_each(tq, case, split_k, tiles):
     """Split-K (decode batches on CUDA): programs share an output tile, each taking every
     split_k-th K tile, adding into fp32; the bias is added once. K = 160: 5 tiles of 32, so the
     splits get unequal shares (3 of them one tile fewer, or 2 none at all...)."""
@@ -331,11 +340,11 @@ def test_split_k_adds_partial_tiles_once_each(tq, case, split_k):
         weight = kernel_weight(config, tensors, torch.float16)
         run = tq.int4_gemm
     x = x_for(m, k, torch.float16, seed=split_k)
-    out = run(x, weight, blocks=TILES, split_k=split_k)
+    out = run(x, weight, blocks=tiles, split_k=split_k)
     assert out.dtype == torch.float16 and out.shape == (m, N)
     reference = x.double() @ expected.double().t() + bias.half().double()
     assert_near(out, reference, torch.float16)
-    assert_near(run(x, weight, blocks=TILES, split_k=1), reference, torch.float16)
+    assert_near(run(x, weight, blocks=tiles, split_k=1), reference, torch.float16)
 
 
 def test_split_k_choice():
@@ -357,16 +366,16 @@ def test_split_k_choice():
 
 
 @pytest.mark.parametrize("m", MS)
-def test_mxfp4_gemm_fp16(tq, m):
+def test_mxfp4_gemm_fp16(tq, m, tiles):
     tensors, expected = qc.make_mxfp4(N, 96, seed=m)
     weight = kernel_weight(qc.MXFP4_CONFIG, tensors)
     x = x_for(m, 96, torch.float16, seed=m)
-    out = tq.mxfp4_gemm(x, weight, blocks=TILES)
+    out = tq.mxfp4_gemm(x, weight, blocks=tiles)
     assert out.dtype == torch.float16
     assert_near(out, x.double() @ expected.double().t(), torch.float16)
 
 
-def test_mxfp4_gemm_every_code_and_extreme_scales(tq):
+def test_mxfp4_gemm_every_code_and_extreme_scales(tq, tiles):
     """All 16 e2m1 codes and scale bytes 1 (2 ** -126), 100, 126..128, 130 and 250, in fp32 (exact
     products): the decode is exact, bit for bit against the torch dequantize. (Byte 0, 2 ** -127,
     is a subnormal that a GPU may flush to zero; byte 255 is E8M0's NaN: neither is checked.)"""
@@ -375,7 +384,7 @@ def test_mxfp4_gemm_every_code_and_extreme_scales(tq):
     scales = torch.tensor([1, 100, 126, 127, 128, 250, 120, 130], dtype=torch.uint8)[:, None].repeat(1, 4)
     weight = qf.Mxfp4Weight(blocks.contiguous(), scales.contiguous(), None)
     eye = torch.eye(128)
-    out = tq.mxfp4_gemm(eye, weight, blocks=TILES)  # row k of the result = column k of W
+    out = tq.mxfp4_gemm(eye, weight, blocks=tiles)  # row k of the result = column k of W
     assert torch.equal(out.t(), qf.dequantize(weight))
 
 
@@ -544,4 +553,4 @@ def test_quant_kernels_compile_for_cuda_targets():
     if child.returncode == 2:
         pytest.skip(child.stdout.strip())
     assert child.returncode == 0, f"{child.stdout}\n{child.stderr[-3000:]}"
-    assert child.stdout.count("ok   sm_") == 40, child.stdout
+    assert child.stdout.count("ok   sm_") == 52, child.stdout

@@ -9,7 +9,9 @@ Kernels, each program one (BLOCK_M, BLOCK_N) tile of y, fp32 accumulation over K
   _int4_gemm_kernel (AWQ, GPTQ)   w[k, n] = (q[k, n] - z[g, n] - ZERO_OFFSET) * s[g, n], read per tile
       from the packed int32 words (AWQ: 8 output columns a word, nibble (j % 2) * 4 + j // 2 for
       column j of 8; GPTQ: 8 input rows a word, nibble k % 8; zeros: AWQ's order / sequential).
-      g = k // GROUP_SIZE, or g_idx[k] for act-order GPTQ. When a K tile lies inside one group
+      g = k // GROUP_SIZE, or g_idx[k] for act-order GPTQ. With PACKED_LOADS each word is loaded
+      once and its 8 nibbles unpacked in registers (a [.., 8, ..] tile reshaped); otherwise each
+      weight loads its word (8 loads of one word, which Triton stages through shared memory). When a K tile lies inside one group
       (GROUP_SIZE % BLOCK_K == 0, no g_idx) the tile's dot runs on the integers q - z (exact in
       fp16/bf16) and the group's scale multiplies the partial sum in fp32; otherwise each weight
       is scaled in fp32 before the dot.
@@ -28,16 +30,19 @@ quantized by _quantize_fp8_kernel and multiplied by torch._scaled_mm (row-wise s
 _fp8_gemm_kernel multiplies, after _quantize_fp8_kernel on sm_89+ or torch's quantizer below it
 (Triton has no fp32 -> e4m3 cast before sm_89).
 
-Tile sizes are fixed by _choose_blocks (16 rows for decodes, 64 beyond), not tuned on a GPU.
+Tile sizes: _choose_blocks, measured on an H200 (bench/tune_quant_gpu.py).
 Split-K (the 4-bit and MXFP4 GEMMs): a decode's few output tiles (1024 / 64 = 16 for a k/v
 projection) would leave most SMs idle, so up to 16 rows several programs share one tile, each
 taking every SPLIT_K-th K tile, and add into an fp32 output atomically (then cast to x's
-dtype); _choose_split_k aims at twice the SM count. Untimed so far: bench/bench_quant_gpu.py
-times it against split-K 1 (the "-nosplit" formats).
+dtype); _choose_split_k aims at twice the SM count. On an H200 it makes a Llama-3.1-8B layer
+at batch 1 2.9x (AWQ) and 2.4x (MXFP4) faster than split-K 1 (bench/bench_quant_gpu.py's
+"-nosplit" formats).
 Nothing reads a tensor on the host, so every entry can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +94,7 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACKED_LOADS: tl.constexpr,  # load each packed word once and unpack its 8 nibbles in registers
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,6 +105,9 @@ def _int4_gemm_kernel(
     m_valid = offs_m < M
     n_valid = offs_n < N
     packed_n = N // 8
+    nibbles = tl.arange(0, 8)
+    word_cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # PACKED_LOADS, AWQ: words along N
+    word_rows = tl.arange(0, BLOCK_K // 8)  # PACKED_LOADS, GPTQ: words along K
     j = offs_n % 8
     if AWQ:
         zero_shift = ((j % 2) * 4 + j // 2) * 4  # AWQ packs columns 0 2 4 6 1 3 5 7 into nibbles 0..7
@@ -112,7 +121,17 @@ def _int4_gemm_kernel(
         w_mask = k_valid[:, None] & n_valid[None, :]
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
                     other=0.0)
-        if AWQ:
+        if PACKED_LOADS and AWQ:  # [BLOCK_K, BLOCK_N / 8] words -> [BLOCK_K, BLOCK_N / 8, 8] -> [BLOCK_K, BLOCK_N]
+            words = tl.load(qweight_ptr + ks[:, None] * packed_n + word_cols[None, :],
+                            mask=k_valid[:, None] & (word_cols < packed_n)[None, :], other=0)
+            awq_shift = ((nibbles % 2) * 4 + nibbles // 2) * 4
+            q = tl.reshape((words[:, :, None] >> awq_shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
+        elif PACKED_LOADS:  # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]
+            rows = k_start // 8 + word_rows
+            words = tl.load(qweight_ptr + rows[:, None] * N + offs_n[None, :],
+                            mask=(rows < K // 8)[:, None] & n_valid[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> (nibbles * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        elif AWQ:
             words = tl.load(qweight_ptr + ks[:, None] * packed_n + (offs_n // 8)[None, :], mask=w_mask, other=0)
             q = (words >> zero_shift[None, :]) & 0xF
         else:
@@ -138,21 +157,51 @@ def _int4_gemm_kernel(
 
 
 @triton.jit
+def _e2m1_values(nibble):
+    """e2m1 nibbles (int32) -> their fp32 values, with integer ops (exact)."""
+    exponent = (nibble >> 1) & 3
+    mantissa = nibble & 1
+    normal = ((exponent + 126) << 23) | (mantissa << 22)  # 2 ** (e - 1) * (1 + m / 2) as fp32 bits
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
+    return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _e8m0_values(scale_byte):
+    """e8m0 bytes (int32) -> 2 ** (byte - 127) in fp32."""
+    return tl.where(scale_byte == 0, 5.877471754111438e-39,  # 2 ** -127 (a subnormal: no exponent field)
+                    (scale_byte << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _mxfp4_tile(blocks_ptr, scales_ptr, rows, ks, K, mask):
     """The [BLOCK_K, BLOCK_N] fp32 tile W[rows, ks].T of an MXFP4 weight (blocks [.., K / 2], scales
     [.., K / 32] uint8, rows the output rows counted from the pointers), decoded with integer ops."""
     byte = tl.load(blocks_ptr + rows[None, :] * (K // 2) + (ks // 2)[:, None], mask=mask, other=0)
     nibble = (byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
-    exponent = (nibble >> 1) & 3
-    mantissa = nibble & 1
-    normal = ((exponent + 126) << 23) | (mantissa << 22)  # 2 ** (e - 1) * (1 + m / 2) as fp32 bits
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
-    value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
     scale_byte = tl.load(scales_ptr + rows[None, :] * (K // 32) + (ks // 32)[:, None], mask=mask,
                          other=127).to(tl.int32)
-    scale = tl.where(scale_byte == 0, 5.877471754111438e-39,  # 2 ** -127 (a subnormal: no exponent field)
-                     (scale_byte << 23).to(tl.float32, bitcast=True))
-    return value * scale
+    return _e2m1_values(nibble) * _e8m0_values(scale_byte)
+
+
+@triton.jit
+def _mxfp4_tile_packed(blocks_ptr, scales_ptr, rows, k_start, K, n_valid, BLOCK_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """_mxfp4_tile with each byte and scale loaded once: [BLOCK_K / 2, BLOCK_N] bytes unpacked to
+    [BLOCK_K / 2, 2, BLOCK_N] nibbles, one scale per 32 of them broadcast the same way."""
+    pairs = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(blocks_ptr + rows[None, :] * (K // 2) + pairs[:, None],
+                   mask=(pairs < K // 2)[:, None] & n_valid[None, :], other=0).to(tl.int32)
+    nibble = (byte[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
+    values = tl.reshape(_e2m1_values(nibble), (BLOCK_K, BLOCK_N))
+    if BLOCK_K <= 32:  # one scale per row of the tile
+        scale_byte = tl.load(scales_ptr + rows * (K // 32) + k_start // 32, mask=n_valid, other=127).to(tl.int32)
+        return values * _e8m0_values(scale_byte)[None, :]
+    groups = k_start // 32 + tl.arange(0, BLOCK_K // 32)
+    scale_byte = tl.load(scales_ptr + rows[None, :] * (K // 32) + groups[:, None],
+                         mask=(groups < K // 32)[:, None] & n_valid[None, :], other=127).to(tl.int32)
+    scales = tl.broadcast_to(_e8m0_values(scale_byte)[:, None, :], (BLOCK_K // 32, 32, BLOCK_N))
+    return values * tl.reshape(scales, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -171,6 +220,7 @@ def _mxfp4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACKED_LOADS: tl.constexpr,  # _mxfp4_tile_packed (each byte loaded once), else _mxfp4_tile
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -187,7 +237,11 @@ def _mxfp4_gemm_kernel(
         w_mask = k_valid[:, None] & n_valid[None, :]
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
                     other=0.0)
-        w = _mxfp4_tile(blocks_ptr, scales_ptr, offs_n.to(tl.int64), ks, K, w_mask)
+        if PACKED_LOADS:
+            w = _mxfp4_tile_packed(blocks_ptr, scales_ptr, offs_n.to(tl.int64), k_start, K, n_valid, BLOCK_K,
+                                   BLOCK_N)
+        else:
+            w = _mxfp4_tile(blocks_ptr, scales_ptr, offs_n.to(tl.int64), ks, K, w_mask)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
     _write_tile(c_ptr, acc, bias_ptr, offs_m, offs_n, m_valid, n_valid, stride_cm, pid_k, HAS_BIAS, SPLIT_K)
 
@@ -336,12 +390,57 @@ def _fp8_gemm_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _choose_blocks(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows for decode-sized batches, else 64. Speed only."""
-    return (16 if m <= 16 else 64), 64, (32 if dtype == torch.float32 else 64)
+class Tiles(NamedTuple):
+    """A launch's tile sizes and Triton options; a plain (BLOCK_M, BLOCK_N, BLOCK_K) tuple takes the
+    defaults for the rest. Speed only: every choice computes the same products (bench/tune_quant_gpu.py
+    times them)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    packed_loads: bool = False  # the 4-bit and MXFP4 GEMMs: each packed word or byte loaded once
+
+
+def _tiles(blocks: Tiles | tuple | None, kind: str, m: int, n: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    return Tiles(*blocks) if blocks is not None else _choose_blocks(kind, m, n, dtype, device)
+
+
+def _choose_blocks(kind: str, m: int, n: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """Tiles for kind "int4" (AWQ, GPTQ), "mxfp4" or "fp8", measured on an H200 with Llama-3.1-8B's
+    projections at 1 and 64 rows (bench/tune_quant_gpu.py; docs/models.md has the numbers):
+    - up to 16 rows (split-K covers the SMs): the 4-bit and MXFP4 GEMMs take wide tiles (128 x
+      128, packed loads) on wide layers, 64 x 64 on narrow ones (a k/v projection's 1024 columns);
+      FP8 takes 32 columns a tile (the most programs: it has no split-K);
+    - beyond 16 rows: 64 columns a tile where those tiles alone fill the SMs (gate/up), else 32.
+    fp32 x keeps the first, untuned choice (16 or 64 rows, 64 x 32): fp32 dots are not what a
+    GPU deployment runs, and bigger fp32 tiles were not measured."""
+    rows = 16 if m <= 16 else 64
+    if dtype == torch.float32:
+        return Tiles(rows, 64, 32)
+    wide = triton.cdiv(m, rows) * triton.cdiv(n, 64) >= _num_sms(device)
+    if kind == "fp8":
+        return Tiles(rows, 64, 64) if wide else Tiles(rows, 32, 128)
+    if m <= 16:
+        if n < 4096:
+            return Tiles(16, 64, 64, packed_loads=True)
+        return Tiles(16, 128, 128, num_warps=8 if kind == "mxfp4" else 4, packed_loads=True)
+    if wide:
+        return Tiles(64, 64, 128, packed_loads=True)
+    return Tiles(64, 32, 128, num_warps=8, packed_loads=kind == "int4")
 
 
 _NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count (132 off CUDA: the interpreter's tests take an H100's choices)."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
 
 
 def _choose_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
@@ -350,10 +449,7 @@ def _choose_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: 
     rounded down to a power of two; elsewhere 1. Results differ only in fp32 summation order."""
     if m > 16 or device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    wanted = -(-2 * _NUM_SMS[index] // triton.cdiv(n, block_n))
+    wanted = -(-2 * _num_sms(device) // triton.cdiv(n, block_n))
     split = max(1, min(wanted, triton.cdiv(k, block_k) // 4))
     return 1 << (split.bit_length() - 1)  # a power of two: few compiled variants
 
@@ -376,7 +472,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, int] | None = None,
+def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: Tiles | tuple | None = None,
               split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (AWQ or GPTQ weights).
     split_k: programs per output tile (None: _choose_split_k)."""
@@ -389,13 +485,16 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, in
     assert weight.qzeros.shape == (num_groups, n // 8) and num_groups == -(-k // weight.group_size)
     if weight.g_idx is not None:
         assert weight.g_idx.dtype == torch.int32 and weight.g_idx.shape == (k,)
-    block_m, block_n, block_k = blocks or _choose_blocks(x.shape[0], x.dtype)
-    assert block_n % 8 == 0 and block_k % 8 == 0, "tiles hold whole packed words"
-    split_k = split_k or _choose_split_k(x.shape[0], n, k, block_n, block_k, x.device)
+    tiles = _tiles(blocks, "int4", x.shape[0], n, x.dtype, x.device)
+    group = weight.group_size
+    if blocks is None and weight.g_idx is None and group % tiles.block_k and group >= 32 and not group & (group - 1):
+        tiles = tiles._replace(block_k=group)  # groups of 32 or 64: K tiles inside one group (the integer dot)
+    assert tiles.block_n % 8 == 0 and tiles.block_k % 8 == 0, "tiles hold whole packed words"
+    split_k = split_k or _choose_split_k(x.shape[0], n, k, tiles.block_n, tiles.block_k, x.device)
     out = _output(x.shape[0], n, x, split_k)
     if x.shape[0] == 0:
         return out.to(x.dtype)
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n), split_k)
+    grid = (triton.cdiv(x.shape[0], tiles.block_m), triton.cdiv(n, tiles.block_n), split_k)
     _int4_gemm_kernel[grid](
         out, x, weight.qweight, weight.qzeros, weight.scales,
         weight.qweight if weight.g_idx is None else weight.g_idx,
@@ -403,12 +502,13 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, blocks: tuple[int, int, in
         x.shape[0], n, k, x.stride(0), out.stride(0),
         GROUP_SIZE=weight.group_size, ZERO_OFFSET=weight.zero_offset, AWQ=weight.layout == "awq",
         HAS_G_IDX=weight.g_idx is not None, HAS_BIAS=weight.bias is not None, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=_precision(x.dtype),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x.dtype),
+        PACKED_LOADS=tiles.packed_loads, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out.to(x.dtype)
 
 
-def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: tuple[int, int, int] | None = None,
+def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: Tiles | tuple | None = None,
                split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x's dtype (one [N, K] MXFP4 weight).
     split_k: programs per output tile (None: _choose_split_k)."""
@@ -417,17 +517,18 @@ def mxfp4_gemm(x: torch.Tensor, weight: Mxfp4Weight, *, blocks: tuple[int, int, 
     assert weight.blocks.dim() == 2, "a stack of experts: multiply by weight.expert(e)"
     assert weight.blocks.dtype == weight.scales.dtype == torch.uint8 and k % 32 == 0
     assert weight.scales.shape == (n, k // 32) and weight.blocks.is_contiguous() and weight.scales.is_contiguous()
-    block_m, block_n, block_k = blocks or _choose_blocks(x.shape[0], x.dtype)
-    split_k = split_k or _choose_split_k(x.shape[0], n, k, block_n, block_k, x.device)
+    tiles = _tiles(blocks, "mxfp4", x.shape[0], n, x.dtype, x.device)
+    split_k = split_k or _choose_split_k(x.shape[0], n, k, tiles.block_n, tiles.block_k, x.device)
     out = _output(x.shape[0], n, x, split_k)
     if x.shape[0] == 0:
         return out.to(x.dtype)
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n), split_k)
+    grid = (triton.cdiv(x.shape[0], tiles.block_m), triton.cdiv(n, tiles.block_n), split_k)
     _mxfp4_gemm_kernel[grid](
         out, x, weight.blocks, weight.scales, weight.scales if weight.bias is None else weight.bias,
         x.shape[0], n, k, x.stride(0), out.stride(0),
-        HAS_BIAS=weight.bias is not None, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=_precision(x.dtype),
+        HAS_BIAS=weight.bias is not None, SPLIT_K=split_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x.dtype), PACKED_LOADS=tiles.packed_loads,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out.to(x.dtype)
 
@@ -501,7 +602,7 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_ub: float | None = None,
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: Fp8Weight, out_dtype: torch.dtype,
-             *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+             *, blocks: Tiles | tuple | None = None) -> torch.Tensor:
     """(a * a_scale[:, None]) @ (weight.weight * weight_scale[:, None]).T (+ bias) -> [M, N] in out_dtype.
     a: float8_e4m3fn [M, K] with a_scale fp32 [M], or fp16/bf16/fp32 with a_scale None."""
     n, k = weight.shape
@@ -512,18 +613,19 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: Fp8Weight, o
         assert a_scale.dtype == torch.float32 and a_scale.shape == (a.shape[0],)
     assert weight.weight.dtype == torch.float8_e4m3fn and weight.weight.stride(1) == 1
     assert weight.weight_scale.dtype == torch.float32 and weight.weight_scale.shape == (n,)
-    block_m, block_n, block_k = blocks or _choose_blocks(a.shape[0], torch.float16 if a_fp8 else a.dtype)
+    tiles = _tiles(blocks, "fp8", a.shape[0], n, torch.float16 if a_fp8 else a.dtype, a.device)
     out = torch.empty(a.shape[0], n, dtype=out_dtype, device=a.device)
     if a.shape[0] == 0:
         return out
-    grid = (triton.cdiv(a.shape[0], block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(a.shape[0], tiles.block_m), triton.cdiv(n, tiles.block_n))
     _fp8_gemm_kernel[grid](
         out, a.view(torch.uint8) if a_fp8 else a, weight.weight.view(torch.uint8),
         weight.weight_scale if a_scale is None else a_scale, weight.weight_scale,
         weight.weight_scale if weight.bias is None else weight.bias,
         a.shape[0], n, k, a.stride(0), weight.weight.stride(0), out.stride(0),
-        A_FP8=a_fp8, HAS_BIAS=weight.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=_precision(torch.float16 if a_fp8 else a.dtype),
+        A_FP8=a_fp8, HAS_BIAS=weight.bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(torch.float16 if a_fp8 else a.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
 
@@ -539,7 +641,7 @@ def uses_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, *, use_scaled_mm: bool | None = None,
-               blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+               blocks: Tiles | tuple | None = None) -> torch.Tensor:
     """x [M, K] through an fp8 linear (module docstring's dispatch) -> [M, N] in x's dtype."""
     n, k = weight.shape
     _check_x(x, k, weight.weight, weight.weight_scale, weight.input_scale, weight.bias)
