@@ -9,7 +9,7 @@ Kernels: awq and gptq (int4_gemm, group 128), mxfp4 (mxfp4_gemm), fp8-w8a16 (fp8
 x) and fp8-w8a8 (fp8_linear through the Triton GEMM, activations quantized per token).
 Candidates: BLOCK_M 16 (batches <= 16) or 64, (BLOCK_N, BLOCK_K) of CANDIDATE_BLOCKS, 4 or 8
 warps, 3 or 4 stages, and for the 4-bit and MXFP4 kernels both ways of reading packed weights;
-split-K as the launcher chooses it. Compiling hundreds of variants one by one takes minutes, so
+split-K as the launcher chooses it. --chosen times only the launchers' own choice. Compiling hundreds of variants one by one takes minutes, so
 a pool of processes first launches each once (Triton's on-disk cache keeps the binaries), then
 this process times them one at a time. Every candidate's output is checked against x @
 dequantize(W).T (a wrong one is reported and never chosen). Printed per cell: the default tiles'
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=24, help="calls per timed CUDA graph")
     parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--json", default=None, help="write every timing here")
+    parser.add_argument("--chosen", action="store_true",
+                        help="time only the tiles the launchers choose")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.kernels = args.kernels.split(",")
@@ -54,8 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def candidates(kernel: str, batch: int) -> list[tuple]:
-    """Plain tuples in triton_quant.Tiles' field order (they cross process boundaries)."""
+def candidates(kernel: str, batch: int, n: int = 4096, chosen: bool = False) -> list[tuple]:
+    """Plain tuples in triton_quant.Tiles' field order (they cross process boundaries). chosen:
+    only the tiles _choose_blocks picks for bf16 x."""
+    if chosen:
+        from workers.kernels.triton_quant import _choose_blocks
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return [tuple(_choose_blocks(kernel_kind(kernel), batch, n, torch.bfloat16, device))]
     block_m = 16 if batch <= 16 else 64
     packs = (False, True) if kernel in PACKED_KERNELS else (False,)
     return [(block_m, bn, bk, warps, stages, packed)
@@ -112,7 +120,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     shapes = [(name, n, k) for name, n, k, _ in LLAMA_8B_SHAPES]
     tasks = [(kernel, n, k, batch, tiles) for kernel in args.kernels for _, n, k in shapes
-             for batch in args.batches for tiles in candidates(kernel, batch)]
+             for batch in args.batches for tiles in candidates(kernel, batch, n, args.chosen)]
     print(f"{torch.cuda.get_device_name()}: compiling {len(tasks)} launches in {args.compile_workers} processes",
           flush=True)
     failed = compile_all(tasks, args.compile_workers)
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 expected = x.float() @ qf.dequantize(first).t()
                 default = tuple(tq._choose_blocks(kernel_kind(kernel), batch, n, x.dtype, x.device))
                 timings = []
-                for tiles in dict.fromkeys(candidates(kernel, batch) + [default]):
+                for tiles in dict.fromkeys(candidates(kernel, batch, n, args.chosen) + [default]):
                     task = (kernel, n, k, batch, tiles)
                     if task in failed:
                         continue

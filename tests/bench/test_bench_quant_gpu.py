@@ -60,4 +60,6 @@ def test_tune_arguments_and_candidates():
             assert len(set(tiles)) == len(tiles) and all(t.block_n % 8 == 0 and t.block_k % 32 == 0 for t in tiles)
             assert {t.block_m for t in tiles} == {16 if batch == 1 else 64}
             assert any(t.packed_loads for t in tiles) == (kernel in tune.PACKED_KERNELS)
+            chosen = [Tiles(*t) for t in tune.candidates(kernel, batch, 4096, chosen=True)]
+            assert len(chosen) == 1 and chosen[0] in tiles  # the launchers' choice is a candidate
         assert tune.weight_format(kernel) in bench.FORMATS
