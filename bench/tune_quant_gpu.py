@@ -8,7 +8,8 @@ triton_quant.Tiles per kernel, Llama-3.1-8B projection shape and batch, timed fr
 Kernels: awq and gptq (int4_gemm, group 128), mxfp4 (mxfp4_gemm), fp8-w8a16 (fp8_gemm on bf16
 x) and fp8-w8a8 (fp8_linear through the Triton GEMM, activations quantized per token).
 Candidates: BLOCK_M 16 (batches <= 16) or 64, (BLOCK_N, BLOCK_K) of CANDIDATE_BLOCKS, 4 or 8
-warps, 3 or 4 stages, and for the 4-bit and MXFP4 kernels both ways of reading packed weights;
+warps, 3 or 4 stages, and for the 4-bit and MXFP4 kernels both ways of reading packed weights
+and, at batch 1, one-row tiles (BLOCK_M 1: no tl.dot) of ONE_ROW_BLOCKS;
 split-K as the launcher chooses it. --chosen times only the launchers' own choice. Compiling hundreds of variants one by one takes minutes, so
 a pool of processes first launches each once (Triton's on-disk cache keeps the binaries), then
 this process times them one at a time. Every candidate's output is checked against x @
@@ -34,6 +35,7 @@ from workers import quant_formats as qf
 KERNELS = ("awq", "gptq", "mxfp4", "fp8-w8a16", "fp8-w8a8")
 CANDIDATE_BLOCKS = ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128))  # (BLOCK_N, BLOCK_K)
 PACKED_KERNELS = ("awq", "gptq", "mxfp4")
+ONE_ROW_BLOCKS = ((64, 64), (64, 128), (128, 32), (128, 64), (256, 32))  # (BLOCK_N, BLOCK_K), BLOCK_M 1
 MAX_REL_ERROR = {"fp8-w8a8": 6e-2}  # activations rounded to e4m3: ~3e-2; bf16 rounding alone: ~3e-3
 DEFAULT_MAX_REL_ERROR = 2e-2  # a wrong kernel is far off
 
@@ -66,8 +68,12 @@ def candidates(kernel: str, batch: int, n: int = 4096, chosen: bool = False) -> 
         return [tuple(_choose_blocks(kernel_kind(kernel), batch, n, torch.bfloat16, device))]
     block_m = 16 if batch <= 16 else 64
     packs = (False, True) if kernel in PACKED_KERNELS else (False,)
-    return [(block_m, bn, bk, warps, stages, packed)
-            for packed, (bn, bk), warps, stages in itertools.product(packs, CANDIDATE_BLOCKS, (4, 8), (3, 4))]
+    tiles = [(block_m, bn, bk, warps, stages, packed)
+             for packed, (bn, bk), warps, stages in itertools.product(packs, CANDIDATE_BLOCKS, (4, 8), (3, 4))]
+    if batch == 1 and kernel in PACKED_KERNELS:  # one-row tiles: products without tl.dot
+        tiles += [(1, bn, bk, warps, 3, packed)
+                  for packed, (bn, bk), warps in itertools.product(packs, ONE_ROW_BLOCKS, (4, 8))]
+    return tiles
 
 
 def weight_format(kernel: str) -> str:

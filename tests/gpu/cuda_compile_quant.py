@@ -5,7 +5,7 @@ targets on a machine without a GPU, as tests/gpu/cuda_compile.py does for the ot
     python tests/gpu/cuda_compile_quant.py     # one line per compiled case, exits 1 on failure
 
 Cases: the AWQ/GPTQ GEMM on both of its paths (one group per K tile; groups smaller than a tile,
-act-order g_idx) in fp16 and bf16, each word loaded per weight or once (packed_loads), the MXFP4 GEMM and its grouped MoE form, the FP8 GEMM with fp8 and with 16-bit
+act-order g_idx) in fp16 and bf16, each word loaded per weight or once (packed_loads), one-row tiles without tl.dot, the MXFP4 GEMM and its grouped MoE form, the FP8 GEMM with fp8 and with 16-bit
 activations, for sm_80 (A100) and sm_90 (H100/H200); the per-token FP8 quantizer for sm_89 and
 sm_90 only (Triton's fp32 -> e4m3 cast needs sm_89; quant_linear quantizes with torch below it).
 """
@@ -51,6 +51,7 @@ def _launches(dtype: torch.dtype, m: int) -> dict[str, tuple]:
     aligned = align_pairs(expert_ids, 4, 16 if m <= 16 else 64)
     routing = torch.rand(2 * m)
     packed = tq.Tiles(16 if m <= 16 else 64, 64, 64, 8, 4, packed_loads=True)
+    one_row = tq.Tiles(1, 128, 64, 4, 3, packed_loads=True)  # BLOCK_M 1: no tl.dot
     return {
         "moe mxfp4": cc._record(tq, "_moe_mxfp4_gemm_kernel", lambda: tq.moe_mxfp4_gemm(
             x, experts, *aligned, 2 * m, 2, None, block_m=16 if m <= 16 else 64)),
@@ -62,6 +63,9 @@ def _launches(dtype: torch.dtype, m: int) -> dict[str, tuple]:
         "awq packed": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq, blocks=packed)),
         "gptq packed g_idx": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, gptq, blocks=packed)),
         "mxfp4 packed": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx, blocks=packed)),
+        "awq one-row": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq, blocks=one_row)),
+        "gptq one-row g_idx": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, gptq, blocks=one_row)),
+        "mxfp4 one-row": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx, blocks=one_row)),
         "mxfp4 split-k 4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx, split_k=4)),
         "mxfp4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx)),
         "fp8 w8a8": cc._record(tq, "_fp8_gemm_kernel", lambda: tq.fp8_gemm(q, scale, fp8, dtype)),

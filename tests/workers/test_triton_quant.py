@@ -56,8 +56,10 @@ N = 40
 TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K)
 # the 4-bit and MXFP4 GEMMs' two ways to read packed weights (triton_quant.Tiles: ..., num_warps,
 # num_stages, packed_loads): a load per weight, or each word (byte) once and unpacked in registers,
-# with K tiles of one group (32) and of two (64: act-order, groups of 32, and MXFP4's scale pairs)
-INT4_TILES = {"per-weight": TILES, "packed-32": (16, 16, 32, 4, 3, True), "packed-64": (16, 16, 64, 4, 3, True)}
+# with K tiles of one group (32) and of two (64: act-order, groups of 32, and MXFP4's scale pairs);
+# one-row tiles (any M: a program a row) multiply without tl.dot
+INT4_TILES = {"per-weight": TILES, "packed-32": (16, 16, 32, 4, 3, True), "packed-64": (16, 16, 64, 4, 3, True),
+              "gemv-packed-32": (1, 16, 32, 4, 3, True), "gemv-64": (1, 16, 64)}  # BLOCK_M 1: no tl.dot
 MS = (1, 16, 33)
 REL_TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # of the largest |result|
 
@@ -553,4 +555,4 @@ def test_quant_kernels_compile_for_cuda_targets():
     if child.returncode == 2:
         pytest.skip(child.stdout.strip())
     assert child.returncode == 0, f"{child.stdout}\n{child.stderr[-3000:]}"
-    assert child.stdout.count("ok   sm_") == 52, child.stdout
+    assert child.stdout.count("ok   sm_") == 64, child.stdout

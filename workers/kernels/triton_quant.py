@@ -11,7 +11,10 @@ Kernels, each program one (BLOCK_M, BLOCK_N) tile of y, fp32 accumulation over K
       column j of 8; GPTQ: 8 input rows a word, nibble k % 8; zeros: AWQ's order / sequential).
       g = k // GROUP_SIZE, or g_idx[k] for act-order GPTQ. With PACKED_LOADS each word is loaded
       once and its 8 nibbles unpacked in registers (a [.., 8, ..] tile reshaped); otherwise each
-      weight loads its word (8 loads of one word, which Triton stages through shared memory). When a K tile lies inside one group
+      weight loads its word (8 loads of one word, which Triton stages through shared memory).
+      BLOCK_M 1 (the 4-bit and MXFP4 GEMMs): a program per row, its products accumulated in fp32
+      registers [BLOCK_K, BLOCK_N] and summed over K once at the end, without tl.dot (whose
+      operands a 16-row tile must pass through shared memory). When a K tile lies inside one group
       (GROUP_SIZE % BLOCK_K == 0, no g_idx) the tile's dot runs on the integers q - z (exact in
       fp16/bf16) and the group's scale multiplies the partial sum in fp32; otherwise each weight
       is scaled in fp32 before the dot.
@@ -114,13 +117,18 @@ def _int4_gemm_kernel(
     else:
         zero_shift = j * 4
     ONE_GROUP: tl.constexpr = (GROUP_SIZE % BLOCK_K == 0) and (not HAS_G_IDX)
+    GEMV: tl.constexpr = BLOCK_M == 1  # one row: products in fp32 registers, summed over K at the end (no tl.dot)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([BLOCK_K if GEMV else 1, BLOCK_N], dtype=tl.float32)  # GEMV's running products
     for k_start in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         ks = k_start + offs_k
         k_valid = ks < K
         w_mask = k_valid[:, None] & n_valid[None, :]
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
-                    other=0.0)
+        if GEMV:
+            x = tl.load(a_ptr + pid_m * stride_am + ks, mask=k_valid, other=0.0).to(tl.float32)  # pid_m < M
+        else:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :],
+                        mask=m_valid[:, None] & k_valid[None, :], other=0.0)
         if PACKED_LOADS and AWQ:  # [BLOCK_K, BLOCK_N / 8] words -> [BLOCK_K, BLOCK_N / 8, 8] -> [BLOCK_K, BLOCK_N]
             words = tl.load(qweight_ptr + ks[:, None] * packed_n + word_cols[None, :],
                             mask=k_valid[:, None] & (word_cols < packed_n)[None, :], other=0)
@@ -141,8 +149,11 @@ def _int4_gemm_kernel(
             g = k_start // GROUP_SIZE
             zeros = (tl.load(qzeros_ptr + g * packed_n + offs_n // 8, mask=n_valid, other=0) >> zero_shift) & 0xF
             scales = tl.load(scales_ptr + g * N + offs_n, mask=n_valid, other=0.0).to(tl.float32)
-            w = (q - zeros[None, :] - ZERO_OFFSET).to(tl.float32).to(a.dtype)  # integers in [-16, 15]: exact
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scales[None, :]
+            if GEMV:
+                partial += x[:, None] * ((q - zeros[None, :] - ZERO_OFFSET).to(tl.float32) * scales[None, :])
+            else:
+                w = (q - zeros[None, :] - ZERO_OFFSET).to(tl.float32).to(a.dtype)  # integers in [-16, 15]: exact
+                acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scales[None, :]
         else:
             if HAS_G_IDX:
                 g = tl.load(g_idx_ptr + ks, mask=k_valid, other=0)
@@ -151,8 +162,13 @@ def _int4_gemm_kernel(
             zeros = (tl.load(qzeros_ptr + g[:, None] * packed_n + (offs_n // 8)[None, :], mask=w_mask, other=0)
                      >> zero_shift[None, :]) & 0xF
             scales = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            w = ((q - zeros - ZERO_OFFSET).to(tl.float32) * scales).to(a.dtype)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            w = (q - zeros - ZERO_OFFSET).to(tl.float32) * scales
+            if GEMV:
+                partial += x[:, None] * w
+            else:
+                acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+    if GEMV:
+        acc = tl.sum(partial, axis=0)[None, :]
     _write_tile(c_ptr, acc, bias_ptr, offs_m, offs_n, m_valid, n_valid, stride_cm, pid_k, HAS_BIAS, SPLIT_K)
 
 
@@ -230,19 +246,27 @@ def _mxfp4_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_valid = offs_m < M
     n_valid = offs_n < N
+    GEMV: tl.constexpr = BLOCK_M == 1  # one row: products in fp32 registers, summed over K at the end (no tl.dot)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([BLOCK_K if GEMV else 1, BLOCK_N], dtype=tl.float32)  # GEMV's running products
     for k_start in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         ks = k_start + offs_k
         k_valid = ks < K
         w_mask = k_valid[:, None] & n_valid[None, :]
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=m_valid[:, None] & k_valid[None, :],
-                    other=0.0)
         if PACKED_LOADS:
             w = _mxfp4_tile_packed(blocks_ptr, scales_ptr, offs_n.to(tl.int64), k_start, K, n_valid, BLOCK_K,
                                    BLOCK_N)
         else:
             w = _mxfp4_tile(blocks_ptr, scales_ptr, offs_n.to(tl.int64), ks, K, w_mask)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        if GEMV:
+            x = tl.load(a_ptr + pid_m * stride_am + ks, mask=k_valid, other=0.0).to(tl.float32)  # pid_m < M
+            partial += x[:, None] * w
+        else:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :],
+                        mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+    if GEMV:
+        acc = tl.sum(partial, axis=0)[None, :]
     _write_tile(c_ptr, acc, bias_ptr, offs_m, offs_n, m_valid, n_valid, stride_cm, pid_k, HAS_BIAS, SPLIT_K)
 
 
@@ -394,7 +418,7 @@ class Tiles(NamedTuple):
     """A launch's tile sizes and Triton options; a plain (BLOCK_M, BLOCK_N, BLOCK_K) tuple takes the
     defaults for the rest. Speed only: every choice computes the same products (bench/tune_quant_gpu.py
     times them)."""
-    block_m: int
+    block_m: int  # 1: the 4-bit and MXFP4 GEMMs multiply without tl.dot (one row a program)
     block_n: int
     block_k: int
     num_warps: int = 4
@@ -411,7 +435,10 @@ def _choose_blocks(kind: str, m: int, n: int, dtype: torch.dtype, device: torch.
     projections at 1 and 64 rows (bench/tune_quant_gpu.py; docs/models.md has the numbers):
     - up to 16 rows (split-K covers the SMs): the 4-bit and MXFP4 GEMMs take wide tiles (128 x
       128, packed loads) on wide layers, 64 x 64 on narrow ones (a k/v projection's 1024 columns);
-      FP8 takes 32 columns a tile (the most programs: it has no split-K);
+      one row of MXFP4 takes a one-row tile (256 x 32, products without tl.dot: 286 against 340 us
+      a layer); for the 4-bit GEMM the best one-row tile gained nothing with AWQ (186 against 187
+      us) and lost 10% with GPTQ, so it keeps the 16-row ones; FP8 takes 32 columns a tile (the
+      most programs: it has no split-K);
     - beyond 16 rows: 64 columns a tile where those tiles alone fill the SMs (gate/up), else 32.
     fp32 x keeps the first, untuned choice (16 or 64 rows, 64 x 32): fp32 dots are not what a
     GPU deployment runs, and bigger fp32 tiles were not measured."""
@@ -421,6 +448,8 @@ def _choose_blocks(kind: str, m: int, n: int, dtype: torch.dtype, device: torch.
     wide = triton.cdiv(m, rows) * triton.cdiv(n, 64) >= _num_sms(device)
     if kind == "fp8":
         return Tiles(rows, 64, 64) if wide else Tiles(rows, 32, 128)
+    if m == 1 and kind == "mxfp4":  # one-row tiles (no tl.dot) beat the 16-row ones by 1.2x a layer
+        return Tiles(1, 256, 32, num_warps=8, packed_loads=True)
     if m <= 16:
         if n < 4096:
             return Tiles(16, 64, 64, packed_loads=True)
