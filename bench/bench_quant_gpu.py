@@ -37,6 +37,15 @@ FORMATS = ("bf16", "awq", "awq-nosplit", "gptq", "mxfp4", "mxfp4-nosplit", "fp8"
 L2_BYTES = 64 << 20  # a bit over an H100/H200's 50 MB L2
 
 
+def parse_names(parser: argparse.ArgumentParser, text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated list of names, each one of allowed (else a usage error naming the others)."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; expected some of {allowed}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64", help="rows per call, comma separated")
@@ -45,10 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.formats = args.formats.split(",")
-    unknown = [f for f in args.formats if f not in FORMATS]
-    if unknown:
-        parser.error(f"unknown formats {unknown}; expected some of {FORMATS}")
+    args.formats = parse_names(parser, args.formats, FORMATS, "formats")
     if "bf16" not in args.formats:
         args.formats.insert(0, "bf16")  # the baseline every ratio needs
     return args

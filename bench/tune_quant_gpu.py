@@ -29,7 +29,8 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from bench.bench_quant_gpu import L2_BYTES, LLAMA_8B_SHAPES, build_weight, graph_time_us, weight_bytes
+from bench.bench_quant_gpu import (L2_BYTES, LLAMA_8B_SHAPES, build_weight, graph_time_us, parse_names,
+                                   weight_bytes)
 from workers import quant_formats as qf
 
 KERNELS = ("awq", "gptq", "mxfp4", "fp8-w8a16", "fp8-w8a8")
@@ -51,10 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="time only the tiles the launchers choose")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.kernels = args.kernels.split(",")
-    unknown = [k for k in args.kernels if k not in KERNELS]
-    if unknown:
-        parser.error(f"unknown kernels {unknown}; expected some of {KERNELS}")
+    args.kernels = parse_names(parser, args.kernels, KERNELS, "kernels")
     return args
 
 
