@@ -349,19 +349,19 @@ def test_split_k_adds_partial_tiles_once_each(tq, case, split_k, tiles):
     assert_near(run(x, weight, blocks=tiles, split_k=1), reference, torch.float16)
 
 
-def test_split_k_choice():
+def test_split_k_choice(monkeypatch):
     from workers.kernels.triton_quant import _choose_split_k  # plain Python: no kernel runs
 
     assert _choose_split_k(1, 1024, 4096, 64, 64, torch.device("cpu")) == 1
-    import workers.kernels.triton_quant as module
-    module._NUM_SMS[7] = 132  # an H100's SM count, for a device that does not exist here
+    # an H100's SM count, for a device that does not exist here; in the function's own module (the
+    # interpreter's fixture may have left another copy of triton_quant on the package)
+    monkeypatch.setitem(_choose_split_k.__globals__["_NUM_SMS"], 7, 132)
     cuda = torch.device("cuda", 7)
     assert _choose_split_k(1, 1024, 4096, 64, 64, cuda) == 16  # 16 N tiles * 16 = 256 programs
     assert _choose_split_k(1, 14336, 4096, 64, 64, cuda) == 2
     assert _choose_split_k(1, 4096, 4096, 64, 64, cuda) == 4  # 5 wanted, rounded down to a power of two
     assert _choose_split_k(1, 1024, 256, 64, 64, cuda) == 1  # 4 K tiles: no share below 4 tiles
     assert _choose_split_k(17, 1024, 4096, 64, 64, cuda) == 1  # past decode sizes: one program a tile
-    del module._NUM_SMS[7]
 
 
 # ----------------------------------------------------------------------------- mxfp4 kernel
