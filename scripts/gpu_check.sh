@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's checks in one call (docs/gpu.md): the machine, `pytest tests/gpu`, the
+# A GPU machine's checks in one call (docs/gpu.md): the machine, `pytest tests/gpu`, the
 # quantized linears against bf16 (bench/bench_quant_gpu.py), the GPU runner benchmark
 # (bench/bench_gpu.py) and, when the carried wheels hold Ray Serve, the served
 # path against the in-process engine (bench/bench_gpu_served.py). Run from the

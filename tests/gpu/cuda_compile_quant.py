@@ -52,6 +52,7 @@ def _launches(dtype: torch.dtype, m: int) -> dict[str, tuple]:
     routing = torch.rand(2 * m)
     packed = tq.Tiles(16 if m <= 16 else 64, 64, 64, 8, 4, packed_loads=True)
     one_row = tq.Tiles(1, 128, 64, 4, 3, packed_loads=True)  # BLOCK_M 1: no tl.dot
+    chosen_wide = (16, 128, 128, 4, 3, True) if m <= 16 else (64, 64, 128, 4, 3, True)
     return {
         "moe mxfp4": cc._record(tq, "_moe_mxfp4_gemm_kernel", lambda: tq.moe_mxfp4_gemm(
             x, experts, *aligned, 2 * m, 2, None, block_m=16 if m <= 16 else 64)),
@@ -66,6 +67,11 @@ def _launches(dtype: torch.dtype, m: int) -> dict[str, tuple]:
         "awq one-row": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq, blocks=one_row)),
         "gptq one-row g_idx": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, gptq, blocks=one_row)),
         "mxfp4 one-row": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx, blocks=one_row)),
+        # _choose_blocks' tiles for wide layers (its sizes do not depend on N): 16 x 128 x 128 and
+        # 64 x 64 x 128 packed, and MXFP4's one-row 256 x 32
+        "awq chosen wide": cc._record(tq, "_int4_gemm_kernel", lambda: tq.int4_gemm(x, awq, blocks=chosen_wide)),
+        "mxfp4 chosen one-row": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(
+            x, mx, blocks=(1, 256, 32, 8, 3, True))),
         "mxfp4 split-k 4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx, split_k=4)),
         "mxfp4": cc._record(tq, "_mxfp4_gemm_kernel", lambda: tq.mxfp4_gemm(x, mx)),
         "fp8 w8a8": cc._record(tq, "_fp8_gemm_kernel", lambda: tq.fp8_gemm(q, scale, fp8, dtype)),

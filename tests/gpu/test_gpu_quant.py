@@ -38,7 +38,9 @@ import quant_cases as qc  # noqa: E402  (tests/quant_cases.py; tests/ is on sys.
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 REL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # fp32: TF32 is not used (ieee dots)
-SHAPES = [(1, 40, 96), (16, 40, 96), (33, 40, 96), (64, 1024, 4096)]  # (M, N, K)
+# (M, N, K); the last two take _choose_blocks' tiles for wide layers (added after the H200 run of
+# 2026-11-27, where bench.tune_quant_gpu checked those tiles at Llama-3.1-8B's shapes instead)
+SHAPES = [(1, 40, 96), (16, 40, 96), (33, 40, 96), (64, 1024, 4096), (1, 4096, 4096), (16, 14336, 4096)]
 SM89 = torch.cuda.get_device_capability() >= (8, 9)  # Triton's e4m3 cast
 SCALED_MM = torch.cuda.get_device_capability() in ((8, 9), (9, 0))  # triton_quant.uses_scaled_mm
 

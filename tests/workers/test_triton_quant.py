@@ -280,7 +280,8 @@ def _int4_case(layout: str, k: int, group_size: int, **kwargs):
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("layout", ["awq", "gptq"])
 def test_int4_gemm_fp16(tq, layout, m, tiles):
-    """Group 32 = BLOCK_K: the one-group-per-tile path (integer dot, scale after)."""
+    """Group 32: with 32-deep tiles the one-group-per-tile path (integer dot, scale after), with
+    64-deep ones each weight scaled before the dot."""
     config, (tensors, expected) = _int4_case(layout, 96, 32, seed=m)
     weight = kernel_weight(config, tensors, torch.float16)
     x = x_for(m, 96, torch.float16, seed=m)
@@ -325,7 +326,7 @@ def test_int4_gemm_bf16_and_default_tiles(tq, bf16_interpreter):
 @pytest.mark.parametrize("case", ["awq", "gptq-act-order", "mxfp4"])
 def test_split_k_adds_partial_tiles_once_each(tq, case, split_k, tiles):
     """Split-K (decode batches on CUDA): programs share an output tile, each taking every
-    split_k-th K tile, adding into fp32; the bias is added once. K = 160: 5 tiles of 32, so the
+    split_k-th K tile, adding into fp32; the bias is added once. K = 160: 5 tiles of 32 (3 of 64), so the
     splits get unequal shares (3 of them one tile fewer, or 2 none at all...)."""
     k, m = 160, 3
     if case == "mxfp4":
@@ -362,6 +363,31 @@ def test_split_k_choice(monkeypatch):
     assert _choose_split_k(1, 4096, 4096, 64, 64, cuda) == 4  # 5 wanted, rounded down to a power of two
     assert _choose_split_k(1, 1024, 256, 64, 64, cuda) == 1  # 4 K tiles: no share below 4 tiles
     assert _choose_split_k(17, 1024, 4096, 64, 64, cuda) == 1  # past decode sizes: one program a tile
+
+
+@pytest.mark.parametrize("tiles", [(16, 128, 128, 4, 3, True), (1, 256, 32, 8, 3, True), (64, 64, 128, 4, 3, True)],
+                         ids=["decode-wide", "one-row-wide", "batch-wide"])
+@pytest.mark.parametrize("case", ["awq", "gptq-act-order", "mxfp4"])
+def test_the_chosen_tile_sizes(tq, case, tiles):
+    """The tiles _choose_blocks gives real layers (16 AWQ words or GPTQ word rows, four MXFP4 scale
+    groups a tile), on a weight of two K tiles and a partial N tile, with split-K as a decode has."""
+    n, k, m = 200, 256, 1 if tiles[0] == 1 else 5
+    if case == "mxfp4":
+        tensors, expected = qc.make_mxfp4(n, k, seed=4)
+        weight = kernel_weight(qc.MXFP4_CONFIG, tensors)
+        run = tq.mxfp4_gemm
+    else:
+        if case == "awq":
+            config, (tensors, expected) = qc.AWQ_CONFIG | {"group_size": 128}, qc.make_awq(n, k, 128, seed=4)
+        else:
+            config = qc.GPTQ_CONFIG | {"group_size": 128, "desc_act": True}
+            tensors, expected = qc.make_gptq(n, k, 128, act_order=True, seed=4)
+        weight = kernel_weight(config, tensors, torch.float16)
+        run = tq.int4_gemm
+    x = x_for(m, k, torch.float16, seed=4)
+    reference = x.double() @ expected.double().t()
+    for split_k in (1, 2):
+        assert_near(run(x, weight, blocks=tiles, split_k=split_k), reference, torch.float16)
 
 
 # ----------------------------------------------------------------------------- mxfp4 kernel
@@ -555,4 +581,4 @@ def test_quant_kernels_compile_for_cuda_targets():
     if child.returncode == 2:
         pytest.skip(child.stdout.strip())
     assert child.returncode == 0, f"{child.stdout}\n{child.stderr[-3000:]}"
-    assert child.stdout.count("ok   sm_") == 64, child.stdout
+    assert child.stdout.count("ok   sm_") == 72, child.stdout

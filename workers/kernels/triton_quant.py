@@ -416,7 +416,8 @@ def _fp8_gemm_kernel(
 
 class Tiles(NamedTuple):
     """A launch's tile sizes and Triton options; a plain (BLOCK_M, BLOCK_N, BLOCK_K) tuple takes the
-    defaults for the rest. Speed only: every choice computes the same products (bench/tune_quant_gpu.py
+    defaults for the rest. Speed only: every choice computes the same products up to rounding (one-row
+    tiles scale each weight in fp32, the others round it to x's dtype first; bench/tune_quant_gpu.py
     times them)."""
     block_m: int  # 1: the 4-bit and MXFP4 GEMMs multiply without tl.dot (one row a program)
     block_n: int

@@ -551,8 +551,10 @@ static inline __m256i packed_sums(__m256i sums) {
 
 /* Asks for the packed block at p in L1 ahead of use. At one or two rows the int8
  * kernel reads its blocks faster than the hardware prefetcher brings them: a one-row product of
- * SmolLM2's Q4_1 shapes streamed from memory took 0.80-0.91x the time with blocks 16 ahead (2
- * threads, builds alternating in one process; 8, 24 and 32 ahead were no better). At 4 rows it
+ * SmolLM2's Q4_1 shapes streamed from memory took 0.80-0.92x the time with blocks 16 ahead (2
+ * threads, builds alternating in one process; 8, 24, 32 and 48 ahead were no better). The
+ * address is formed as an integer: past a weight's last blocks it points beyond the buffer,
+ * which a prefetch may do (it never faults) but C pointer arithmetic may not. At 4 rows it
  * gained nothing, and the Q8_0 head's fp32 kernel, which has more work per byte, gained nothing
  * either. */
 static inline __attribute__((always_inline)) void packed_prefetch(const uint8_t *p) { /* a Q4_0 or Q4_1 block of 8 columns: 144 or 160 bytes */
@@ -593,7 +595,8 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = group + b * bb;
-        if (MR <= PACKED_PREFETCH_ROWS) packed_prefetch(block + PACKED_PREFETCH_BLOCKS * bb);
+        if (MR <= PACKED_PREFETCH_ROWS)
+            packed_prefetch((const uint8_t *)((uintptr_t)block + (uintptr_t)(PACKED_PREFETCH_BLOCKS * bb)));
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
         const __m256 offset = packed_offset(type, block, d);
         const int8_t *x = job->xq + m0 * K + b * 32;
