@@ -99,6 +99,13 @@ def weight_bytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in vars(weight).values() if isinstance(t, torch.Tensor))
 
 
+def weight_copies(fmt: str, n: int, k: int, device) -> list:
+    """Enough random weights of the format (at least 2) to exceed L2 together: calls cycling
+    through them stream each weight from HBM, as a real step does."""
+    first = build_weight(fmt, n, k, device)
+    return [first] + [build_weight(fmt, n, k, device) for _ in range(max(2, -(-L2_BYTES // weight_bytes(first))) - 1)]
+
+
 def _call(fmt: str, tq, x: torch.Tensor, weight) -> torch.Tensor:
     if fmt == "bf16":
         return F.linear(x, weight)
@@ -161,9 +168,8 @@ def run(args: argparse.Namespace) -> None:
             x = (torch.randn(batch, k, device=device)).bfloat16()
             baseline = None
             for fmt in args.formats:
-                first = build_weight(fmt, n, k, device)
-                copies = max(2, -(-L2_BYTES // weight_bytes(first)))
-                weights = [first] + [build_weight(fmt, n, k, device) for _ in range(copies - 1)]
+                weights = weight_copies(fmt, n, k, device)
+                first = weights[0]
                 micros = time_cell(fmt, tq, x, weights, args.iters)
                 baseline = micros if fmt == "bf16" else baseline
                 error = max_rel_error(fmt, tq, x, first)

@@ -29,8 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from bench.bench_quant_gpu import (L2_BYTES, LLAMA_8B_SHAPES, build_weight, graph_time_us, parse_names,
-                                   weight_bytes)
+from bench.bench_quant_gpu import LLAMA_8B_SHAPES, build_weight, graph_time_us, parse_names, weight_copies
 from workers import quant_formats as qf
 
 KERNELS = ("awq", "gptq", "mxfp4", "fp8-w8a16", "fp8-w8a8")
@@ -130,16 +129,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     failed = compile_all(tasks, args.compile_workers)
     rows = []
     for name, n, k in shapes:
-        dense = build_weight("bf16", n, k, "cuda")
-        dense_copies = [dense] + [build_weight("bf16", n, k, "cuda")
-                                  for _ in range(max(2, -(-L2_BYTES // weight_bytes(dense))) - 1)]
+        dense_copies = weight_copies("bf16", n, k, "cuda")
         for batch in args.batches:
             x = torch.randn(batch, k, device="cuda").bfloat16()
             bf16_us = graph_time_us(lambda w: F.linear(x, w), dense_copies, min_calls=args.iters)
             for kernel in args.kernels:
-                first = build_weight(weight_format(kernel), n, k, "cuda")
-                copies = [first] + [build_weight(weight_format(kernel), n, k, "cuda")
-                                    for _ in range(max(2, -(-L2_BYTES // weight_bytes(first))) - 1)]
+                copies = weight_copies(weight_format(kernel), n, k, "cuda")
+                first = copies[0]
                 expected = x.float() @ qf.dequantize(first).t()
                 default = tuple(tq._choose_blocks(kernel_kind(kernel), batch, n, x.dtype, x.device))
                 timings = []

@@ -111,9 +111,10 @@ def _int4_gemm_kernel(
     nibbles = tl.arange(0, 8)
     word_cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # PACKED_LOADS, AWQ: words along N
     word_rows = tl.arange(0, BLOCK_K // 8)  # PACKED_LOADS, GPTQ: words along K
+    awq_shift = ((nibbles % 2) * 4 + nibbles // 2) * 4  # AWQ packs columns 0 2 4 6 1 3 5 7 into nibbles 0..7
     j = offs_n % 8
     if AWQ:
-        zero_shift = ((j % 2) * 4 + j // 2) * 4  # AWQ packs columns 0 2 4 6 1 3 5 7 into nibbles 0..7
+        zero_shift = ((j % 2) * 4 + j // 2) * 4  # awq_shift of column j
     else:
         zero_shift = j * 4
     ONE_GROUP: tl.constexpr = (GROUP_SIZE % BLOCK_K == 0) and (not HAS_G_IDX)
@@ -132,7 +133,6 @@ def _int4_gemm_kernel(
         if PACKED_LOADS and AWQ:  # [BLOCK_K, BLOCK_N / 8] words -> [BLOCK_K, BLOCK_N / 8, 8] -> [BLOCK_K, BLOCK_N]
             words = tl.load(qweight_ptr + ks[:, None] * packed_n + word_cols[None, :],
                             mask=k_valid[:, None] & (word_cols < packed_n)[None, :], other=0)
-            awq_shift = ((nibbles % 2) * 4 + nibbles // 2) * 4
             q = tl.reshape((words[:, :, None] >> awq_shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
         elif PACKED_LOADS:  # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]
             rows = k_start // 8 + word_rows
