@@ -209,3 +209,23 @@ KERNEL_CHECKPOINT_FORMATS = {
         lambda w, p: make_gptq(*w.shape, CHECKPOINT_GROUP, act_order=True, seed=sum(map(ord, p)), prefix=p, weight=w),
         "gptq:4bit-g32-act-order"),
 }
+
+
+def use_packed_model_on_cpu(runner, model_dir, quant_linear) -> None:
+    """Gives a CPU runner of a quantized checkpoint the model a CUDA worker builds (linears kept
+    packed, fused products stacked in their format, workers/quant_checkpoint.pack_checkpoint), on
+    CPU tensors, its quantized products by quant_linear (the interpreter's kernels or a torch
+    reference), the rest in torch."""
+    from workers.config import ModelConfig
+    from workers.kernels import get_attention_backend
+    from workers.layer_ops import TorchOps
+    from workers.linear import TorchLinear
+    from workers.loader import read_safetensors
+    from workers.model import PagedLlamaModel
+    from workers.quant_checkpoint import pack_checkpoint
+
+    model_config = ModelConfig.from_model_dir(model_dir)
+    tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(model_dir, None), torch.float32, "cpu")
+    runner.model = PagedLlamaModel.from_hf_weights(
+        model_config, tensors, "cpu", get_attention_backend("torch"), runner.max_model_len,
+        linear=TorchLinear(quant_linear=quant_linear), ops=TorchOps())

@@ -199,14 +199,7 @@ def test_quantized_checkpoint_loads_packed_on_cuda_and_decodes_as_the_reference(
     from kernel_cases import greedy_generate
     from tiny_model import build_tiny_model_dir
 
-    from workers.config import ModelConfig
-    from workers.kernels import get_attention_backend
-    from workers.layer_ops import TorchOps
-    from workers.linear import TorchLinear
-    from workers.loader import read_safetensors
-    from workers.model import PagedLlamaModel
     from workers.model_runner import ModelRunner, RunnerConfig
-    from workers.quant_checkpoint import pack_checkpoint
 
     formats = qc.CHECKPOINT_FORMATS | qc.KERNEL_CHECKPOINT_FORMATS
     config, quantize, label = formats[format_name]
@@ -221,11 +214,7 @@ def test_quantized_checkpoint_loads_packed_on_cuda_and_decodes_as_the_reference(
 
     cpu_runner = ModelRunner(RunnerConfig(**settings, attention_backend="torch", linear_backend="torch",
                                           layer_ops="torch"))
-    model_config = ModelConfig.from_model_dir(quantized_dir)
-    tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(quantized_dir, None), torch.float32, "cpu")
-    cpu_runner.model = PagedLlamaModel.from_hf_weights(  # the CUDA worker's model, on CPU tensors
-        model_config, tensors, "cpu", get_attention_backend("torch"), cpu_runner.max_model_len,
-        linear=TorchLinear(quant_linear=reference_quant_linear), ops=TorchOps())
+    qc.use_packed_model_on_cpu(cpu_runner, quantized_dir, reference_quant_linear)
 
     prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(length)] for i, length in enumerate((5, 18, 40))]
     expected = greedy_generate(cpu_runner, prompts, max_tokens=12, chunk_size=16)

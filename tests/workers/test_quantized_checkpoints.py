@@ -37,12 +37,7 @@ from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig
-from workers.kernels import get_attention_backend
-from workers.layer_ops import TorchOps
-from workers.linear import TorchLinear
-from workers.loader import ModelPathError, load_model, read_safetensors
-from workers.model import PagedLlamaModel
-from workers.quant_checkpoint import pack_checkpoint
+from workers.loader import ModelPathError, load_model
 from workers.quant_formats import Fp8Weight, Int4Weight
 
 
@@ -167,11 +162,7 @@ def test_kernel_path_in_the_interpreter_equals_transformers(plain_dir, tmp_path,
     config, quantize, _ = qc.KERNEL_CHECKPOINT_FORMATS[format_name]
     quantized_dir, dense_dir, _ = qc.write_checkpoints(plain_dir, tmp_path, config, quantize)
     runner = make_runner(quantized_dir, linear_backend="torch", layer_ops="torch")
-    model_config = ModelConfig.from_model_dir(quantized_dir)
-    tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(quantized_dir, None), torch.float32, "cpu")
-    runner.model = PagedLlamaModel.from_hf_weights(  # what the loader builds on a CUDA worker, on CPU tensors
-        model_config, tensors, "cpu", get_attention_backend("torch"), runner.max_model_len,
-        linear=TorchLinear(quant_linear=interpreted_quant_linear), ops=TorchOps())
+    qc.use_packed_model_on_cpu(runner, quantized_dir, interpreted_quant_linear)  # what a CUDA worker builds
     kind = Fp8Weight if format_name.startswith("compressed") else Int4Weight
     fused_kind = torch.Tensor if format_name.endswith("per-projection") else kind
     for layer in runner.model.layers:
