@@ -50,6 +50,10 @@ SIDES = {  # name -> RunnerConfig fields
 }
 REFERENCE = "dequantized fp32"
 BLOCK_SIZE = 16
+# Logits are computed this many positions at a time: a decode step of 16 sequences. All of a
+# 512-token prompt's at once would take a GGUF lm_head's prompt-step path (gguf.goes_dense: the
+# weight dequantized, fp32), not the kernel every served token's logits come from.
+LOGITS_ROWS = 16
 
 
 def rss_mib() -> tuple[float, float]:
@@ -74,7 +78,8 @@ def text_sequences(tokenizer, num_sequences: int, seq_len: int) -> list[list[int
 
 
 def top1(runner, token_ids: list[int]) -> list[int]:
-    """The side's argmax next token at every position of one sequence (a single prefill)."""
+    """The side's argmax next token at every position of one sequence (a single prefill), the
+    logits LOGITS_ROWS positions at a time, as decode steps compute them."""
     import torch
 
     from workers.model import AttentionMetadata
@@ -90,7 +95,8 @@ def top1(runner, token_ids: list[int]) -> list[int]:
     )
     with torch.inference_mode():
         hidden = runner.model.forward(torch.tensor(token_ids), positions, metadata, runner.kv_caches)
-        return runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        return [token for rows in hidden.split(LOGITS_ROWS)
+                for token in runner.model.compute_logits(rows).argmax(dim=-1).tolist()]
 
 
 def run_side(args: argparse.Namespace) -> dict:

@@ -106,7 +106,7 @@ def concat_rows(weights: list[GgufWeight]) -> GgufWeight:
 
 # Types our kernels read faster repacked eight output rows at a time (csrc/gguf_gemm.c says how):
 # Q4_0 and Q4_1 layers, whose int8 product then keeps eight rows' sums in the lanes of one vector,
-# and a Q8_0 lm_head (or tied embedding), whose fp32 product (gguf.LOGITS_MODE) does the same.
+# and a Q8_0 lm_head (or tied embedding), whose int16 product (gguf.logits_mode) does the same.
 # Timings against the file's layout: workers/kernels/gguf.py.
 PACKABLE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
 LAYER_PACKED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1)
@@ -216,8 +216,8 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None =
 
 
 def gguf_logits(x: torch.Tensor, weight: GgufWeight) -> torch.Tensor:
-    """fp32 logits of x through a GGUF lm_head, with x kept in fp32 (workers/kernels/gguf.py's
-    LOGITS_MODE says why)."""
+    """fp32 logits of x through a GGUF lm_head, with x never rounded to 8 bits (workers/kernels/gguf.py's
+    logits_mode says why)."""
     from workers.kernels import gguf
 
-    return gguf_linear(x, weight, out_dtype=torch.float32, mode=gguf.LOGITS_MODE)
+    return gguf_linear(x, weight, out_dtype=torch.float32, mode=gguf.logits_mode(weight))

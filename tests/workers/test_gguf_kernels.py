@@ -8,6 +8,7 @@ Tolerances:
 - int8 mode: x is rounded to int8 per 32-block with scale s = max|x_block| / 127, so each x
   value moves by at most s / 2 and each output by at most sum_k |w[n, k]| s_block(k) / 2: the
   test asserts that bound per output (plus the fp32 term).
+- int16 mode (packed Q8_0 only): the same bound with s = max|x_block| / 32767.
 - bf16 outputs are also rounded once to bf16 (half an ulp: 2^-9 of the value).
 """
 
@@ -81,10 +82,14 @@ def weights():
     return {t: random_gguf_weight(t, N, K, seed=int(t)) for t in TYPES}
 
 
-def int8_error_bound(x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """[rows, N]: sum_k |w[n, k]| * s(row, block of k) / 2, the most x's int8 rounding can move an output."""
+QUANTIZED_X_LEVELS = {"int8": 127, "int16": 32767}  # a mode's largest |q| of x
+
+
+def rounding_error_bound(x: torch.Tensor, full: torch.Tensor, mode: str = "int8") -> torch.Tensor:
+    """[rows, N]: sum_k |w[n, k]| * s(row, block of k) / 2, the most x's rounding to the mode's
+    integers can move an output."""
     x = x.float()
-    scale = x.reshape(x.shape[0], -1, 32).abs().amax(dim=-1) / 127  # [rows, K / 32]
+    scale = x.reshape(x.shape[0], -1, 32).abs().amax(dim=-1) / QUANTIZED_X_LEVELS[mode]  # [rows, K / 32]
     return (scale.repeat_interleave(32, dim=1) / 2) @ full.abs().T
 
 
@@ -92,8 +97,8 @@ def assert_close_to_reference(out, x, weight, full, bias, mode):
     expected = F.linear(x.float(), full, None if bias is None else bias.float())
     scale = expected.abs().max().item()
     allowed = torch.full_like(expected, 1e-5 * scale + 1e-6)
-    if mode == "int8":
-        allowed = allowed + int8_error_bound(x, full) * 1.001
+    if mode in QUANTIZED_X_LEVELS:
+        allowed = allowed + rounding_error_bound(x, full, mode) * 1.001
     if out.dtype == torch.bfloat16:
         allowed = allowed + expected.abs() * 2.0 ** -8  # the result rounded to bf16, and bias's rounding to bf16
     error = (out.float() - expected).abs()
@@ -135,11 +140,15 @@ def packed_weights():
 
 
 @pytest.mark.parametrize("layout", ["file", "packed"])
-@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int16"])
 def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(weights, packed_weights, mode, layout):
     """Each output is one sum in block order whatever the row tile or thread: a sequence gets
     the same logits alone or in a batch."""
+    if mode == "int16" and layout == "file":
+        pytest.skip("the int16 mode is a packed Q8_0's only")
     chosen = [weights[GGMLType.Q4_K]] if layout == "file" else [packed_weights[t] for t in PACKABLE_TYPES]
+    if mode == "int16":
+        chosen = [packed_weights[GGMLType.Q8_0]]
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     for weight in chosen:
@@ -187,13 +196,13 @@ def test_packing_permutes_the_bytes_eight_rows_at_a_time_and_unpacking_restores_
     assert pack_for_kernels(q4, logits=True) is q4
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int16"])
 @pytest.mark.parametrize("ggml_type", PACKABLE_TYPES, ids=lambda t: t.name)
 def test_packed_weights_match_the_reference_and_every_build_agrees(library, packed_weights, ggml_type, mode):
-    """The packed kernels (Q4_0 and Q4_1 int8, Q8_0 fp32) within their mode's bound of the
-    reference, bit for bit the same on this machine's, the AVX2 and the portable build (one
+    """The packed kernels (Q4_0 and Q4_1 int8, Q8_0 fp32 and int16) within their mode's bound of
+    the reference, bit for bit the same on this machine's, the AVX2 and the portable build (one
     arithmetic: csrc/gguf_gemm.c); the other modes and the dequantization as through the file's
-    layout."""
+    layout. The int16 mode is a packed Q8_0's only: any other weight is refused."""
     from workers.kernels.native import native_library
 
     weight = packed_weights[ggml_type]
@@ -201,20 +210,34 @@ def test_packed_weights_match_the_reference_and_every_build_agrees(library, pack
     assert torch.equal(gguf.gguf_dequantize(weight, library=library), full)
     index = torch.tensor([9, 0, PACKED_N - 1, 9])  # rows unpacked one by one: an embedding lookup
     assert torch.equal(gguf.gguf_dequantize(weight, index=index, library=library), full[index])
+    if mode == "int16" and ggml_type != GGMLType.Q8_0:
+        with pytest.raises(RuntimeError, match="rayllm_gguf_gemm"):
+            gguf.gguf_gemm(torch.randn(2, K), weight, mode=mode, library=library)
+        return
+    if mode == "int16":  # and not the file's layout either
+        with pytest.raises(RuntimeError, match="rayllm_gguf_gemm"):
+            gguf.gguf_gemm(torch.randn(2, K), unpack_columns(weight), mode=mode, library=library)
     for x, bias, out in checked_products(weight, mode, library):
-        if (mode == "int8") == (ggml_type != GGMLType.Q8_0):  # a packed kernel
+        if mode == "int16" or (mode == "int8") == (ggml_type != GGMLType.Q8_0):  # a packed kernel
             assert torch.equal(out, gguf.gguf_gemm(x, weight, bias, mode=mode, library=native_library()))
         else:
             assert torch.equal(out, gguf.gguf_gemm(x, unpack_columns(weight), bias, mode=mode, library=library))
 
 
-def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights):
-    """The int8 mode really quantizes x (the bound above is what it is held to, not a pass-through)."""
+def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights, packed_weights):
+    """The int8 and int16 modes really quantize x (the bounds above are what they are held to, not
+    a pass-through), and int16's error is far below int8's."""
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(2))
     weight = weights[GGMLType.Q8_0]
     fp32, int8 = gguf.gguf_gemm(x, weight, mode="fp32"), gguf.gguf_gemm(x, weight, mode="int8")
     assert not torch.equal(fp32, int8)
-    assert ((fp32 - int8).abs() <= int8_error_bound(x, dequantize(weight)) * 1.001 + 1e-4).all()
+    assert ((fp32 - int8).abs() <= rounding_error_bound(x, dequantize(weight)) * 1.001 + 1e-4).all()
+    packed = packed_weights[GGMLType.Q8_0]
+    fp32, int16 = gguf.gguf_gemm(x, packed, mode="fp32"), gguf.gguf_gemm(x, packed, mode="int16")
+    assert not torch.equal(fp32, int16)
+    assert ((fp32 - int16).abs() <= rounding_error_bound(x, dequantize(packed), "int16") * 1.001 + 1e-5).all()
+    int8 = gguf.gguf_gemm(x, unpack_columns(packed), mode="int8")
+    assert (fp32 - int16).abs().max() < (fp32 - int8).abs().max() / 50
 
 
 def test_gguf_linear_runs_the_kernel_and_falls_back_to_the_reference(weights):
@@ -274,8 +297,8 @@ def test_a_packed_weights_prompt_step_stays_on_its_int8_kernel(packed_weights):
 
 
 def test_logits_keep_the_hidden_state_in_fp32_on_every_linear_backend(weights):
-    """A GGUF lm_head (LOGITS_MODE) is the fp32-mode product, not int8's: rounding the last hidden
-    state to 8 bits flips near-tied argmaxes (workers/kernels/gguf.py)."""
+    """A GGUF lm_head in the file's layout (LOGITS_MODE) is the fp32-mode product, not int8's:
+    rounding the last hidden state to 8 bits flips near-tied argmaxes (workers/kernels/gguf.py)."""
     from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
 
     weight = weights[GGMLType.Q8_0]
@@ -288,6 +311,22 @@ def test_logits_keep_the_hidden_state_in_fp32_on_every_linear_backend(weights):
     bf16 = x.bfloat16()  # bf16 activations: widened, never rounded to int8
     torch.testing.assert_close(NativeLinear().logits(bf16, weight),
                                gguf.gguf_gemm(bf16, weight, out_dtype=torch.float32, mode="fp32"))
+
+
+def test_a_packed_q8_0_lm_head_rounds_the_hidden_state_to_int16_on_every_linear_backend(packed_weights):
+    """The default model's lm_head (a packed Q8_0) runs the int16 mode (gguf.logits_mode): its
+    logits are that product on every backend, not the fp32 mode's and not int8's; an lm_head in
+    the file's layout keeps the fp32 mode."""
+    from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+
+    head = packed_weights[GGMLType.Q8_0]
+    assert gguf.logits_mode(head) == "int16" and gguf.logits_mode(unpack_columns(head)) == "fp32"
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(6))
+    int16 = gguf.gguf_gemm(x, head, out_dtype=torch.float32, mode="int16")
+    assert not torch.equal(int16, gguf.gguf_gemm(x, head, out_dtype=torch.float32, mode="fp32"))
+    for backend in (TorchLinear(), OneDnnLinear(), NativeLinear()):
+        logits = backend.logits(x, head)
+        assert logits.dtype == torch.float32 and torch.equal(logits, int16), backend.name
 
 
 def test_k_types_need_whole_super_blocks_and_the_kernel_checks_sizes(weights):

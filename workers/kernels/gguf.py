@@ -15,15 +15,17 @@ memory (`bench.bench_gguf --threads 2 --rows 1,16,64,256 --repeats 5 --min-mb 32
 0.79-0.99x the time at 1 row, 0.50-0.66x at 16, 0.44-0.58x at 64 and 0.45-0.54x at 256. That is
 0.28-0.53x the dense fp32 panels' time at 1 row, 0.70-0.83x at 16 and 0.58-1.18x at 256, so a
 packed weight's int8 prompt step stays on it (goes_dense). A Q8_0 lm_head (and the tied
-embedding's lookups) is packed for the fp32 mode's product (LOGITS_MODE): 0.60-0.72x the file
-layout's time at 1 to 64 rows.
+embedding's lookups) is packed too: its fp32 mode's product took 0.60-0.72x the file layout's
+time at 1 to 64 rows, and the int16 mode an lm_head runs (logits_mode) is packed only.
 
-Two modes (csrc/gguf_gemm.c says how each works):
+Three modes (csrc/gguf_gemm.c says how each works):
   "fp32": x in fp32 against weights widened in registers; error: fp32 rounding (~1e-6 relative).
   "int8": x quantized once per call to int8 per 32-block with an fp32 scale (llama.cpp's
           activations), integer dot products; error: x's rounding to 8 bits, a few 1e-3 of the
           output's scale (each output within sum_k |w| s_block / 2, the bound that rounding
           allows: tests/workers/test_gguf_kernels.py).
+  "int16": packed Q8_0 only (an lm_head, logits_mode): x quantized to int16 per 32-block; error:
+          x's rounding to 16 bits (the same bound with 32767 for 127).
 DEFAULT_MODE is "int8", chosen by `bench.bench_gguf --threads 1 --repeats 15` at SmolLM2's shapes
 (an AVX2 EPYC shared with other work, so absolute times are noisy; ratios from one run, each
 path's weights streamed from memory, the paths alternating):
@@ -55,15 +57,25 @@ from workers.gguf_weight import LAYER_PACKED_TYPES, GGMLType, GgufWeight
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 
 NATIVE_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
-GGUF_MODES = {"fp32": 0, "int8": 1}  # the mode argument of rayllm_gguf_gemm (csrc/entry_points.h)
+GGUF_MODES = {"fp32": 0, "int8": 1, "int16": 2}  # the mode argument of rayllm_gguf_gemm (csrc/entry_points.h)
 DEFAULT_MODE = "int8"
-# The lm_head keeps its input in fp32: rounding the last hidden state to 8 bits moves every one of
-# the vocabulary's logits, and where the top two are close that flips the argmax. On the default
-# model (`bench.gguf_accuracy --sequences 10`, the positions llama.cpp's perplexity tool scores),
-# top-1 agreement with the dequantized fp32 model is 0.964 with an int8 lm_head, 0.973 with this,
-# where llama.cpp's own Q4_1 gets 0.969; it costs about 0.7 ms of a one-row step (2.6 -> 3.3 ms
-# for the 49152 x 576 Q8_0 head, 2 threads) and 2-3 ms at 16 rows.
+# The lm_head never rounds its input to 8 bits: rounding the last hidden state to int8 moves every
+# one of the vocabulary's logits, and where the top two are close that flips the argmax. On the
+# default model (`bench.gguf_accuracy --sequences 10`, the positions llama.cpp's perplexity tool
+# scores), top-1 agreement with the dequantized fp32 model is 0.964 with an int8 lm_head and 0.973
+# with fp32 activations, where llama.cpp's own Q4_1 gets 0.969. A packed Q8_0 lm_head (the default
+# model's) rounds it to 16 bits instead (int16 per 32-block, 1/65534 of each block's largest value:
+# its logits are the fp32 mode's to about 1e-5 of their scale) and multiplies with exact integer
+# pair sums: 0.73x the packed fp32 mode's time at one row and 0.56x at 16 (49152 x 576 streamed
+# from memory, 2 threads: `bench.bench_gguf --threads 2 --rows 1,16`, its lm_head rows). Other
+# lm_heads keep the fp32 mode (LOGITS_MODE).
 LOGITS_MODE = "fp32"
+
+
+def logits_mode(weight: GgufWeight) -> str:
+    """The mode of a GGUF lm_head's product: int16 for a packed Q8_0 (the only kernel that has it),
+    else LOGITS_MODE."""
+    return "int16" if weight.packed and weight.ggml_type == GGMLType.Q8_0 else LOGITS_MODE
 # A product of at least this many rows (a prompt step) dequantizes the weight to fp32 with our
 # kernel, into a reused buffer, and runs the dense fp32 GEMM (F.linear). At SmolLM2's Q4_1 shapes
 # and the Q8_0 lm_head, 2 threads, weights streamed from memory, that path against the int8
@@ -102,7 +114,7 @@ def native_takes(x: torch.Tensor, weight: GgufWeight) -> bool:
 def gguf_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None, mode: str | None = None, library=None) -> torch.Tensor:
     """x [rows, in] @ weight.T (+ bias) -> [rows, out] in out_dtype (default: x's dtype).
-    mode: "fp32" or "int8" (None: DEFAULT_MODE, read at each call, as the C layer loop does).
+    mode: "fp32", "int8" or "int16" (None: DEFAULT_MODE, read at each call, as the C layer loop does).
     library: another build of the kernels (tests run an AVX2 build beside the native one)."""
     mode = mode or DEFAULT_MODE
     library = library or native_library()

@@ -60,9 +60,10 @@ int64_t rayllm_argmax_row(const float *row, int64_t width); /* one row of it, on
 
 /* gguf_gemm.c: out[m, n] = x[m, :] . w[n, :] (+ bias[n]) with w in GGUF blocks of ggml_type (ggml's
  * type code: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); x and bias in dtype, out in out_dtype. mode:
- * GGUF_FP32 (x in fp32 against weights widened in registers) or GGUF_INT8 (x quantized to int8
- * blocks, integer dot products). 1: a type or mode it does not have, 2: bad sizes, 3: out of memory. */
-enum { GGUF_FP32 = 0, GGUF_INT8 = 1 };
+ * GGUF_FP32 (x in fp32 against weights widened in registers), GGUF_INT8 (x quantized to int8
+ * blocks, integer dot products) or GGUF_INT16 (x quantized to int16 blocks; packed Q8_0 only).
+ * 1: a type or mode it does not have, 2: bad sizes, 3: out of memory. */
+enum { GGUF_FP32 = 0, GGUF_INT8 = 1, GGUF_INT16 = 2 };
 /* ggml_type | GGUF_PACKED: Q4_0, Q4_1 or Q8_0 blocks repacked eight columns at a time (gguf_gemm.c) */
 enum { GGUF_PACKED = 0x100 };
 int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
