@@ -76,6 +76,8 @@ def logits_mode(weight: GgufWeight) -> str:
     """The mode of a GGUF lm_head's product: int16 for a packed Q8_0 (the only kernel that has it),
     else LOGITS_MODE."""
     return "int16" if weight.packed and weight.ggml_type == GGMLType.Q8_0 else LOGITS_MODE
+
+
 # A product of at least this many rows (a prompt step) dequantizes the weight to fp32 with our
 # kernel, into a reused buffer, and runs the dense fp32 GEMM (F.linear). At SmolLM2's Q4_1 shapes
 # and the Q8_0 lm_head, 2 threads, weights streamed from memory, that path against the int8
