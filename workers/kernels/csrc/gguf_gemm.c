@@ -318,20 +318,23 @@ static inline __attribute__((always_inline)) void dot_int8(const int type, const
         sums[i * stride] = hsum8(_mm256_add_ps(even[i], odd[i])) + (even_offsets[i] + odd_offsets[i]);
 }
 
+/* Block b of x's row (32 values, fp32 or bf16) into v, fp32; returns its largest |value|. */
+static inline float load_block(const void *x, int bf16, int64_t b, __m256 v[4]) {
+    const char *xb = (const char *)x + b * 32 * (bf16 ? 2 : 4);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int t = 0; t < 4; t++) {
+        v[t] = load8(xb + t * 8 * (bf16 ? 2 : 4), bf16);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+    }
+    return hmax8(amax);
+}
+
 /* x row -> int8 blocks of 32: scale = max |x| / 127, q = round(x / scale), and scale * sum(q). */
 static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *scale, float *sum) {
-    const int bf16 = dtype == DTYPE_BF16;
-    const int64_t elem = bf16 ? 2 : 4;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 32; b++) {
-        const char *xb = (const char *)x + b * 32 * elem;
         __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int t = 0; t < 4; t++) {
-            v[t] = load8(xb + t * 8 * elem, bf16);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-        }
-        const float max = hmax8(amax);
+        const float max = load_block(x, dtype == DTYPE_BF16, b, v);
         const float inverse = max > 0.0f ? 127.0f / max : 0.0f;
         __m256i n[4];
         for (int t = 0; t < 4; t++) n[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], _mm256_set1_ps(inverse)));
@@ -349,18 +352,9 @@ static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *
 
 /* x row -> int16 blocks of 32: scale = max |x| / 32767, q = round(x / scale) (|q| <= 32767). */
 static void quantize_row16(const void *x, int dtype, int64_t K, int16_t *q, float *scale) {
-    const int bf16 = dtype == DTYPE_BF16;
-    const int64_t elem = bf16 ? 2 : 4;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 32; b++) {
-        const char *xb = (const char *)x + b * 32 * elem;
         __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int t = 0; t < 4; t++) {
-            v[t] = load8(xb + t * 8 * elem, bf16);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-        }
-        const float max = hmax8(amax);
+        const float max = load_block(x, dtype == DTYPE_BF16, b, v);
         const __m256 inverse = _mm256_set1_ps(max > 0.0f ? 32767.0f / max : 0.0f);
         for (int t = 0; t < 4; t += 2) { /* packs interleaves 128-bit halves: permute them back */
             const __m256i n = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[t], inverse)),
