@@ -113,7 +113,7 @@ def main() -> None:
             median = {name: statistics.median(values) for name, values in times.items()}
             cells = [f"{median[name]:7.3f} {paths[name][2] / median[name] / 1e6:5.1f}GB/s" for name in paths]
             print(f"{f'{out_features}x{in_features} {ggml_type.name}':>18} {rows:>5} | " + " | ".join(cells)
-                  + f" | {median['packed'] / median['int8' if packed_mode == 'int8' else 'fp32']:9.2f}"
+                  + f" | {median['packed'] / median['fp32' if is_head else 'int8']:9.2f}"
                   + f" {median['packed'] / median['dense']:10.2f}"
                   + f" {median['dequantized'] / median['packed']:8.2f}", flush=True)
 

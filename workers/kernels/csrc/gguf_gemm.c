@@ -560,10 +560,6 @@ static inline int packed_kernel(const int type, const int mode) {
     return mode == GGUF_INT8 ? type == GGML_Q4_0 || type == GGML_Q4_1 : type == GGML_Q8_0;
 }
 
-/* GGUF_INT16: the 16 bytes of a packed Q8_0 block's weights k and k + 1 (8 columns each, k even)
- * reordered to column pairs (c, k), (c, k + 1): madd's operand order. */
-static const int8_t Q8_PAIRS[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
-
 #ifdef RAYLLM_HAS_AVX2
 /* sums += the products of u's unsigned and s's signed bytes, four to a lane: int32 lanes with
  * VNNI; else int16 lanes (maddubs), which 8 products of 4-bit q and int8 x cannot overflow
@@ -586,18 +582,18 @@ static inline __m256i packed_sums(__m256i sums) {
 #endif
 }
 
-/* Asks for the packed block at p in L1 ahead of use. At one or two rows the int8
- * kernel reads its blocks faster than the hardware prefetcher brings them: a one-row product of
- * SmolLM2's Q4_1 shapes streamed from memory took 0.80-0.92x the time with blocks 16 ahead (2
- * threads, builds alternating in one process; 8, 24, 32 and 48 ahead were no better). The
- * address is formed as an integer: past a weight's last blocks it points beyond the buffer,
- * which a prefetch may do (it never faults) but C pointer arithmetic may not. At 4 rows it
- * gained nothing, and the Q8_0 head's fp32 kernel, which has more work per byte, gained nothing
- * either. */
-static inline __attribute__((always_inline)) void packed_prefetch(const uint8_t *p) { /* a Q4_0 or Q4_1 block of 8 columns: 144 or 160 bytes */
-    _mm_prefetch((const char *)p, _MM_HINT_T0);
-    _mm_prefetch((const char *)p + 64, _MM_HINT_T0);
-    _mm_prefetch((const char *)p + 128, _MM_HINT_T0);
+/* Asks for the packed block PACKED_PREFETCH_BLOCKS after `block` (bb bytes: 8 columns' blocks) in
+ * L1 ahead of use. At one or two rows the int8 kernel reads its blocks faster than the hardware
+ * prefetcher brings them: a one-row product of SmolLM2's Q4_1 shapes streamed from memory took
+ * 0.80-0.92x the time with blocks 16 ahead (2 threads, builds alternating in one process; 8, 24,
+ * 32 and 48 ahead were no better). The int16 lm_head at one or two rows took 1.03-1.22x the time
+ * without it; 8 and 16 blocks ahead were within noise of each other (16: 0.89-1.03x). The address is formed as an integer: past a
+ * weight's last blocks it points beyond the buffer, which a prefetch may do (it never faults) but
+ * C pointer arithmetic may not. At 4 rows it gained nothing, and the Q8_0 head's fp32 kernel,
+ * which has more work per byte, gained nothing either. */
+static inline __attribute__((always_inline)) void packed_prefetch(const uint8_t *block, const int bb) {
+    const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(PACKED_PREFETCH_BLOCKS * bb);
+    for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
 }
 
 static inline __m256i broadcast4(const int8_t *x) {
@@ -632,8 +628,7 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = group + b * bb;
-        if (MR <= PACKED_PREFETCH_ROWS)
-            packed_prefetch((const uint8_t *)((uintptr_t)block + (uintptr_t)(PACKED_PREFETCH_BLOCKS * bb)));
+        if (MR <= PACKED_PREFETCH_ROWS) packed_prefetch(block, bb);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
         const __m256 offset = packed_offset(type, block, d);
         const int8_t *x = job->xq + m0 * K + b * 32;
@@ -716,12 +711,16 @@ static inline __attribute__((always_inline)) void packed_q8_f32(const int type, 
     }
     for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, _mm256_add_ps(even[i], odd[i]));
 }
+/* GGUF_INT16: the 16 bytes of a packed Q8_0 block's weights k and k + 1 (8 columns each, k even)
+ * reordered to column pairs (c, k), (c, k + 1): madd's operand order. */
+static const int8_t Q8_PAIRS[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+
 /* GGUF_INT16, Q8_0 packed: rows [m0, m0 + MR) of x's int16 blocks times the 8 columns of `group`,
  * into out[i * 8 + c]. Each pair of k's eight columns is widened to int16 once for the tile;
  * madd sums a pair's two products per column, exactly, into the block's int32 sums (at most
  * 16 * 2 * 128 * 32767 < 2^31). Per block: acc = fma(float(sum), d * x_scale, acc). Against the
  * fp32 mode's kernel (49152x576, one thread, in a harness): 0.57x the time at one row from
- * memory, 0.42-0.53x at 4 to 16 rows. Tiles of one or two rows prefetch their blocks 8 ahead. */
+ * memory, 0.42-0.53x at 4 to 16 rows. Tiles of one or two rows prefetch (packed_prefetch). */
 static inline __attribute__((always_inline)) void packed_q8_int16(const int type, const GgufJob *job,
                                                                   const uint8_t *group, int64_t m0, const int MR,
                                                                   float *out) {
@@ -732,9 +731,7 @@ static inline __attribute__((always_inline)) void packed_q8_int16(const int type
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *block = group + b * bb, *q = block + 16;
-        if (MR <= PACKED_PREFETCH_ROWS)
-            for (int line = 0; line < bb; line += 64)
-                _mm_prefetch((const char *)((uintptr_t)block + (uintptr_t)(8 * bb + line)), _MM_HINT_T0);
+        if (MR <= PACKED_PREFETCH_ROWS) packed_prefetch(block, bb);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
         const int16_t *x = job->x16 + m0 * K + b * 32;
         __m256i sums[PACKED_TILE];
