@@ -587,10 +587,11 @@ static inline __m256i packed_sums(__m256i sums) {
  * prefetcher brings them: a one-row product of SmolLM2's Q4_1 shapes streamed from memory took
  * 0.80-0.92x the time with blocks 16 ahead (2 threads, builds alternating in one process; 8, 24,
  * 32 and 48 ahead were no better). The int16 lm_head at one or two rows took 1.03-1.22x the time
- * without it; 8 and 16 blocks ahead were within noise of each other (16: 0.89-1.03x). The address is formed as an integer: past a
- * weight's last blocks it points beyond the buffer, which a prefetch may do (it never faults) but
- * C pointer arithmetic may not. At 4 rows it gained nothing, and the Q8_0 head's fp32 kernel,
- * which has more work per byte, gained nothing either. */
+ * without it; 8 and 16 blocks ahead were within noise of each other (16: 0.89-1.03x). The
+ * address is formed as an integer: past a weight's last blocks it points beyond the buffer,
+ * which a prefetch may do (it never faults) but C pointer arithmetic may not. At 4 rows it
+ * gained nothing, and the Q8_0 head's fp32 kernel, which has more work per byte, gained nothing
+ * either. */
 static inline __attribute__((always_inline)) void packed_prefetch(const uint8_t *block, const int bb) {
     const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(PACKED_PREFETCH_BLOCKS * bb);
     for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
