@@ -22,7 +22,8 @@ import pytest
 FAULT_APP = "fault"
 FAULT_PREFIX = "rayllm-fault"
 NUM_STREAMS = 16
-MAX_TOKENS = 100  # long enough that a fault injected after 6 chunks a stream lands mid-generation on a fast machine
+MAX_TOKENS = 300  # long enough that a fault injected after 6 chunks a stream lands mid-generation, even when
+# the kill takes a loaded machine a second to carry out (at 100 the streams once ended first)
 MAX_NUM_SEQS = 8  # per worker: 16 streams fill both workers, and one worker after a kill
 MAX_QUEUED = 8
 API_KEY = f"sk-fault-{uuid.uuid4().hex}"  # from RAYLLM_API_KEYS, read once by build_app
