@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.bench_attention                  # fp32, 1 thread, 16 seqs x 272 keys
     .venv/bin/python -m bench.bench_attention --threads 2 --dtype bfloat16
+    .venv/bin/python -m bench.bench_attention --threads 2 --kv-dtype float16   # fp32 queries, a half pool
 
 SmolLM2-135M's shapes (30 layers, 9 query heads over 3 kv heads, head_dim 64, blocks of 16):
 each layer gets its own pool (about 200 MB in all in fp32 at the defaults), so every call
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--context", type=int, default=272)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the pool's dtype (default: --dtype); float16 under float32 queries is a half pool")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prefill", action="store_true",
                         help="a prefill step instead: each sequence's --context tokens are all queries (causal), "
@@ -51,8 +54,9 @@ def main() -> None:
     BLOCK = args.block_size
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    kv_dtype = getattr(torch, args.kv_dtype or args.dtype)
     blocks_per_seq = -(-args.context // BLOCK)
-    block_bytes = 2 * KV_HEADS * HEAD_DIM * BLOCK * dtype.itemsize  # K and V
+    block_bytes = 2 * KV_HEADS * HEAD_DIM * BLOCK * kv_dtype.itemsize  # K and V
     num_blocks = max(args.seqs * blocks_per_seq + 1, int(args.pool_gb * 2**30 / (LAYERS * block_bytes)))
     generator = torch.Generator().manual_seed(0)
     order = torch.arange(num_blocks - 1) if args.blocks_in_order else torch.randperm(num_blocks - 1, generator=generator)
@@ -63,8 +67,8 @@ def main() -> None:
     seq_lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
     layers = []
     for _ in range(LAYERS):
-        k_cache, v_cache = cpu_attention.allocate_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
-        k_cache.copy_(torch.randn(k_cache.shape, generator=generator).to(dtype))  # K and V share one pool
+        k_cache, v_cache = cpu_attention.allocate_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype)
+        k_cache.copy_(torch.randn(k_cache.shape, generator=generator).to(kv_dtype))  # K and V share one pool
         q = torch.randn(args.seqs * queries_per_seq, HEADS, HEAD_DIM, generator=generator).to(dtype)
         layers.append((q, k_cache, v_cache))
     pool_mb = sum(k.untyped_storage().nbytes() for _, k, _ in layers) / 1e6
@@ -80,7 +84,8 @@ def main() -> None:
     cold = statistics.median(run(layers) for _ in range(args.repeats))
     warm = statistics.median(run([layers[0]] * LAYERS) for _ in range(args.repeats))
     what = f"prefill of {args.seqs} x {args.context} tokens" if args.prefill else f"{args.seqs} seqs x {args.context} keys"
-    print(f"{args.dtype}, {args.threads} thread(s), {what}, {LAYERS} layers, blocks of {BLOCK}"
+    pool = f" over a {kv_dtype} pool".replace("torch.", "") if kv_dtype != dtype else ""
+    print(f"{args.dtype}{pool}, {args.threads} thread(s), {what}, {LAYERS} layers, blocks of {BLOCK}"
           f"{' in order' if args.blocks_in_order else ''} "
           f"({pool_mb:.0f} MB of pools): {cold * 1e3:.1f} ms from memory, {warm * 1e3:.1f} ms on one warm pool")
 

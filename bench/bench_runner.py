@@ -131,6 +131,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quantization", default="none", choices=["none", "auto"],
                         help="--breakdown: auto serves a GGUF model (the default's Q4_1 file, a .gguf path) with its "
                              "quantized weights; the weight-read time is then that of their blocks")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="--breakdown: the KV pool's dtype (auto: fp16 under auto fp32 activations on CPU)")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="--breakdown: also a step computing N prompts of --prompt-len tokens (8: the 2048-token "
                              "steps of a c16 wave), against its GEMM-only time")
@@ -148,7 +150,8 @@ def run_breakdown(args: argparse.Namespace) -> None:
     print("-" * len(step_breakdown.HEADER))
     model = str(resolve_model_path(args.model)) if args.quantization == "none" else (args.model or "default")
     step_breakdown.run(model, args.dtypes.split(","), [int(t) for t in args.threads_list.split(",")], batches,
-                       prompt_len, prefill_seqs=args.prefill, quantization=args.quantization)
+                       prompt_len, prefill_seqs=args.prefill, quantization=args.quantization,
+                       kv_cache_dtype=args.kv_cache_dtype)
     print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 

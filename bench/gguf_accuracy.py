@@ -10,8 +10,10 @@ text tests/workers/test_bf16_agreement.py uses): at every position of --sequence
 reference's? Sides (the configurations a deployment can pick):
 
     dequantized fp32   dtype float32                          the reference
-    gguf fp32          dtype auto      (quantization auto)    the GGUF types, fp32 activations (the default)
-    gguf bf16          dtype bfloat16  (quantization auto)    the GGUF types, bf16 activations
+    gguf fp32          dtype auto      (quantization auto)    the GGUF types, fp32 activations, an fp16 KV
+                                                              pool (kv_cache_dtype auto): the default
+    gguf fp32 kv32     the same with kv_cache_dtype float32   ... over an fp32 KV pool
+    gguf bf16          dtype bfloat16  (quantization auto)    the GGUF types, bf16 activations and KV
     dequantized bf16   dtype bfloat16, quantization none      the dequantized weights in bf16
 
 Each side runs in a process of its own, built as a worker builds it (ModelRunner), so its
@@ -45,6 +47,7 @@ import tempfile
 SIDES = {  # name -> RunnerConfig fields
     "dequantized fp32": dict(dtype="float32"),
     "gguf fp32": dict(dtype="auto", quantization="auto"),
+    "gguf fp32 kv32": dict(dtype="auto", quantization="auto", kv_cache_dtype="float32"),
     "gguf bf16": dict(dtype="bfloat16", quantization="auto"),
     "dequantized bf16": dict(dtype="bfloat16", quantization="none"),
 }
@@ -115,7 +118,7 @@ def run_side(args: argparse.Namespace) -> dict:
     predictions = [top1(runner, sequence) for sequence in text_sequences(tokenizer, args.sequences, args.seq_len)]
     _, peak = rss_mib()
     info = runner.model_info
-    return {"side": args.side, "dtype": info.dtype, "quantization": info.quantization,
+    return {"side": args.side, "dtype": info.dtype, "kv": info.kv_cache_dtype, "quantization": info.quantization,
             "linear_backend": info.linear_backend, "rss_before_mib": before, "rss_loaded_mib": loaded,
             "peak_mib": peak, "predictions": predictions}
 
@@ -173,14 +176,14 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     print(f"model {args.model or 'default (SmolLM2-135M-Instruct)'} | {args.sequences} x {args.seq_len} tokens of "
           f"pydoc_data.topics, {len(reference)} positions teacher-forced | {args.threads} threads")
     halves = second_halves(results[REFERENCE]["predictions"])
-    print(f"{'side':>18} | {'dtype':>8} | {'weights':>10} | {'top-1 vs ref':>12} | {'2nd halves':>10} | "
+    print(f"{'side':>18} | {'dtype':>8} | {'KV':>8} | {'weights':>10} | {'top-1 vs ref':>12} | {'2nd halves':>10} | "
           f"{'RSS before':>10} | {'RSS loaded':>10} | {'model MiB':>9} | {'peak MiB':>8}")
     for side, result in results.items():
         ours = [token for sequence in result["predictions"] for token in sequence]
         agreement = sum(a == b for a, b in zip(ours, reference, strict=True)) / len(reference)
         ours_halves = second_halves(result["predictions"])
         on_halves = sum(a == b for a, b in zip(ours_halves, halves, strict=True)) / len(halves)
-        print(f"{side:>18} | {result['dtype']:>8} | {result['quantization']:>10} | {agreement:12.4f} | "
+        print(f"{side:>18} | {result['dtype']:>8} | {result['kv']:>8} | {result['quantization']:>10} | {agreement:12.4f} | "
               f"{on_halves:10.4f} | "
               f"{result['rss_before_mib']:10.0f} | {result['rss_loaded_mib']:10.0f} | "
               f"{result['rss_loaded_mib'] - result['rss_before_mib']:9.0f} | {result['peak_mib']:8.0f}")

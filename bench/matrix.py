@@ -156,6 +156,9 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively, the default deployment (model=default, "
            "quantization=auto, dtype auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"),
            ("model=default", "quantization=auto"), dtype="auto"),
+    Server("ours-gguf-kv32", "ours-gguf with an fp32 KV pool (kv_cache_dtype=float32; the default under fp32 "
+           "activations is fp16)", "ours.sh", 8000, ("c1", "c16"),
+           ("model=default", "quantization=auto", "kv_cache_dtype=float32"), dtype="auto"),
     Server("llama-gguf", "llama.cpp llama-server on the shipped Q4_1 GGUF itself, -t 2 -tb 2 --poll 0 -np 16 -cb",
            "llama_server.sh", 8300, ("c1", "c16"), needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh", dtype="gguf"),

@@ -176,7 +176,7 @@ def kv_bytes(runner: ModelRunner, batch: int, prompt_len: int, num_steps: int) -
     """The KV that decode_steps' timed steps read, per step: batch sequences at their mean
     context (the prompt, the first sampled token, the warm step's and half the timed steps' tokens)."""
     c = runner.model_config
-    element = torch.empty(0, dtype=runner.model.dtype).element_size()
+    element = runner.kv_caches[0][0].element_size()  # the pool's dtype (fp16 under fp32 activations by default)
     mean_keys = prompt_len + 1 + (num_steps + 1) / 2
     return int(batch * mean_keys * c.num_layers * 2 * c.num_kv_heads * c.head_dim * element)
 
@@ -252,14 +252,17 @@ def prefill_step(runner: ModelRunner, num_seqs: int, prompt_len: int, repeats: i
 
 def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: list[int], prompt_len: int,
         num_steps: int = 16, repeats: int = 5, prefill_seqs: int = 0,
-        quantization: str = "none") -> list[Breakdown | PrefillBreakdown]:
+        quantization: str = "none", kv_cache_dtype: str = "auto") -> list[Breakdown | PrefillBreakdown]:
     """quantization "auto": a GGUF model_dir ("default", a .gguf path) served with its quantized weights."""
     results = []
     for dtype in dtypes:
         blocks = max(max(batches), prefill_seqs) * (-(-(prompt_len + 2 * num_steps + 8) // 16)) + 1
-        runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks, quantization=quantization))
+        runner = ModelRunner(RunnerConfig(model=model_dir, dtype=dtype, num_blocks=blocks, quantization=quantization,
+                                          kv_cache_dtype=kv_cache_dtype))
         if runner.model_info.quantization != "none":
             dtype = f"{dtype}, {runner.model_info.quantization}"
+        if runner.model_info.kv_cache_dtype != runner.model_info.dtype:
+            dtype = f"{dtype}, kv {runner.model_info.kv_cache_dtype}"
         weights = weight_bytes(runner)
         for threads in threads_list:
             torch.set_num_threads(threads)

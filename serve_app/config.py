@@ -115,6 +115,13 @@ class AppArgs(BaseModel):
         "A safetensors checkpoint with a quantization_config (fp8, awq, gptq) is always dequantized at load. "
         "Reported in /v1/models (backend.quantization, e.g. gguf:Q4_1, awq:4bit-g128 (dequantized at load), or none).",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The KV pool's dtype. auto: under dtype auto, a 16-bit pool on CPU workers (bf16 where "
+        "the activations are bf16, fp16 under fp32 activations, as llama.cpp's server keeps its cache: half the "
+        "bytes per token to store and to read each decode step, docs/models.md); the activations' dtype otherwise "
+        "(an explicit dtype, GPU workers). float16 under float32 activations needs the cpu attention backend. "
+        "Reported in /v1/models.",
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(
         None, ge=2, description="KV blocks per worker (block 0 is reserved); null: from kv_cache_memory_gb."

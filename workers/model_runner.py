@@ -79,6 +79,31 @@ def resolve_dtype(name: str, device: str | torch.device) -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_kv_cache_dtype(name: str, configured_dtype: str, dtype_name: str, device: torch.device,
+                           attention_backend: str) -> str:
+    """The KV pool's dtype. "auto" under dtype "auto" on a CPU with our attention kernel is a
+    16-bit pool: the activations' bf16, or fp16 under fp32 activations (AVX2 CPUs, a GGUF checkpoint
+    served natively), which the kernel widens as it reads (decode attention is bound by reading the
+    pool: half its bytes took bench.bench_attention's 30 layers of 16 decodes at 272 keys from 17.5
+    to 13.0 ms on a 2-core AVX2 CPU, and one decode from 2.0 to 1.05 ms); llama.cpp's server keeps
+    an f16 cache too. Elsewhere "auto" is the activations' dtype: an explicit dtype (float32 is the
+    exact path the oracle tests run), a GPU, the torch reference. An explicit name must be the
+    activations' dtype, or float16 under float32 activations on a CPU with the cpu backend."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {KV_CACHE_DTYPES}")
+    half_fits = device.type == "cpu" and dtype_name == "float32" and attention_backend == "cpu"
+    if name == "auto":
+        return "float16" if half_fits and configured_dtype == "auto" else dtype_name
+    if name != dtype_name and not (name == "float16" and half_fits):
+        raise ValueError(f"kv_cache_dtype {name} needs activations of that dtype, or float32 activations on a CPU "
+                         f"worker with the cpu attention backend (for float16); got dtype {dtype_name} on "
+                         f"{device.type} with the {attention_backend} backend. Use kv_cache_dtype: auto.")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     model: str | None = None  # local HF directory, a .gguf file, or None / "default" for SmolLM2-135M-Instruct
@@ -93,6 +118,9 @@ class RunnerConfig:
     # weights on CPU unless dtype is "float32" (workers.loader.serves_gguf); "none": its dequantized
     # weights are served (docs/models.md compares them)
     quantization: str = "auto"
+    # the KV pool's dtype: "auto" (a 16-bit pool on CPUs under dtype "auto", else the activations'
+    # dtype) or one of KV_CACHE_DTYPES (see resolve_kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks per layer, block 0 included; None: from kv_cache_memory_bytes
@@ -119,7 +147,8 @@ class ModelInfo:
     num_blocks: int  # KV blocks per layer, block 0 (null) included
     block_size: int  # tokens per block
     device: str = "cpu"  # torch device type the weights and KV pool live on
-    dtype: str = "float32"  # weights and KV dtype
+    dtype: str = "float32"  # weights and activations dtype
+    kv_cache_dtype: str = "float32"  # the KV pool's: dtype, or float16 under float32 (a half pool, CPU)
     attention_backend: str = "torch"  # resolved attention kernels: "cpu" (our C kernel), "torch" (reference) or "triton"
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (none on CPU)
     model_type: str = "llama"  # the checkpoint's family (workers/families.py)
@@ -221,10 +250,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             release_freed_heap()
         self.block_size = config.block_size
+        self.kv_cache_dtype_name = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.dtype_name,
+                                                          self.device, self.attention_backend)
+        kv_dtype = DTYPES[self.kv_cache_dtype_name]
         self.num_blocks = config.num_blocks or num_blocks_for_memory(
-            self.model_config, config.block_size, config.kv_cache_memory_bytes, dtype
+            self.model_config, config.block_size, config.kv_cache_memory_bytes, kv_dtype
         )
-        self.kv_caches = self._allocate_kv_caches(dtype)
+        self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
         graph_sizes = resolve_graph_sizes(config.cuda_graph_batch_sizes, self.device, self.attention_backend)
         if graph_sizes:
@@ -256,6 +288,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device.type,
             dtype=self.dtype_name,
+            kv_cache_dtype=self.kv_cache_dtype_name,
             attention_backend=self.attention_backend,
             cuda_graph_batch_sizes=self.decode_graphs.batch_sizes if self.decode_graphs is not None else (),
             model_type=self.model_config.text_model_of or self.model_config.model_type,

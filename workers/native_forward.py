@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from workers.gguf_weight import GgufWeight
 from workers.kernels import check_variants, cpu_attention, gguf
-from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, ForwardArgs, LayerArgs, check_status, native_library
+from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODES, ForwardArgs, LayerArgs, check_status,
+                                    native_library)
 from workers.layer_ops import NativeOps
 from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
 
@@ -118,7 +119,8 @@ class NativeForward:
         step = cpu_attention.bind(metadata, model.scale)  # checks the metadata; its args carry it
         block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
         assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
-        assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype)
+        kv_dtype = kv_caches[0][0].dtype  # the model's dtype, or fp16 under fp32 (a half pool)
+        assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype)
         residual = model.embed_tokens(input_ids)
         scratch = {
             name: torch.empty(num_tokens, width, dtype=dtype)
@@ -129,7 +131,8 @@ class NativeForward:
         }
         attention = step.args
         attention.num_heads, attention.num_kv_heads, attention.head_dim = c.num_heads, num_kv_heads, head_dim
-        attention.block_size, attention.block_stride, attention.dtype = block_size, block_stride, DTYPE_CODES[dtype]
+        attention.block_size, attention.block_stride = block_size, block_stride
+        attention.dtype, attention.kv_dtype = DTYPE_CODES[dtype], KV_DTYPE_CODES[kv_dtype]
         args = ForwardArgs(
             layers=self._layer_args(kv_caches), final_norm=model.final_norm.data_ptr(), residual=residual.data_ptr(),
             **{name: tensor.data_ptr() for name, tensor in scratch.items()},

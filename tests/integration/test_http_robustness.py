@@ -26,7 +26,8 @@ def test_health_version_models(server) -> None:
         assert model["root"] == str(server.model_dir)
         # the shared app pins fp32 (see conftest); on CPU the attention is our C kernel
         # (triton is the CUDA default)
-        assert model["backend"] == {"device": "cpu", "dtype": "float32", "attention_backend": "cpu",
+        assert model["backend"] == {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32",
+                                    "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",
                                     "layer_ops": "native", "linear_backend": "native", "quantization": "none",
                                     "reasoning_parser": None, "tool_call_parser": "hermes"}

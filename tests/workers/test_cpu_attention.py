@@ -15,6 +15,7 @@ the fast path and the portable one are both checked on either kind of CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -70,6 +71,73 @@ def test_matches_dense_oracle_and_torch_reference(case, block_size, gqa, head_di
     torch_ref.write_kv_cache(garbage.k_new, garbage.v_new, garbage.k_cache, garbage.v_cache, garbage.slot_mapping)
     reference = torch_ref.paged_attention(*garbage.attention_args())
     assert (out.double() - reference.double()).abs().max().item() <= kc.ATOL[dtype]
+
+
+def _half_pool_attend(batch: kc.PagedBatch, **variants) -> torch.Tensor:
+    """The step over an fp16 pool under fp32 queries: the prefix copied in as half, this step's
+    fp32 keys and values rounded to half by the kernel's write."""
+    k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache.half(), batch.v_cache.half())
+    cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    assert k_cache.dtype == torch.float16
+    return cpu_attention.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                         batch.seq_lens, batch.scale, **variants)
+
+
+def _rounded_to_half(batch: kc.PagedBatch) -> kc.PagedBatch:
+    """The fp32 batch with its keys and values (pool and this step's) rounded to fp16 and back."""
+    half = lambda x: x.half().float()  # noqa: E731
+    return dataclasses.replace(batch, k_new=half(batch.k_new), v_new=half(batch.v_new), k_cache=half(batch.k_cache),
+                               v_cache=half(batch.v_cache), dense_k=[half(k) for k in batch.dense_k],
+                               dense_v=[half(v) for v in batch.dense_v])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 32], ids=["d64", "d128", "d32-portable"])
+@pytest.mark.parametrize("block_size,gqa", [(16, 3), (4, 1), (32, 4)])
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_a_half_pool_equals_fp32_attention_over_the_rounded_keys(case, block_size, gqa, head_dim):
+    """fp32 queries over an fp16 pool: the kernel widens each key and value exactly as it loads
+    it, so where both pools take the same SIMD body (head dims 64 and 128, blocks of a multiple
+    of 16: the AVX2 body's half loads read a chunk's 16 key slots whole) the output is the fp32
+    kernel's, bit for bit, on keys and values rounded to half; elsewhere (the portable body,
+    which the compiler may vectorise differently for each dtype) within fp32's rounding. It is
+    within fp16's rounding of the oracle on the unrounded ones. The NaN outside each
+    sequence's slots checks that no slot it must not see reaches the output."""
+    batch = kc.make_batch(SPECS[case], block_size=block_size, num_kv_heads=3, num_queries_per_kv=gqa,
+                          head_dim=head_dim, dtype=torch.float32, seed=block_size + gqa)
+    out = _half_pool_attend(batch)
+    assert out.dtype == torch.float32 and not out.isnan().any(), "read a slot outside the sequence's keys"
+    rounded = _rounded_to_half(batch)
+    if head_dim in (64, 128) and block_size % 16 == 0:
+        assert torch.equal(out, _attend(rounded))
+    assert kc.max_abs_err(out, _attend(rounded)) <= kc.ATOL[torch.float32]
+    assert kc.max_abs_err(out, kc.naive_attention(rounded)) <= kc.ATOL[torch.float32]
+    assert kc.max_abs_err(out, kc.naive_attention(batch)) <= kc.ATOL[torch.float16]
+
+
+@pytest.mark.parametrize("variant", ["window7", "softcap", "sinks", "window-sinks"])
+def test_a_half_pool_takes_the_variants(variant):
+    batch = kc.make_batch(kc.MIXED_SPECS, block_size=16, num_kv_heads=3, num_queries_per_kv=3, head_dim=64,
+                          dtype=torch.float32, seed=7)
+    kwargs = kc.variant_kwargs(variant, batch.q.shape[1])
+    out = _half_pool_attend(batch, **kwargs)
+    assert torch.equal(out, _attend(_rounded_to_half(batch), **kwargs))
+
+
+def test_a_half_pool_is_refused_under_bf16_queries_and_write_rounds_to_nearest_even():
+    assert cpu_attention.supports(9, 3, 64, 16, torch.float32, torch.float16)
+    assert not cpu_attention.supports(9, 3, 64, 16, torch.bfloat16, torch.float16)
+    assert not cpu_attention.supports(9, 3, 64, 16, torch.float32, torch.bfloat16)
+    k_cache, v_cache = cpu_attention.allocate_kv_cache(3, 16, 2, 64, torch.float16)
+    k = torch.randn(5, 2, 64) * torch.logspace(-9, 5, 64)  # from half's subnormals to past its largest, 65504
+    v = -k
+    slots = torch.tensor([16, 17, 40, 3, 47])
+    cpu_attention.write_kv_cache(k, v, k_cache, v_cache, slots)
+    k_std = torch.zeros(3, 16, 2, 64, dtype=torch.float16)
+    v_std = torch.zeros_like(k_std)
+    torch_ref.write_kv_cache(k.half(), v.half(), k_std, v_std, slots)  # torch's rounding: nearest even, inf past
+    expected_k, expected_v = cpu_attention.from_standard_layout(k_std, v_std)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert k_cache.isinf().any()  # the largest inputs overflowed half, as torch's .half() makes them
 
 
 def test_strided_queries_and_two_threads():

@@ -138,3 +138,40 @@ def test_model_info_and_kv_pool_sizing(tiny_model_dir):
     assert runner.kv_caches[0][0].shape == (10, 16, 2, 16) and len(runner.kv_caches) == 3
     with pytest.raises(ValueError, match="at least 2"):
         num_blocks_for_memory(config, 16, per_block, torch.float32)
+
+
+def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_model_dir, monkeypatch):
+    """dtype auto resolved to fp32 on a CPU with our attention kernel: "auto" allocates an fp16
+    pool, twice the blocks in the same memory; an explicit float32 dtype keeps an fp32 pool (the
+    exact path); a pool dtype the kernels cannot read fails at start, in one line."""
+    import workers.model_runner as model_runner
+    from workers.kernels.native import native_available
+
+    if not native_available():
+        pytest.skip("the C kernels do not build here")
+    monkeypatch.setattr(model_runner, "cpu_has_fast_bf16", lambda: False)  # as on an AVX2 CPU
+    config = ModelConfig.from_model_dir(tiny_model_dir)
+    memory = 20 * kv_bytes_per_block_fp32(config)
+    settings = dict(model=str(tiny_model_dir), block_size=16, kv_cache_memory_bytes=memory, attention_backend="cpu")
+    half = ModelRunner(RunnerConfig(dtype="auto", **settings))
+    assert (half.model_info.dtype, half.model_info.kv_cache_dtype, half.model_info.num_blocks) == ("float32",
+                                                                                                "float16", 40)
+    assert all(k.dtype == v.dtype == torch.float16 for k, v in half.kv_caches)
+    exact = ModelRunner(RunnerConfig(dtype="float32", **settings))
+    assert (exact.model_info.kv_cache_dtype, exact.model_info.num_blocks) == ("float32", 20)
+    asked = ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="float16", **settings))
+    assert asked.model_info.kv_cache_dtype == "float16"
+    reference = ModelRunner(RunnerConfig(dtype="auto", **{**settings, "attention_backend": "torch"}))
+    assert reference.model_info.kv_cache_dtype == "float32"  # the torch reference reads the model's dtype only
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
+        ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="float16", **{**settings, "attention_backend": "torch"}))
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
+        ModelRunner(RunnerConfig(dtype="bfloat16", kv_cache_dtype="float16", **settings))
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
+        ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="fp8", **settings))
+
+
+def kv_bytes_per_block_fp32(config: ModelConfig) -> int:
+    from workers.model_runner import kv_bytes_per_block
+
+    return kv_bytes_per_block(config, 16, torch.float32)

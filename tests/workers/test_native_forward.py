@@ -50,6 +50,20 @@ def test_c_loop_equals_the_python_loop(tiny_model_dir, threads):
         assert len(compared) >= 6 and max(compared) <= GEMV_MAX_ROWS, compared
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_loop_equals_the_python_loop_over_a_half_pool(tiny_model_dir, threads):
+    """fp32 activations over an fp16 KV pool (kv_cache_dtype float16; blocks of 16, which the
+    AVX2 body reads with its half loads): both loops round the step's keys and values to half
+    on writing them, and read them back the same way."""
+    runner = make_runner(tiny_model_dir, attention_backend="cpu", kv_cache_dtype="float16", block_size=16,
+                         num_threads=threads)
+    assert runner.model_info.kv_cache_dtype == "float16" and runner.kv_caches[0][0].dtype == torch.float16
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([1, 3, 8, 17, 29, 45], runner.model_info.vocab_size)
+    run_requests(runner, prompts, greedy(12), token_budget=16)
+    assert len(compared) >= 6, compared
+
+
 def test_c_loop_in_bf16_on_panels(tiny_model_dir):
     """On AVX512_BF16 CPUs a bf16 model's products are the bf16 panel GEMM, and the C loop
     takes every step of up to its row limit, the same bit for bit as the Python loop."""

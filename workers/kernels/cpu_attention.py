@@ -22,9 +22,10 @@ only the scores and the softmax's start (csrc/paged_attention.c).
 bind() checks and packs a step's metadata once for all its layers (per-layer Python cost
 measured ~50 us per attention call before, of a ~10 us kernel at one decoding sequence).
 
-fp32 and bf16 (q, pool and output in one dtype); head_dim up to 256, block_size up to 64 (even
-for bf16), up to 256 query heads (see supports()). This launcher asserts the layouts the
-kernel assumes.
+fp32 and bf16 (q, pool and output in one dtype), and fp32 queries over an fp16 pool (half the
+bytes to read per key; the kernel widens them as it loads them, and write_kv_cache rounds fp32
+keys and values to half); head_dim up to 256, block_size up to 64 (even for bf16), up to 256
+query heads (see supports()). This launcher asserts the layouts the kernel assumes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from workers.huge_pages import empty_huge
 from workers.kernels import check_variants
-from workers.kernels.native import DTYPE_CODES, AttentionArgs, check_status, native_library
+from workers.kernels.native import DTYPE_CODES, KV_DTYPE_CODES, AttentionArgs, check_status, native_library
 
 __all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention", "pool_layout", "write_kv_cache"]
 
@@ -49,11 +50,21 @@ def _pack(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.bfloat16 else 1
 
 
-def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel handles this model shape and dtype (else use the torch reference)."""
+def pool_dtype_fits(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the kernel reads a pool of kv_dtype under queries of dtype: the same dtype, or an
+    fp16 pool under fp32 queries."""
+    return dtype in DTYPE_CODES and (kv_dtype == dtype or (dtype == torch.float32 and kv_dtype == torch.float16))
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+             kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel handles this model shape, dtype and pool dtype (None: dtype) (else use
+    the torch reference)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     return (
-        dtype in DTYPE_CODES and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE and num_heads <= MAX_HEADS
-        and num_heads % num_kv_heads == 0 and head_dim % _pack(dtype) == 0 and block_size % _pack(dtype) == 0
+        pool_dtype_fits(dtype, kv_dtype) and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE
+        and num_heads <= MAX_HEADS and num_heads % num_kv_heads == 0 and head_dim % _pack(kv_dtype) == 0
+        and block_size % _pack(kv_dtype) == 0
     )
 
 
@@ -61,7 +72,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
                       device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """One zeroed pool [num_blocks, 2, ...] whose two halves are the returned K and V views:
     K [num_blocks, num_kv_heads, head_dim / P, block_size, P], V [num_blocks, num_kv_heads,
-    block_size / P, head_dim, P], P = 2 for bf16 and 1 for fp32 (zeros: see the runner)."""
+    block_size / P, head_dim, P], P = 2 for bf16 and 1 for fp32 and fp16 (zeros: see the runner).
+    dtype is the pool's (fp16 under an fp32 model: a half pool)."""
     pack = _pack(dtype)
     shape = (num_blocks, 2, num_kv_heads * head_dim * block_size)
     # On 2 MB pages where Linux offers them (workers/huge_pages.py): a step's blocks lie scattered
@@ -118,13 +130,15 @@ def write_kv_cache(
 def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: int) -> None:
     block_size, num_kv_heads, head_dim, block_stride = pool_layout(k_cache, v_cache)
     num_tokens = k.shape[0]
-    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == k_cache.dtype
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == v.dtype
+    assert pool_dtype_fits(k.dtype, k_cache.dtype), (k.dtype, k_cache.dtype)
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
     if num_tokens == 0:
         return
     check_status(native_library().rayllm_write_kv(
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_stride,
-        slots, num_tokens, num_kv_heads, head_dim, block_size, DTYPE_CODES[k.dtype], torch.get_num_threads(),
+        slots, num_tokens, num_kv_heads, head_dim, block_size, DTYPE_CODES[k.dtype], KV_DTYPE_CODES[k_cache.dtype],
+        torch.get_num_threads(),
     ), "rayllm_write_kv")
 
 
@@ -184,8 +198,8 @@ class CpuStepAttention:
                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads, pool_head_dim, block_stride = pool_layout(k_cache, v_cache)
-        assert q.dtype == k_cache.dtype and q.stride(2) == 1 and pool_head_dim == head_dim
-        assert supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype)
+        assert q.stride(2) == 1 and pool_head_dim == head_dim
+        assert supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype, k_cache.dtype)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         if num_tokens == 0:
             return out
@@ -194,7 +208,7 @@ class CpuStepAttention:
         a.num_heads, a.num_kv_heads, a.head_dim, a.block_size = num_heads, num_kv_heads, head_dim, block_size
         a.q_stride_token, a.q_stride_head, a.out_stride_token, a.out_stride_head = (
             q.stride(0), q.stride(1), out.stride(0), out.stride(1))
-        a.block_stride, a.dtype = block_stride, DTYPE_CODES[q.dtype]
+        a.block_stride, a.dtype, a.kv_dtype = block_stride, DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype]
         if window is None and softcap is None and sinks is None:
             a.window, a.softcap, a.sinks = 0, 0.0, None
         else:

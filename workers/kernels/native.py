@@ -128,6 +128,7 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype argument of every entry point (csrc/simd.h)
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}  # a KV pool's (kv_dtype): a half pool under fp32 queries too
 # rayllm_gated_mul's activation (csrc/entry_points.h): act(gate) * up; "swiglu_oai" is gpt-oss's clamped SwiGLU
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
@@ -170,7 +171,8 @@ class AttentionArgs(ctypes.Structure):
         ("out_stride_head", ctypes.c_int64),
         ("block_stride", ctypes.c_int64),
         ("scale", ctypes.c_float),
-        ("dtype", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),  # q and out
+        ("kv_dtype", ctypes.c_int32),  # the pool's: dtype, or fp16 under fp32 queries (KV_DTYPE_CODES)
         ("num_threads", ctypes.c_int32),
         ("window", ctypes.c_int64),  # 0: no sliding window
         ("softcap", ctypes.c_float),  # 0: no soft-cap
@@ -239,8 +241,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
     # k, v, k_stride, v_stride, k_cache, v_cache, block_stride, slot_mapping, num_tokens, num_kv_heads,
-    # head_dim, block_size, dtype, num_threads
-    "rayllm_write_kv": [_P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    # head_dim, block_size, dtype, kv_dtype, num_threads
+    "rayllm_write_kv": [_P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
     # residual, delta, weight, out, num_rows, hidden, eps, dtype, num_threads
     "rayllm_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32],
     # qkv, positions, cos, sin, num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, dtype, num_threads

@@ -18,7 +18,8 @@ typedef struct {
     int64_t out_stride_token, out_stride_head; /* elements */
     int64_t block_stride;                      /* elements from one block's K (or V) part to the next's */
     float scale;
-    int32_t dtype;       /* DTYPE_F32 or DTYPE_BF16: q, pool and out share it */
+    int32_t dtype;       /* DTYPE_F32 or DTYPE_BF16: q and out */
+    int32_t kv_dtype;    /* the pool's: dtype itself, or DTYPE_F16 under fp32 queries (a half pool) */
     int32_t num_threads; /* OpenMP threads for the tasks */
     /* the layer's variants (paged_attention.c); zero / NULL: none */
     int64_t window;      /* > 0: a query at position p sees keys (p - window, p] only */
@@ -29,7 +30,7 @@ typedef struct {
 int rayllm_paged_attention(const AttentionArgs *a);
 int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
                     int64_t block_stride, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
-                    int64_t head_dim, int64_t block_size, int32_t dtype, int32_t num_threads);
+                    int64_t head_dim, int64_t block_size, int32_t dtype, int32_t kv_dtype, int32_t num_threads);
 
 /* layer_ops.c */
 int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,

@@ -112,7 +112,8 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
                                  T, H, KV, D, a->rotary_dim, a->dtype, a->num_threads);
         if (!status)
             status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
-                                     a->slot_mapping, T, KV, D, meta->block_size, a->dtype, a->num_threads);
+                                     a->slot_mapping, T, KV, D, meta->block_size, a->dtype, meta->kv_dtype,
+                                     a->num_threads);
         if (!status) status = rayllm_paged_attention(&attention);
         if (!status) status = linear(a, a->attended, layer->o, layer->o_type, layer->o_bias, a->delta, hidden, H * D);
         if (!status && layer->attn_out_norm)

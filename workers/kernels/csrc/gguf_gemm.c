@@ -54,23 +54,7 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 
 static inline float fp16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0) {
-        const float f = (float)mantissa * (1.0f / 16777216.0f); /* subnormal: mantissa * 2^-24 */
-        return sign ? -f : f;
-    }
-    if (exponent == 31)
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    else
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
+    return f16_to_f32(h);
 }
 
 static inline int block_bytes(const int type) {

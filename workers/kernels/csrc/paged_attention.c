@@ -17,7 +17,13 @@
  *                 value (gpt-oss). A row's running max starts at its head's sink and its sum at 1
  *                 (e^(sink - sink)), so the online softmax below takes it in with no other change.
  *
- * Pool layout (workers/kernels/cpu_attention.py allocates it; P = 2 for bf16, 1 for fp32):
+ * Pool dtypes: the queries' own (fp32 or bf16), or a half (IEEE fp16) pool under fp32 queries,
+ * which holds the same keys in half the bytes: decode attention is bound by reading the pool,
+ * and an AVX2 CPU has no bf16 arithmetic. Its values are widened to fp32 as they are loaded
+ * (vcvtph2ps) and everything else runs as for an fp32 pool; rayllm_write_kv rounds this step's
+ * fp32 keys and values to half (nearest even; past 65504, inf, as llama.cpp's f16 cache does).
+ *
+ * Pool layout (workers/kernels/cpu_attention.py allocates it; P = 2 for bf16, 1 for fp32 and fp16):
  *
  *     block b:  [ K part: [kv_head][head_dim / P][block_size][P] | V part: [kv_head][block_size / P][head_dim][P] ]
  *
@@ -47,9 +53,10 @@
  *
  * and a row's output is acc / l, rounded to the pool's dtype (nearest even). The SIMD bodies
  * keep m' = m unless some s_j > m + MAX_SLACK (then c = 1 and no rescaling), which changes only
- * the rounding (softmax_row_fast says why it is safe). Three implementations of a chunk: AVX-512 (AVX512_BF16 for bf16) for head_dim 64 and 128; AVX2 +
- * FMA (8 lanes, fp32 pools) for the same head dims where the CPU has no AVX-512; portable C
- * for everything else.
+ * the rounding (softmax_row_fast says why it is safe). Three implementations of a chunk: AVX-512
+ * (AVX512_BF16 for bf16) for head_dim 64 and 128; AVX2 + FMA (8 lanes; fp32 pools, and fp16
+ * pools with F16C and blocks of a multiple of 16 keys) for the same head dims where the CPU has
+ * no AVX-512; portable C for everything else.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -86,8 +93,8 @@ static inline int row_in_task(const Task *t, int64_t r) {
 }
 
 typedef struct {
-    float qf[MAX_ROWS][MAX_HEAD_DIM];                          /* fp32 pools: the queries times the scale */
-    uint16_t qb[MAX_ROWS][MAX_HEAD_DIM];                       /* bf16 pools: the queries as they are (bf16) */
+    float qf[MAX_ROWS][MAX_HEAD_DIM];                          /* fp32 queries: the queries times the scale */
+    uint16_t qb[MAX_ROWS][MAX_HEAD_DIM];                       /* bf16 queries: as they are (bf16) */
     float acc[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* running sum of p_j v_j */
     float p[MAX_ROWS][CHUNK] __attribute__((aligned(64))); /* this chunk's e^(s_j - m) per row */
     uint16_t pb[MAX_ROWS][CHUNK];                          /* the same, rounded to bf16 */
@@ -127,16 +134,16 @@ static inline int64_t pack_of(int dtype) { return dtype == DTYPE_BF16 ? 2 : 1; }
 
 /* Element offsets, within a block's K or V part, of (kv head g, key j, dim d). */
 static inline int64_t k_offset(const AttentionArgs *a, int64_t g, int64_t j, int64_t d) {
-    const int64_t P = pack_of(a->dtype);
+    const int64_t P = pack_of(a->kv_dtype);
     return ((g * (a->head_dim / P) + d / P) * a->block_size + j) * P + d % P;
 }
 
 static inline int64_t v_offset(const AttentionArgs *a, int64_t g, int64_t j, int64_t d) {
-    const int64_t P = pack_of(a->dtype);
+    const int64_t P = pack_of(a->kv_dtype);
     return ((g * (a->block_size / P) + j / P) * a->head_dim + d) * P + j % P;
 }
 
-static inline int64_t element_size(const AttentionArgs *a) { return a->dtype == DTYPE_F32 ? 4 : 2; }
+static inline int64_t element_size(const AttentionArgs *a) { return a->kv_dtype == DTYPE_F32 ? 4 : 2; } /* the pool's */
 
 /* Bytes of one kv head's K (or V) part of a block. */
 static inline int64_t part_bytes(const AttentionArgs *a) { return a->block_size * a->head_dim * element_size(a); }
@@ -242,7 +249,7 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
             float dot = 0.0f;
             for (int64_t d = 0; d < D; d++) {
                 const float q = a->dtype == DTYPE_F32 ? w->qf[r][d] : bf16_to_f32(w->qb[r][d]) * a->scale;
-                dot += q * load_element(kb, k_offset(a, g, slot0 + j, d), a->dtype);
+                dot += q * load_element(kb, k_offset(a, g, slot0 + j, d), a->kv_dtype);
             }
             s[j] = a->softcap > 0.0f ? softcap_score(dot, a->softcap) : dot;
         }
@@ -250,8 +257,8 @@ static void chunk_portable(const Task *t, Scratch *w, int64_t start, int64_t n) 
         for (int64_t d = 0; d < D; d++) {
             float sum = w->acc[r][d] * w->correction[r];
             for (int64_t j = visible.lo; j < visible.hi; j++) {
-                const float p = a->dtype == DTYPE_F32 ? w->p[r][j] : bf16_to_f32(w->pb[r][j]);
-                sum += p * load_element(vb, v_offset(a, g, slot0 + j, d), a->dtype);
+                const float p = a->kv_dtype == DTYPE_BF16 ? bf16_to_f32(w->pb[r][j]) : w->p[r][j];
+                sum += p * load_element(vb, v_offset(a, g, slot0 + j, d), a->kv_dtype);
             }
             w->acc[r][d] = sum;
         }
@@ -318,7 +325,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
     const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
     __m512 even[ROW_BATCH], odd[ROW_BATCH]; /* two chains per row (alternate dims) for latency */
     for (int i = 0; i < RB; i++) even[i] = odd[i] = _mm512_setzero_ps();
-    if (a->dtype == DTYPE_BF16) {
+    if (a->kv_dtype == DTYPE_BF16) {
         const uint16_t *kt = (const uint16_t *)kb + (g * (D / 2) * BS + slot0) * 2; /* dim pair 0, key slot0 */
         for (int64_t pair = 0; pair < D / 2; pair += 2) {
             const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(lanes, kt + pair * BS * 2);
@@ -327,6 +334,16 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
                 const uint32_t *q = (const uint32_t *)w->qb[rows[i]];
                 even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32((int)q[pair]), k0);
                 odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32((int)q[pair + 1]), k1);
+            }
+        }
+    } else if (a->kv_dtype == DTYPE_F16) {
+        const uint16_t *kt = (const uint16_t *)kb + g * D * BS + slot0; /* dim 0, key slot0 */
+        for (int64_t d = 0; d < D; d += 2) {
+            const __m512 k0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, kt + d * BS));
+            const __m512 k1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, kt + (d + 1) * BS));
+            for (int i = 0; i < RB; i++) {
+                even[i] = _mm512_fmadd_ps(_mm512_set1_ps(w->qf[rows[i]][d]), k0, even[i]);
+                odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(w->qf[rows[i]][d + 1]), k1, odd[i]);
             }
         }
     } else {
@@ -360,7 +377,7 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
         const __m512 c = _mm512_set1_ps(w->correction[rows[i]]);
         for (int d = 0; d < DV; d++) out[i][d] = _mm512_mul_ps(_mm512_load_ps(w->acc[rows[i]] + 16 * d), c);
     }
-    if (a->dtype == DTYPE_BF16) {
+    if (a->kv_dtype == DTYPE_BF16) {
         const uint16_t *v = (const uint16_t *)vb + (g * (BS / 2) + slot0 / 2) * D * 2; /* key pair slot0 / 2 */
         for (int64_t pair = 0; pair < (n + 1) / 2; pair++) {
             /* a last key past n (odd n) may hold anything, even NaN: keep it out of the product */
@@ -370,6 +387,14 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
             for (int d = 0; d < DV; d++) {
                 const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(keys, v + (pair * D + 16 * d) * 2);
                 for (int i = 0; i < RB; i++) out[i][d] = _mm512_dpbf16_ps(out[i][d], p[i], x);
+            }
+        }
+    } else if (a->kv_dtype == DTYPE_F16) {
+        const uint16_t *v = (const uint16_t *)vb + (g * BS + slot0) * D; /* key slot0 */
+        for (int64_t j = 0; j < n; j++) {
+            for (int d = 0; d < DV; d++) {
+                const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + j * D + 16 * d)));
+                for (int i = 0; i < RB; i++) out[i][d] = _mm512_fmadd_ps(_mm512_set1_ps(w->p[rows[i]][j]), x, out[i][d]);
             }
         }
     } else {
@@ -410,9 +435,9 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
 
 static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast(t, w, start, n, 4); }
 static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast(t, w, start, n, 8); }
-#define FAST_PATH_DTYPE(a) 1 /* fp32 and bf16 pools */
+#define FAST_PATH_DTYPE(a) 1 /* every pool dtype */
 
-/* ---------------------------------------------------------------- AVX2 (fp32 pools) */
+/* ---------------------------------------------------------------- AVX2 (fp32 and fp16 pools) */
 #elif defined(RAYLLM_AVX2)
 #define HAVE_FAST_PATH 1
 #define ROW_BATCH 4 /* rows that share each K load */
@@ -422,17 +447,32 @@ static inline __m256 softcap8_ps(__m256 s, float c) {
     return _mm256_mul_ps(_mm256_set1_ps(c), tanh8_ps(_mm256_mul_ps(s, _mm256_set1_ps(1.0f / c))));
 }
 
-/* Phase 1, as chunk_scores above, in 8 lanes: a chunk's 16 keys are two vectors per row. */
+/* 8 of a half pool's values from p, widened to fp32 (F16C: HALF is 1 only where the CPU has it). */
+#ifdef __F16C__
+static inline __m256 load_half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline __m256 load_half8(const uint16_t *p) {
+    (void)p;
+    return _mm256_setzero_ps(); /* never called: FAST_PATH_DTYPE sends half pools to the portable body */
+}
+#endif
+
+/* Phase 1, as chunk_scores above, in 8 lanes: a chunk's 16 keys are two vectors per row. A half
+ * pool (HALF) reads all 16 key slots of each dim: the block holds them (FAST_PATH_DTYPE: block
+ * sizes of a multiple of 16, chunks starting at a multiple of 16 in their block), and the lanes
+ * past n are blended away below like the keys a row may not see. */
 static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, Scratch *w, const int64_t *rows,
-                                                                const int RB, const float *kb, int64_t g,
-                                                                int64_t start, int64_t n, const int D) {
+                                                                const int RB, const char *kb, int64_t g,
+                                                                int64_t start, int64_t n, const int D, const int HALF) {
     const int64_t BS = t->a->block_size, slot0 = start % BS;
     const __m256i low = first_lanes8(n), high = first_lanes8(n - 8);
     __m256 lo[ROW_BATCH], hi[ROW_BATCH];
     for (int i = 0; i < RB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
-    const float *kt = kb + g * D * BS + slot0; /* dim 0, key slot0 */
+    const float *kt = (const float *)kb + g * D * BS + slot0; /* dim 0, key slot0 */
+    const uint16_t *kh = (const uint16_t *)kb + g * D * BS + slot0;
     for (int d = 0; d < D; d++) {
-        const __m256 k0 = _mm256_maskload_ps(kt + d * BS, low), k1 = _mm256_maskload_ps(kt + d * BS + 8, high);
+        const __m256 k0 = HALF ? load_half8(kh + d * BS) : _mm256_maskload_ps(kt + d * BS, low);
+        const __m256 k1 = HALF ? load_half8(kh + d * BS + 8) : _mm256_maskload_ps(kt + d * BS + 8, high);
         for (int i = 0; i < RB; i++) {
             const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
             lo[i] = _mm256_fmadd_ps(q, k0, lo[i]);
@@ -475,10 +515,11 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
 /* Phase 2 for rows[0, RB) of kv head g, dims [d0, d0 + 32): acc = acc * correction + sum_j p_j v_j.
  * 2 rows x 4 vectors of accumulators share every V load. */
 static inline __attribute__((always_inline)) void chunk_values8(const Task *t, Scratch *w, const int64_t *rows,
-                                                                const int RB, const float *vb, int64_t g,
-                                                                int64_t start, int64_t n, const int D) {
+                                                                const int RB, const char *vb, int64_t g,
+                                                                int64_t start, int64_t n, const int D, const int HALF) {
     const int64_t BS = t->a->block_size, slot0 = start % BS;
-    const float *v = vb + (g * BS + slot0) * D; /* key slot0 */
+    const float *v = (const float *)vb + (g * BS + slot0) * D; /* key slot0 */
+    const uint16_t *vh = (const uint16_t *)vb + (g * BS + slot0) * D;
     for (int d0 = 0; d0 < D; d0 += 32) {
         __m256 out[2][4];
         for (int i = 0; i < RB; i++) {
@@ -489,7 +530,7 @@ static inline __attribute__((always_inline)) void chunk_values8(const Task *t, S
             __m256 p[2];
             for (int i = 0; i < RB; i++) p[i] = _mm256_broadcast_ss(&w->p[rows[i]][j]);
             for (int d = 0; d < 4; d++) {
-                const __m256 x = _mm256_loadu_ps(v + j * D + d0 + 8 * d);
+                const __m256 x = HALF ? load_half8(vh + j * D + d0 + 8 * d) : _mm256_loadu_ps(v + j * D + d0 + 8 * d);
                 for (int i = 0; i < RB; i++) out[i][d] = _mm256_fmadd_ps(p[i], x, out[i][d]);
             }
         }
@@ -501,30 +542,42 @@ static inline __attribute__((always_inline)) void chunk_values8(const Task *t, S
 #define SCORES8(rows, rb, ...) chunk_scores8(t, w, rows, rb, __VA_ARGS__)
 
 static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scratch *w, int64_t start, int64_t n,
-                                                              const int D) {
+                                                              const int D, const int HALF) {
     const AttentionArgs *a = t->a;
     const int64_t H = a->num_heads, G = t->group;
-    const float *kb = (const float *)block_part(t, a->k_cache, start / a->block_size, 0);
-    const float *vb = (const float *)block_part(t, a->v_cache, start / a->block_size, 0);
+    const char *kb = block_part(t, a->k_cache, start / a->block_size, 0);
+    const char *vb = block_part(t, a->v_cache, start / a->block_size, 0);
     for (int64_t g = t->g0; g < t->g1; g++) {
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
         prefetch_next_part(t, a->k_cache, start, g);
-        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D)
+        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D, HALF)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (row_sees_some(w, rows[i], start, n)) live[num_live++] = rows[i];
         prefetch_next_part(t, a->v_cache, start, g);
         for (int64_t i = 0; i < num_live; i += 2) {
-            if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D);
-            else chunk_values8(t, w, live + i, 1, vb, g, start, n, D);
+            if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D, HALF);
+            else chunk_values8(t, w, live + i, 1, vb, g, start, n, D, HALF);
         }
     }
 }
 
-static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast8(t, w, start, n, 64); }
-static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) { chunk_fast8(t, w, start, n, 128); }
-#define FAST_PATH_DTYPE(a) ((a)->dtype == DTYPE_F32) /* bf16 pools take the portable path */
+static void chunk_d64(const Task *t, Scratch *w, int64_t start, int64_t n) {
+    if (t->a->kv_dtype == DTYPE_F16) chunk_fast8(t, w, start, n, 64, 1);
+    else chunk_fast8(t, w, start, n, 64, 0);
+}
+static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) {
+    if (t->a->kv_dtype == DTYPE_F16) chunk_fast8(t, w, start, n, 128, 1);
+    else chunk_fast8(t, w, start, n, 128, 0);
+}
+#ifdef __F16C__
+#define HALF_POOL_FAST(a) ((a)->kv_dtype == DTYPE_F16 && (a)->block_size % CHUNK == 0)
+#else
+#define HALF_POOL_FAST(a) 0
+#endif
+/* bf16 pools (and half pools without F16C or with blocks of another size) take the portable path */
+#define FAST_PATH_DTYPE(a) ((a)->kv_dtype == DTYPE_F32 || HALF_POOL_FAST(a))
 #endif
 
 typedef void (*ChunkBody)(const Task *, Scratch *, int64_t, int64_t);
@@ -634,8 +687,9 @@ static void attention_task(void *context, int64_t index) {
  * checks them first), 2 when out of memory. */
 int rayllm_paged_attention(const AttentionArgs *a) {
     if (a->head_dim > MAX_HEAD_DIM || a->block_size > MAX_BLOCK_SIZE || a->num_kv_heads <= 0 ||
-        a->num_heads > MAX_ROWS || a->num_heads % a->num_kv_heads != 0 || a->head_dim % pack_of(a->dtype) != 0 ||
-        a->block_size % pack_of(a->dtype) != 0)
+        a->num_heads > MAX_ROWS || a->num_heads % a->num_kv_heads != 0 || a->head_dim % pack_of(a->kv_dtype) != 0 ||
+        a->block_size % pack_of(a->kv_dtype) != 0 || !(a->kv_dtype == a->dtype || a->kv_dtype == DTYPE_F16) ||
+        (a->kv_dtype == DTYPE_F16 && a->dtype != DTYPE_F32))
         return 1;
     const int64_t tile = a->num_heads >= ROWS_PER_TASK ? 1 : ROWS_PER_TASK / a->num_heads;
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
@@ -670,36 +724,42 @@ int rayllm_paged_attention(const AttentionArgs *a) {
     return failed ? 2 : 0;
 }
 
-/* Writes this step's keys and values into the pool (layout above) at their slots:
+/* Writes this step's keys and values into the pool (layout above) at their slots, in the pool's
+ * dtype (kv_dtype: dtype itself, or DTYPE_F16 for fp32 k and v):
  * k, v: [num_tokens, num_kv_heads, head_dim], token rows k_stride / v_stride elements apart
  * (views into the fused qkv rows), heads contiguous; slot_mapping[t] = block * block_size + offset.
  * Per token and kv head: K goes down a column of the transposed block (a stride of block_size
  * * P elements between dim groups), V into its key pair's rows (a stride of P elements). */
-#define WRITE_KV(T)                                                                                      \
+#define WRITE_KV(S, T, STORE)                                                                            \
     for (int64_t t = 0; t < num_tokens; t++) {                                                            \
         const int64_t block = slot_mapping[t] / block_size, j = slot_mapping[t] % block_size;               \
         T *kb = (T *)k_cache + block * block_stride, *vb = (T *)v_cache + block * block_stride;           \
-        const T *kt = (const T *)k + t * k_stride, *vt = (const T *)v + t * v_stride;                     \
+        const S *kt = (const S *)k + t * k_stride, *vt = (const S *)v + t * v_stride;                     \
         for (int64_t g = 0; g < num_kv_heads; g++) {                                                     \
             T *kd = kb + g * head_dim * block_size + j * P;     /* (g, dim group 0, key j) */              \
             T *vd = vb + (g * block_size + (j - j % P)) * head_dim + j % P; /* (g, key pair of j, dim 0) */ \
-            const T *ks = kt + g * head_dim, *vs = vt + g * head_dim;                                     \
+            const S *ks = kt + g * head_dim, *vs = vt + g * head_dim;                                     \
             for (int64_t d = 0; d < head_dim; d += P)                                                     \
-                for (int64_t e = 0; e < P; e++) kd[d * block_size + e] = ks[d + e];                       \
-            for (int64_t d = 0; d < head_dim; d++) vd[d * P] = vs[d];                                     \
+                for (int64_t e = 0; e < P; e++) kd[d * block_size + e] = STORE(ks[d + e]);                \
+            for (int64_t d = 0; d < head_dim; d++) vd[d * P] = STORE(vs[d]);                              \
         }                                                                                                \
     }
+#define AS_IS(x) (x)
 
 int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
                     int64_t block_stride, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
-                    int64_t head_dim, int64_t block_size, int32_t dtype, int32_t num_threads) {
-    const int64_t P = pack_of(dtype);
+                    int64_t head_dim, int64_t block_size, int32_t dtype, int32_t kv_dtype, int32_t num_threads) {
+    const int64_t P = pack_of(kv_dtype);
     if (head_dim % P != 0 || block_size % P != 0) return 1;
     (void)num_threads; /* a step writes at most a few thousand rows of a few hundred bytes: one thread */
-    if (dtype == DTYPE_F32) {
-        WRITE_KV(float)
+    if (dtype == DTYPE_F32 && kv_dtype == DTYPE_F32) {
+        WRITE_KV(float, float, AS_IS)
+    } else if (dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16) {
+        WRITE_KV(uint16_t, uint16_t, AS_IS)
+    } else if (dtype == DTYPE_F32 && kv_dtype == DTYPE_F16) {
+        WRITE_KV(float, uint16_t, f32_to_f16) /* rounded to nearest even */
     } else {
-        WRITE_KV(uint16_t)
+        return 1;
     }
     return 0;
 }

@@ -4,7 +4,7 @@
 #define RAYLLM_SIMD_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -40,10 +40,55 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 }; /* the dtype codes every entry point takes */
+/* IEEE half -> fp32, exact (F16C's vcvtph2ps where the CPU has it). */
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) {
+        const float f = (float)mantissa * (1.0f / 16777216.0f); /* subnormal: mantissa * 2^-24 */
+        return sign ? -f : f;
+    }
+    if (exponent == 31)
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    else
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
 
-/* Element i of a tensor of either dtype, as fp32, and back (bf16: rounded to nearest even). */
+/* fp32 -> IEEE half, rounded to nearest even; past 65504 it is inf, as F16C's vcvtps2ph gives. */
+static inline uint16_t f32_to_f16(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+    if (magnitude >= 0x477ff000u) return sign | 0x7c00u; /* rounds past 65504: inf */
+    if (magnitude < 0x38800000u) {                        /* below 2^-14: a subnormal half (or 0) */
+        float scaled;
+        memcpy(&scaled, &magnitude, sizeof scaled);
+        return sign | (uint16_t)__builtin_lrintf(scaled * 16777216.0f); /* units of 2^-24, ties to even */
+    }
+    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u); /* nearest even at bit 13 */
+    return sign | (uint16_t)((rounded - 0x38000000u) >> 13);
+#endif
+}
+
+/* The dtype codes every entry point takes. DTYPE_F16 is a KV pool's only (fp32 queries over a
+ * half pool, paged_attention.c); no other entry point takes it. */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+/* Element i of a tensor of any of those dtypes, as fp32, and back (bf16: rounded to nearest even). */
 static inline float load_element(const void *base, int64_t i, int dtype) {
+    if (dtype == DTYPE_F16) return f16_to_f32(((const uint16_t *)base)[i]);
     return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
 }
 
@@ -51,7 +96,7 @@ static inline void store_element(void *base, int64_t i, float value, int dtype) 
     if (dtype == DTYPE_F32)
         ((float *)base)[i] = value;
     else
-        ((uint16_t *)base)[i] = f32_to_bf16(value);
+        ((uint16_t *)base)[i] = dtype == DTYPE_F16 ? f32_to_f16(value) : f32_to_bf16(value);
 }
 
 #ifdef __AVX512F__
