@@ -109,7 +109,7 @@ class RunnerConfig:
     model: str | None = None  # local HF directory, a .gguf file, or None / "default" for SmolLM2-135M-Instruct
     model_cache_dir: str | None = None  # where GGUF checkpoints are converted (None: ~/.cache/rayllm)
     # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it. The activations'
-    # and KV pool's dtype. A GGUF checkpoint served natively (quantization) keeps its projection
+    # dtype (the KV pool's: kv_cache_dtype). A GGUF checkpoint served natively (quantization) keeps its projection
     # weights in their GGUF types, and there "auto" means float32 activations on every CPU; an
     # explicit "bfloat16" runs bf16 activations over them, an explicit "float32" serves the GGUF
     # checkpoint dequantized (the exact path the oracle tests run).
