@@ -183,8 +183,8 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         agreement = sum(a == b for a, b in zip(ours, reference, strict=True)) / len(reference)
         ours_halves = second_halves(result["predictions"])
         on_halves = sum(a == b for a, b in zip(ours_halves, halves, strict=True)) / len(halves)
-        print(f"{side:>18} | {result['dtype']:>8} | {result['kv']:>8} | {result['quantization']:>10} | {agreement:12.4f} | "
-              f"{on_halves:10.4f} | "
+        print(f"{side:>18} | {result['dtype']:>8} | {result['kv']:>8} | {result['quantization']:>10} | "
+              f"{agreement:12.4f} | {on_halves:10.4f} | "
               f"{result['rss_before_mib']:10.0f} | {result['rss_loaded_mib']:10.0f} | "
               f"{result['rss_loaded_mib'] - result['rss_before_mib']:9.0f} | {result['peak_mib']:8.0f}")
 

@@ -101,8 +101,9 @@ class AppArgs(BaseModel):
         "workers with the triton backend (workers refuse otherwise). Measured on an H200: docs/gpu.md.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Activations and (unquantized) weights dtype, and the KV pool's but for kv_cache_dtype. auto: bfloat16 on GPUs and on CPUs "
-        "with native bf16 (AVX512_BF16 or AMX), float32 on other CPUs; each worker resolves it on its own node. "
+        "auto", description="Activations and (unquantized) weights dtype, and the KV pool's but for kv_cache_dtype. "
+        "auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX512_BF16 or AMX), float32 on other CPUs; each worker "
+        "resolves it on its own node. "
         "A GGUF checkpoint served natively (quantization auto, CPU) keeps its quantized weights: under auto with float32 "
         "activations on every CPU, under bfloat16 with bf16 ones; an explicit float32 serves its dequantized "
         "weights (the exact path). Reported in /v1/models.",

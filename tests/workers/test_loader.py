@@ -164,7 +164,8 @@ def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_mod
     reference = ModelRunner(RunnerConfig(dtype="auto", **{**settings, "attention_backend": "torch"}))
     assert reference.model_info.kv_cache_dtype == "float32"  # the torch reference reads the model's dtype only
     with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
-        ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="float16", **{**settings, "attention_backend": "torch"}))
+        ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="float16",
+                                 **{**settings, "attention_backend": "torch"}))
     with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
         ModelRunner(RunnerConfig(dtype="bfloat16", kv_cache_dtype="float16", **settings))
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):

@@ -51,7 +51,7 @@
  *                        l = l * c + sum_j p_j,   m = m'
  *     2. for every row:  acc = acc * c + sum_j p_j v_j   (p_j rounded to bf16 for a bf16 pool)
  *
- * and a row's output is acc / l, rounded to the pool's dtype (nearest even). The SIMD bodies
+ * and a row's output is acc / l, in the queries' dtype (bf16: nearest even). The SIMD bodies
  * keep m' = m unless some s_j > m + MAX_SLACK (then c = 1 and no rescaling), which changes only
  * the rounding (softmax_row_fast says why it is safe). Three implementations of a chunk: AVX-512
  * (AVX512_BF16 for bf16) for head_dim 64 and 128; AVX2 + FMA (8 lanes; fp32 pools, and fp16
@@ -394,7 +394,8 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
         for (int64_t j = 0; j < n; j++) {
             for (int d = 0; d < DV; d++) {
                 const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + j * D + 16 * d)));
-                for (int i = 0; i < RB; i++) out[i][d] = _mm512_fmadd_ps(_mm512_set1_ps(w->p[rows[i]][j]), x, out[i][d]);
+                for (int i = 0; i < RB; i++)
+                    out[i][d] = _mm512_fmadd_ps(_mm512_set1_ps(w->p[rows[i]][j]), x, out[i][d]);
             }
         }
     } else {
