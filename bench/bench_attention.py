@@ -84,7 +84,7 @@ def main() -> None:
     cold = statistics.median(run(layers) for _ in range(args.repeats))
     warm = statistics.median(run([layers[0]] * LAYERS) for _ in range(args.repeats))
     what = f"prefill of {args.seqs} x {args.context} tokens" if args.prefill else f"{args.seqs} seqs x {args.context} keys"
-    pool = f" over a {kv_dtype} pool".replace("torch.", "") if kv_dtype != dtype else ""
+    pool = f" over a {args.kv_dtype} pool" if kv_dtype != dtype else ""
     print(f"{args.dtype}{pool}, {args.threads} thread(s), {what}, {LAYERS} layers, blocks of {BLOCK}"
           f"{' in order' if args.blocks_in_order else ''} "
           f"({pool_mb:.0f} MB of pools): {cold * 1e3:.1f} ms from memory, {warm * 1e3:.1f} ms on one warm pool")

@@ -36,7 +36,7 @@ from scheduler.sampling_params import SamplingParams
 from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.grammar import GrammarMatchers
-from workers.kernels import resolve_attention_backend_name
+from workers.kernels import cpu_attention, resolve_attention_backend_name
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
@@ -94,7 +94,8 @@ def resolve_kv_cache_dtype(name: str, configured_dtype: str, dtype_name: str, de
     activations' dtype, or float16 under float32 activations on a CPU with the cpu backend."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {KV_CACHE_DTYPES}")
-    half_fits = device.type == "cpu" and dtype_name == "float32" and attention_backend == "cpu"
+    half_fits = (device.type == "cpu" and attention_backend == "cpu"
+                 and cpu_attention.pool_dtype_fits(DTYPES[dtype_name], torch.float16))
     if name == "auto":
         return "float16" if half_fits and configured_dtype == "auto" else dtype_name
     if name != dtype_name and not (name == "float16" and half_fits):
@@ -109,10 +110,10 @@ class RunnerConfig:
     model: str | None = None  # local HF directory, a .gguf file, or None / "default" for SmolLM2-135M-Instruct
     model_cache_dir: str | None = None  # where GGUF checkpoints are converted (None: ~/.cache/rayllm)
     # key of DTYPES, or "auto" (see resolve_dtype): bf16 where the hardware has it. The activations'
-    # dtype (the KV pool's: kv_cache_dtype). A GGUF checkpoint served natively (quantization) keeps its projection
-    # weights in their GGUF types, and there "auto" means float32 activations on every CPU; an
-    # explicit "bfloat16" runs bf16 activations over them, an explicit "float32" serves the GGUF
-    # checkpoint dequantized (the exact path the oracle tests run).
+    # dtype (the KV pool's: kv_cache_dtype). A GGUF checkpoint served natively (quantization) keeps
+    # its projection weights in their GGUF types, and there "auto" means float32 activations on
+    # every CPU; an explicit "bfloat16" runs bf16 activations over them, an explicit "float32"
+    # serves the GGUF checkpoint dequantized (the exact path the oracle tests run).
     dtype: str = "auto"
     # "auto" (the default): a GGUF checkpoint (the default model, a .gguf path) keeps its quantized
     # weights on CPU unless dtype is "float32" (workers.loader.serves_gguf); "none": its dequantized

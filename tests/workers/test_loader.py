@@ -146,12 +146,13 @@ def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_mod
     exact path); a pool dtype the kernels cannot read fails at start, in one line."""
     import workers.model_runner as model_runner
     from workers.kernels.native import native_available
+    from workers.model_runner import kv_bytes_per_block
 
     if not native_available():
         pytest.skip("the C kernels do not build here")
     monkeypatch.setattr(model_runner, "cpu_has_fast_bf16", lambda: False)  # as on an AVX2 CPU
     config = ModelConfig.from_model_dir(tiny_model_dir)
-    memory = 20 * kv_bytes_per_block_fp32(config)
+    memory = 20 * kv_bytes_per_block(config, 16, torch.float32)
     settings = dict(model=str(tiny_model_dir), block_size=16, kv_cache_memory_bytes=memory, attention_backend="cpu")
     half = ModelRunner(RunnerConfig(dtype="auto", **settings))
     assert (half.model_info.dtype, half.model_info.kv_cache_dtype, half.model_info.num_blocks) == ("float32",
@@ -170,9 +171,3 @@ def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_mod
         ModelRunner(RunnerConfig(dtype="bfloat16", kv_cache_dtype="float16", **settings))
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="fp8", **settings))
-
-
-def kv_bytes_per_block_fp32(config: ModelConfig) -> int:
-    from workers.model_runner import kv_bytes_per_block
-
-    return kv_bytes_per_block(config, 16, torch.float32)

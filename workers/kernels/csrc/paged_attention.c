@@ -132,6 +132,13 @@ static inline float softcap_score(float s, float c) { return c * tanhf(s / c); }
 
 static inline int64_t pack_of(int dtype) { return dtype == DTYPE_BF16 ? 2 : 1; }
 
+/* Whether the kernel reads a pool of kv_dtype under queries of dtype: the same dtype (fp32 or
+ * bf16), or a half pool under fp32 queries (cpu_attention.pool_dtype_fits says the same). */
+static inline int pool_dtype_fits(int dtype, int kv_dtype) {
+    return (dtype == DTYPE_F32 || dtype == DTYPE_BF16) &&
+           (kv_dtype == dtype || (dtype == DTYPE_F32 && kv_dtype == DTYPE_F16));
+}
+
 /* Element offsets, within a block's K or V part, of (kv head g, key j, dim d). */
 static inline int64_t k_offset(const AttentionArgs *a, int64_t g, int64_t j, int64_t d) {
     const int64_t P = pack_of(a->kv_dtype);
@@ -689,8 +696,7 @@ static void attention_task(void *context, int64_t index) {
 int rayllm_paged_attention(const AttentionArgs *a) {
     if (a->head_dim > MAX_HEAD_DIM || a->block_size > MAX_BLOCK_SIZE || a->num_kv_heads <= 0 ||
         a->num_heads > MAX_ROWS || a->num_heads % a->num_kv_heads != 0 || a->head_dim % pack_of(a->kv_dtype) != 0 ||
-        a->block_size % pack_of(a->kv_dtype) != 0 || !(a->kv_dtype == a->dtype || a->kv_dtype == DTYPE_F16) ||
-        (a->kv_dtype == DTYPE_F16 && a->dtype != DTYPE_F32))
+        a->block_size % pack_of(a->kv_dtype) != 0 || !pool_dtype_fits(a->dtype, a->kv_dtype))
         return 1;
     const int64_t tile = a->num_heads >= ROWS_PER_TASK ? 1 : ROWS_PER_TASK / a->num_heads;
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
