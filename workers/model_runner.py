@@ -83,25 +83,32 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def resolve_kv_cache_dtype(name: str, configured_dtype: str, dtype_name: str, device: torch.device,
-                           attention_backend: str) -> str:
+                           attention_backend: str, block_size: int) -> str:
     """The KV pool's dtype. "auto" under dtype "auto" on a CPU with our attention kernel is a
     16-bit pool: the activations' bf16, or fp16 under fp32 activations (AVX2 CPUs, a GGUF checkpoint
     served natively), which the kernel widens as it reads (decode attention is bound by reading the
     pool: half its bytes took bench.bench_attention's 30 layers of 16 decodes at 272 keys from 17.5
     to 13.0 ms on a 2-core AVX2 CPU, and one decode from 2.0 to 1.05 ms); llama.cpp's server keeps
     an f16 cache too. Elsewhere "auto" is the activations' dtype: an explicit dtype (float32 is the
-    exact path the oracle tests run), a GPU, the torch reference. An explicit name must be the
-    activations' dtype, or float16 under float32 activations on a CPU with the cpu backend."""
+    exact path the oracle tests run), a GPU, the torch reference, and blocks of a size the AVX2
+    kernel's half loads do not take (it would run its portable body: an explicit float16 there
+    says so in the log). An explicit name must be the activations' dtype, or float16 under
+    float32 activations on a CPU with the cpu backend."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {KV_CACHE_DTYPES}")
     half_fits = (device.type == "cpu" and attention_backend == "cpu"
                  and cpu_attention.pool_dtype_fits(DTYPES[dtype_name], torch.float16))
+    fast_blocks = block_size % cpu_attention.HALF_POOL_BLOCK_MULTIPLE == 0
     if name == "auto":
-        return "float16" if half_fits and configured_dtype == "auto" else dtype_name
+        return "float16" if half_fits and fast_blocks and configured_dtype == "auto" else dtype_name
     if name != dtype_name and not (name == "float16" and half_fits):
         raise ValueError(f"kv_cache_dtype {name} needs activations of that dtype, or float32 activations on a CPU "
                          f"worker with the cpu attention backend (for float16); got dtype {dtype_name} on "
                          f"{device.type} with the {attention_backend} backend. Use kv_cache_dtype: auto.")
+    if name == "float16" and dtype_name == "float32" and not fast_blocks:
+        logger.warning("kv_cache_dtype float16 with block_size %d: on CPUs without AVX-512 the attention over a "
+                       "half pool runs its portable C body, slower than over an fp32 pool; use a block_size "
+                       "that is a multiple of %d", block_size, cpu_attention.HALF_POOL_BLOCK_MULTIPLE)
     return name
 
 
@@ -252,7 +259,7 @@ class ModelRunner:
             release_freed_heap()
         self.block_size = config.block_size
         self.kv_cache_dtype_name = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.dtype_name,
-                                                          self.device, self.attention_backend)
+                                                          self.device, self.attention_backend, config.block_size)
         kv_dtype = DTYPES[self.kv_cache_dtype_name]
         self.num_blocks = config.num_blocks or num_blocks_for_memory(
             self.model_config, config.block_size, config.kv_cache_memory_bytes, kv_dtype

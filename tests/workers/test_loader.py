@@ -140,7 +140,7 @@ def test_model_info_and_kv_pool_sizing(tiny_model_dir):
         num_blocks_for_memory(config, 16, per_block, torch.float32)
 
 
-def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_model_dir, monkeypatch):
+def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_model_dir, monkeypatch, caplog):
     """dtype auto resolved to fp32 on a CPU with our attention kernel: "auto" allocates an fp16
     pool, twice the blocks in the same memory; an explicit float32 dtype keeps an fp32 pool (the
     exact path); a pool dtype the kernels cannot read fails at start, in one line."""
@@ -164,6 +164,12 @@ def test_kv_cache_dtype_auto_is_a_half_pool_under_auto_fp32_activations(tiny_mod
     assert asked.model_info.kv_cache_dtype == "float16"
     reference = ModelRunner(RunnerConfig(dtype="auto", **{**settings, "attention_backend": "torch"}))
     assert reference.model_info.kv_cache_dtype == "float32"  # the torch reference reads the model's dtype only
+    # blocks of 8: the AVX2 body would read a half pool with its portable C, so auto keeps fp32
+    odd_blocks = ModelRunner(RunnerConfig(dtype="auto", **{**settings, "block_size": 8}))
+    assert odd_blocks.model_info.kv_cache_dtype == "float32"
+    with caplog.at_level("WARNING", logger="workers.model_runner"):  # asked for anyway: the log says what it costs
+        ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="float16", **{**settings, "block_size": 8}))
+    assert "portable C body" in caplog.text
     with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
         ModelRunner(RunnerConfig(dtype="float32", kv_cache_dtype="float16",
                                  **{**settings, "attention_backend": "torch"}))

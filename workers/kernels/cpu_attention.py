@@ -43,6 +43,7 @@ __all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
 MAX_HEADS = 256
+HALF_POOL_BLOCK_MULTIPLE = 16  # the AVX2 body reads a half pool's blocks 16 keys at a time; others: portable C
 
 
 def _pack(dtype: torch.dtype) -> int:
