@@ -224,6 +224,31 @@ def test_packed_weights_match_the_reference_and_every_build_agrees(library, pack
             assert torch.equal(out, gguf.gguf_gemm(x, unpack_columns(weight), bias, mode=mode, library=library))
 
 
+
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int16"])
+@pytest.mark.parametrize("ggml_type", PACKABLE_TYPES, ids=lambda t: t.name)
+def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(library, packed_weights, ggml_type,
+                                                                            mode):
+    """A prompt step's rows go through a packed weight in chunks of about 128 KB of x
+    (csrc/gguf_gemm.c, PACKED_CHUNK_BYTES: 256 int8 rows of this K, 128 int16 ones, 64 fp32
+    ones), each chunk through every column group before the next: 300 rows, a partial last
+    tile in each mode, are each within the reference's bound, with and without bias, and the
+    same as the rows taken a few at a time."""
+    if mode == "int16" and ggml_type != GGMLType.Q8_0:
+        pytest.skip("the int16 mode is a packed Q8_0's only")
+    weight = packed_weights[ggml_type]
+    full = dequantize(weight)
+    generator = torch.Generator().manual_seed(300)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(300, K, generator=generator).to(dtype)
+        bias = torch.randn(PACKED_N, generator=generator).to(dtype)
+        for b in (None, bias):
+            out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
+            assert_close_to_reference(out, x, weight, full, b, mode)
+            pieces = torch.cat([gguf.gguf_gemm(x[i:i + 23], weight, b, mode=mode, library=library)
+                                for i in range(0, 300, 23)])
+            assert torch.equal(out, pieces)
+
 def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights, packed_weights):
     """The int8 and int16 modes really quantize x (the bounds above are what they are held to, not
     a pass-through), and int16's error is far below int8's."""
