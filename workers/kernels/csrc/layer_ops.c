@@ -602,11 +602,21 @@ static inline __attribute__((always_inline)) void panel_tile_wide(const float *x
             for (int j = 0; j < 2 * P; j++) acc[i][j] = _mm256_fmadd_ps(xb, w[j], acc[i][j]);
         }
     }
+    /* The sums leave their registers once, here: read as acc[i][j] by the stores below (with
+     * their memcpy calls), they were stored to the stack on every k step of the loop above,
+     * as many stores as FMAs. */
+    float sums[3][2 * PANEL_MAX_GROUP][8] __attribute__((aligned(32)));
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * P; j++) _mm256_store_ps(sums[i][j], acc[i][j]);
     for (int j = 0; j < P; j++) {
         const int64_t n = n0 + j * PANEL_WIDTH, width = N - n < PANEL_WIDTH ? N - n : PANEL_WIDTH;
         __m256 b0, b1;
         panel_bias(bias, n, width, &b0, &b1);
-        for (int i = 0; i < MR; i++) panel_store(out + i * N + n, width, acc[i][2 * j], acc[i][2 * j + 1], b0, b1);
+        for (int i = 0; i < MR; i++)
+            panel_store(out + i * N + n, width, _mm256_load_ps(sums[i][2 * j]), _mm256_load_ps(sums[i][2 * j + 1]), b0,
+                        b1);
     }
 }
 
