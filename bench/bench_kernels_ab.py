@@ -1,14 +1,20 @@
-"""The panel GEMM of two source trees side by side in one process (a kernel change, before vs after).
+"""A kernel of two source trees side by side in one process (a kernel change, before vs after).
 
     git archive HEAD workers/kernels/csrc | tar -x -C /tmp/before
     .venv/bin/python -m bench.bench_kernels_ab /tmp/before/workers/kernels/csrc workers/kernels/csrc \\
         --threads 2 --rows 8,16,32
+    .venv/bin/python -m bench.bench_kernels_ab /tmp/before/workers/kernels/csrc workers/kernels/csrc \\
+        --product gguf --threads 2 --rows 1,16,2048 --repeats 5
 
 Each tree's csrc is compiled into its own library with the flags the workers use
-(workers/kernels/native.py), and both run SmolLM2-135M's decode products (30 layers and the
-lm_head, random weights, each its own tensor so that every product streams its weight from
-memory), alternating; the median of --repeats passes per tree and row count is printed.
-Only for CPUs with the fp32 panel GEMM (AVX2 or AVX-512).
+(workers/kernels/native.py), and both run SmolLM2-135M's products, alternating; the median of
+--repeats passes per tree and row count is printed. --product panel (the default): the fp32
+panel GEMM over a decode step's products (30 layers and the lm_head, random weights, each its
+own tensor so that every product streams its weight from memory; only for CPUs with the fp32
+panel GEMM, AVX2 or AVX-512). --product gguf: the int8 GGUF kernel over the 30 layers' fused
+products (qkv, o, gate_up, down) in Q4_1 packed as the model packs it (the default model's
+type), each its own tensor; the two trees' outputs must be bit-equal, as the kernels' one
+arithmetic makes them (a row count of 2048 is a prompt step of 8 x 256 tokens).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_linear import HIDDEN, INTERMEDIATE, LAYERS, QKV, VOCAB  # noqa: E402
-from workers.kernels.native import CFLAGS, SOURCES, compiler  # noqa: E402
+from workers.kernels.native import CFLAGS, SOURCES, compiler, load  # noqa: E402
 from workers.linear import pack_panels  # noqa: E402
 
 
@@ -44,15 +50,56 @@ def load_panel_gemm(source_dir: Path, library: Path):
     return gemm
 
 
+def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
+    """The int8 GGUF kernel of both trees over the 30 layers' packed Q4_1 products."""
+    from bench.bench_gguf import random_weight
+    from workers.gguf_weight import GGMLType, pack_columns
+    from workers.kernels.gguf import gguf_gemm
+
+    libraries = {}
+    for name, tree in (("before", args.before), ("after", args.after)):
+        path = build_dir / f"{name}.so"
+        subprocess.run([compiler(), *CFLAGS, "-o", str(path), *(str(tree / n) for n in SOURCES), "-lm"], check=True)
+        libraries[name] = load(path)
+    torch.set_num_threads(args.threads)  # the kernel's thread count (gguf.gguf_gemm reads it)
+    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    print(f"quantizing {len(shapes) * LAYERS} weights", flush=True)
+    one_layer = [pack_columns(random_weight(GGMLType.Q4_1, n, k)) for n, k in shapes]
+    weights = [type(w)(w.ggml_type, w.out_features, w.in_features, w.blocks.clone(), w.packed)
+               for _ in range(LAYERS) for w in one_layer]
+    print(f"threads {args.threads} | ms per step's products (median of {args.repeats}, alternating)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
+        outputs = {name: [gguf_gemm(inputs[w.in_features], w, library=lib) for w in weights[:4]]
+                   for name, lib in libraries.items()}
+        if not all(torch.equal(a, b) for a, b in zip(outputs["before"], outputs["after"])):
+            raise SystemExit(f"rows {rows}: the two trees' products differ")
+        times: dict[str, list[float]] = {name: [] for name in libraries}
+        for repeat in range(args.repeats):
+            order = list(libraries.items()) if repeat % 2 == 0 else list(reversed(libraries.items()))
+            for name, lib in order:
+                start = time.perf_counter()
+                for weight in weights:
+                    gguf_gemm(inputs[weight.in_features], weight, library=lib)
+                times[name].append((time.perf_counter() - start) * 1e3)
+        before, after = (statistics.median(times[name]) for name in libraries)
+        print(f"rows {rows:5d} | before {before:8.2f} | after {after:8.2f} | after/before {after / before:.2f}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before", type=Path, help="a csrc directory")
     parser.add_argument("after", type=Path, help="another csrc directory")
+    parser.add_argument("--product", default="panel", choices=("panel", "gguf"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,8,16")
     parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args()
     build_dir = Path(tempfile.mkdtemp(prefix="kernels_ab_"))
+    if args.product == "gguf":
+        run_gguf(args, build_dir)
+        return
     trees = {"before": load_panel_gemm(args.before, build_dir / "before.so"),
              "after": load_panel_gemm(args.after, build_dir / "after.so")}
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
