@@ -493,10 +493,10 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
             hi[i] = _mm256_fmadd_ps(q, k1, hi[i]);
         }
     }
-    /* The sums leave their registers once, here (as in chunk_scores): read as lo[i] in the row
-     * loop below, they were stored to the stack on every dim of the loop above. Prefill of 8 x
-     * 256 tokens over a half pool, 2 threads (bench.bench_attention --prefill): 0.6-0.7x the
-     * time; 16 decodes at 272 keys: 0.85x. */
+    /* The sums leave their registers once, here (as in chunk_scores): read as lo[i] and hi[i]
+     * in the row loop below, they were stored to the stack on every dim of the loop above.
+     * Prefill of 8 x 256 tokens over a half pool, 2 threads (bench.bench_attention --prefill):
+     * 0.6-0.7x the time; 16 decodes at 272 keys: 0.85x. */
     float scores[ROW_BATCH][CHUNK] __attribute__((aligned(32)));
 #pragma GCC unroll 4
     for (int i = 0; i < RB; i++) {
@@ -505,19 +505,18 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
     }
     for (int i = 0; i < RB; i++) {
         const int64_t r = rows[i];
-        lo[i] = _mm256_load_ps(scores[i]);
-        hi[i] = _mm256_load_ps(scores[i] + 8);
+        __m256 score_lo = _mm256_load_ps(scores[i]), score_hi = _mm256_load_ps(scores[i] + 8);
         const Lanes visible = visible_lanes(w, r, start, n); /* lanes [lo, hi): below hi and not below lo */
         const __m256 live_lo = _mm256_castsi256_ps(
             _mm256_andnot_si256(first_lanes8(visible.lo), first_lanes8(visible.hi)));
         const __m256 live_hi = _mm256_castsi256_ps(
             _mm256_andnot_si256(first_lanes8(visible.lo - 8), first_lanes8(visible.hi - 8)));
         if (t->a->softcap > 0.0f) {
-            lo[i] = softcap8_ps(lo[i], t->a->softcap);
-            hi[i] = softcap8_ps(hi[i], t->a->softcap);
+            score_lo = softcap8_ps(score_lo, t->a->softcap);
+            score_hi = softcap8_ps(score_hi, t->a->softcap);
         }
-        const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lo[i], live_lo);
-        const __m256 s1 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), hi[i], live_hi);
+        const __m256 s0 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), score_lo, live_lo);
+        const __m256 s1 = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), score_hi, live_hi);
         /* the lazy max of softmax_row_fast; the sum in the first 8 of the row's lanes of l */
         const float old_max = w->m[r];
         float max = old_max, correction = 1.0f;
