@@ -224,7 +224,6 @@ def test_packed_weights_match_the_reference_and_every_build_agrees(library, pack
             assert torch.equal(out, gguf.gguf_gemm(x, unpack_columns(weight), bias, mode=mode, library=library))
 
 
-
 @pytest.mark.parametrize("mode", ["fp32", "int8", "int16"])
 @pytest.mark.parametrize("ggml_type", PACKABLE_TYPES, ids=lambda t: t.name)
 def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(library, packed_weights, ggml_type,
@@ -248,6 +247,7 @@ def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(libr
             pieces = torch.cat([gguf.gguf_gemm(x[i:i + 23], weight, b, mode=mode, library=library)
                                 for i in range(0, 300, 23)])
             assert torch.equal(out, pieces)
+
 
 def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights, packed_weights):
     """The int8 and int16 modes really quantize x (the bounds above are what they are held to, not
