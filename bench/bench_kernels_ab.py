@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -38,9 +39,14 @@ from workers.kernels.native import CFLAGS, SOURCES, compiler, load  # noqa: E402
 from workers.linear import pack_panels  # noqa: E402
 
 
-def load_panel_gemm(source_dir: Path, library: Path):
+def compile_tree(source_dir: Path, library: Path) -> None:
+    """source_dir's kernels into the shared library `library`, with the workers' flags."""
     subprocess.run([compiler(), *CFLAGS, "-o", str(library), *(str(source_dir / n) for n in SOURCES), "-lm"],
                    check=True)
+
+
+def load_panel_gemm(source_dir: Path, library: Path):
+    compile_tree(source_dir, library)
     lib = ctypes.CDLL(str(library))
     if not lib.rayllm_panel_gemm_available():
         raise SystemExit(f"{source_dir}: this CPU's build has no fp32 panel GEMM (it needs AVX2 or AVX-512)")
@@ -58,15 +64,13 @@ def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
 
     libraries = {}
     for name, tree in (("before", args.before), ("after", args.after)):
-        path = build_dir / f"{name}.so"
-        subprocess.run([compiler(), *CFLAGS, "-o", str(path), *(str(tree / n) for n in SOURCES), "-lm"], check=True)
-        libraries[name] = load(path)
+        compile_tree(tree, build_dir / f"{name}.so")
+        libraries[name] = load(build_dir / f"{name}.so")
     torch.set_num_threads(args.threads)  # the kernel's thread count (gguf.gguf_gemm reads it)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
     print(f"quantizing {len(shapes) * LAYERS} weights", flush=True)
     one_layer = [pack_columns(random_weight(GGMLType.Q4_1, n, k)) for n, k in shapes]
-    weights = [type(w)(w.ggml_type, w.out_features, w.in_features, w.blocks.clone(), w.packed)
-               for _ in range(LAYERS) for w in one_layer]
+    weights = [dataclasses.replace(w, blocks=w.blocks.clone()) for _ in range(LAYERS) for w in one_layer]
     print(f"threads {args.threads} | ms per step's products (median of {args.repeats}, alternating)")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
