@@ -230,9 +230,10 @@ def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(libr
                                                                             mode):
     """A prompt step's rows go through a packed weight in chunks of about 128 KB of x
     (csrc/gguf_gemm.c, PACKED_CHUNK_BYTES: 256 int8 rows of this K, 128 int16 ones, 64 fp32
-    ones), each chunk through every column group before the next: 300 rows, a partial last
-    tile in each mode, are each within the reference's bound, with and without bias, and the
-    same as the rows taken a few at a time."""
+    ones), each chunk through every column group before the next (a packed Q4's int8 rows on
+    AVX2 go 16 rows through 16 groups at a time instead: the test below): 300 rows, a partial
+    last tile in each mode, are each within the reference's bound, with and without bias, and
+    the same as the rows taken a few at a time."""
     if mode == "int16" and ggml_type != GGMLType.Q8_0:
         pytest.skip("the int16 mode is a packed Q8_0's only")
     weight = packed_weights[ggml_type]
@@ -248,6 +249,34 @@ def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(libr
                                 for i in range(0, 300, 23)])
             assert torch.equal(out, pieces)
 
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1], ids=lambda t: t.name)
+def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(library, ggml_type):
+    """Past 16 rows a packed Q4 int8 product takes 16 rows through up to 16 column groups at
+    once, x's block widened once for them all (csrc/gguf_gemm.c, packed_int8_groups): on one
+    thread and two, with a last tile of 2 rows, its outputs are within the reference's bound and
+    bit for bit those of the same rows 5 at a time (the kernel of a decode step's tiles)."""
+    from workers.kernels.native import native_library
+
+    weight = pack_columns(random_gguf_weight(ggml_type, 8 * 72, 64, seed=int(ggml_type) + 200))  # 72 groups
+    full = dequantize(weight)
+    generator = torch.Generator().manual_seed(290)
+    x = torch.randn(290, 64, generator=generator)
+    bias = torch.randn(weight.out_features, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):  # an item of 18 groups (16, then 2), or of 9
+            torch.set_num_threads(num_threads)
+            for b in (None, bias):
+                out = gguf.gguf_gemm(x, weight, b, mode="int8", library=library)
+                assert_close_to_reference(out, x, weight, full, b, "int8")
+                pieces = torch.cat([gguf.gguf_gemm(x[i:i + 5], weight, b, mode="int8", library=library)
+                                    for i in range(0, 290, 5)])
+                assert torch.equal(out, pieces)
+                assert torch.equal(out, gguf.gguf_gemm(x, weight, b, mode="int8", library=native_library()))
+    finally:
+        torch.set_num_threads(threads)
 
 def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights, packed_weights):
     """The int8 and int16 modes really quantize x (the bounds above are what they are held to, not
