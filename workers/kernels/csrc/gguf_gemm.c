@@ -545,7 +545,7 @@ static void gguf_columns(void *context, int64_t item) {
 #define PACKED_TILE 4       /* rows whose sums stay in registers through all the blocks */
 #define PACKED_PREFETCH_BLOCKS 16 /* packed_prefetch's distance, in blocks of a group */
 #define PACKED_PREFETCH_ROWS 2    /* tiles of up to this many rows prefetch */
-#define PACKED_INT8_TILE 16 /* rows of a packed int8 tile past PACKED_TILE: their sums in L1 (packed_int8_rows) */
+#define PACKED_INT8_TILE 16 /* rows of a packed int8 tile past PACKED_TILE: their sums in L1 (packed_int8_groups) */
 _Static_assert(PACKED_TILE <= TILE_ROWS && PACKED_COLUMNS <= COLUMNS_PER_ITEM, "the fp32 mode's tiles hold a packed one");
 _Static_assert(TILE_ROWS * COLUMNS_PER_ITEM <= PACKED_INT8_TILE * PACKED_COLUMNS, "a packed tile's sums hold a file-layout tile's");
 
@@ -646,46 +646,15 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
     }
     for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, acc[i]);
 }
-/* packed_int8 for a tile of more rows (up to PACKED_INT8_TILE), with the same arithmetic. Block
- * by block: the block's 4-bit values are decoded once into eight registers, then each row takes
- * its eight products from them, its running sums in L1. Keeping more rows' sums in registers
- * through all the blocks spilled them, and each 4-row tile decoded the block again: prompt
- * steps' products (256 rows, SmolLM2's Q4_1 shapes, 2 threads) take 0.73-0.91x the time (three
- * runs, both builds alternating in one process). Tiles of up to PACKED_TILE rows keep
- * packed_int8: at 4 rows this one took 1.05-1.10x its time. */
-static inline __attribute__((always_inline)) void packed_int8_rows(const int type, const GgufJob *job,
-                                                                   const uint8_t *group, int64_t m0, const int MR,
-                                                                   float *out) {
-    const int64_t K = job->K, num_blocks = K / 32;
-    const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int i = 0; i < MR; i++) _mm256_storeu_ps(out + i * PACKED_COLUMNS, _mm256_setzero_ps());
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *block = group + b * bb;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
-        const __m256 offset = packed_offset(type, block, d);
-        __m256i lo[4], hi[4];
-        for (int t = 0; t < 4; t++) {
-            const __m256i piece = _mm256_loadu_si256((const __m256i *)(block + qs + 32 * t));
-            lo[t] = _mm256_and_si256(piece, low4);
-            hi[t] = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
-        }
-        for (int i = 0; i < MR; i++) {
-            const int8_t *x = job->xq + (m0 + i) * K + b * 32;
-            __m256i sums = _mm256_setzero_si256();
-            for (int t = 0; t < 4; t++) {
-                sums = packed_dot(sums, lo[t], broadcast4(x + 4 * t));
-                sums = packed_dot(sums, hi[t], broadcast4(x + 16 + 4 * t));
-            }
-            const __m256 acc = _mm256_loadu_ps(out + i * PACKED_COLUMNS);
-            _mm256_storeu_ps(out + i * PACKED_COLUMNS,
-                             packed_block_sum(acc, sums, d, offset, job, (m0 + i) * num_blocks + b));
-        }
-    }
-}
 /* Groups at a time that packed_int8_groups takes through each block: their sums (8 KB at 16
  * rows) stay in L1 beside the block's widened x. */
 #define PACKED_GROUPS_AT_ONCE 16
+/* A decode step's tile (5-16 rows) asks for each group's block this many blocks ahead: the
+ * weights stream from memory once, 16 groups side by side, which the hardware prefetcher alone
+ * did not keep up with (rows 5, 8, 16: 0.86-0.95x the time with 2 ahead; 1 and 4 were no better
+ * than none, 3 in between). Prompt steps read them from L2 after their first tile and skip it
+ * (at 256 rows it took 1.07x). */
+#define PACKED_GROUPS_PREFETCH_BLOCKS 2
 
 /* Rows [m0, m0 + MR) of x's int8 block b, each 4-byte piece repeated across a vector, in the
  * order the packed int8 kernels take them: (lo t, hi t) for t = 0..3, a row's 8 after another's. */
@@ -700,22 +669,28 @@ static inline void widen_block(const GgufJob *job, const int64_t m0, const int M
     }
 }
 
-/* packed_int8_rows over groups [g0, g1) at once (at most PACKED_GROUPS_AT_ONCE), with the same
- * arithmetic (each output's sums in block order: bit-equal). Block by block: x's block for the
- * tile's rows is widened once (widen_block) and every group's block multiplies it from L1, where
- * packed_int8_rows broadcasts each 4-byte piece of x again for every group: an instruction per
- * multiply, in a loop that runs at about three vector instructions a cycle. Its products'
- * running sum is one chain: summed as a tree (GCC's choice), the 8 products took 8 registers and
- * pushed d, the offset and madd's ones out to the stack. The 30 layers' products of SmolLM2 in
- * Q4_1, 2 threads (bench.bench_kernels_ab --product gguf): 0.84x the time at 2048 rows, 0.91x at
- * 256, 0.89x at 64. At 16 rows or fewer (decode steps) the weights stream from memory once, a
- * group's blocks in a row, which suits the prefetcher better than 16 groups side by side:
- * packed_int8_rows stays there (1.05x at 8 rows this way). */
+/* Rows [m0, m0 + MR) of x (5 to PACKED_INT8_TILE) times groups [g0, g1) (at most
+ * PACKED_GROUPS_AT_ONCE), with packed_int8's arithmetic (each output's sums in block order:
+ * bit-equal), into the output. Block by block: x's block for the tile's rows is widened once
+ * (widen_block); then each group's block is decoded once into eight registers and each row takes
+ * its eight products from them and from the widened x in L1, its running sums in L1 too.
+ *
+ * Measured on SmolLM2's Q4_1 products (bench.bench_kernels_ab --product gguf, 2 threads, the
+ * builds alternating in one process):
+ * - Decoding each block once for the tile, not once for every 4 rows, with the rows' sums in L1
+ *   rather than spilled registers: 0.73-0.91x the time at 256 rows.
+ * - Widening x once for 16 groups: the kernel before broadcast each 4-byte piece of x again for
+ *   every group, an instruction per multiply in a loop that runs at about three vector
+ *   instructions a cycle. 0.84x the time at 2048 rows, 0.91x at 256, 0.89x at 64.
+ * - One running sum for the eight products: summed as a tree (GCC's choice), they took eight
+ *   registers and pushed d, the offset and madd's ones out to the stack.
+ * At 4 rows packed_int8, its sums in registers through all the blocks, is the faster. */
 static inline __attribute__((always_inline)) void packed_int8_groups(const int type, const GgufJob *job,
                                                                      const int64_t g0, const int64_t g1,
                                                                      const int64_t m0, const int MR) {
     const int64_t K = job->K, num_blocks = K / 32;
     const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
+    const int from_memory = job->num_rows <= PACKED_INT8_TILE; /* one tile: no other reads these weights */
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i wide[PACKED_INT8_TILE * 8];
     float sums[PACKED_GROUPS_AT_ONCE][PACKED_INT8_TILE * PACKED_COLUMNS];
@@ -725,6 +700,10 @@ static inline __attribute__((always_inline)) void packed_int8_groups(const int t
         widen_block(job, m0, MR, b, wide);
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *block = job->w + g * PACKED_COLUMNS * job->row_bytes + b * bb;
+            if (from_memory) { /* integer address: past the last blocks it may point beyond the weight */
+                const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(PACKED_GROUPS_PREFETCH_BLOCKS * bb);
+                for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+            }
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
             const __m256 offset = packed_offset(type, block, d);
             __m256i lo[4], hi[4];
@@ -891,7 +870,6 @@ static inline void packed_q8_int16(const int type, const GgufJob *job, const uin
             out[i * PACKED_COLUMNS + c] = acc;
         }
 }
-#define packed_int8_rows packed_int8 /* its loops take any number of rows */
 #endif
 
 /* NAME(job, group, m0, MR, sums): KERNEL(T, ...) with the tile height MR a compile-time constant. */
@@ -943,10 +921,10 @@ static void packed_group(const GgufJob *job, const GgufJob *local, int64_t g, in
             packed_GGML_Q8_0_int16(job, group, m0, rows, sums);
         else if (job->type == GGML_Q8_0)
             packed_GGML_Q8_0(job, group, m0, rows, sums);
-        else if (rows > PACKED_TILE && job->type == GGML_Q4_1)
-            packed_int8_rows(GGML_Q4_1, job, group, m0, rows, sums);
+#ifndef RAYLLM_HAS_AVX2 /* the portable packed_int8 takes any rows; the AVX2 one at most PACKED_TILE (packed_columns) */
         else if (rows > PACKED_TILE)
-            packed_int8_rows(GGML_Q4_0, job, group, m0, rows, sums);
+            packed_int8(job->type, job, group, m0, rows, sums);
+#endif
         else if (job->type == GGML_Q4_1)
             packed_GGML_Q4_1(job, group, m0, rows, sums);
         else
@@ -973,9 +951,9 @@ static void packed_columns(void *context, int64_t item) {
     local.w = unpacked;
     const int tile = unpacked || job->type == GGML_Q8_0 ? PACKED_TILE : PACKED_INT8_TILE;
 #ifdef RAYLLM_HAS_AVX2
-    /* Q4_0/Q4_1 int8 past one tile (prompt steps): a tile of rows through PACKED_GROUPS_AT_ONCE
-     * groups at a time; x's tile (16 rows) and the item's weights stay in cache from one to the next. */
-    if (!unpacked && job->type != GGML_Q8_0 && job->num_rows > PACKED_INT8_TILE) {
+    /* Q4_0/Q4_1 int8 past PACKED_TILE rows: a tile of rows through PACKED_GROUPS_AT_ONCE groups at
+     * a time; x's tile (16 rows) and the item's weights stay in cache from one to the next. */
+    if (!unpacked && job->type != GGML_Q8_0 && job->num_rows > PACKED_TILE) {
         for (int64_t m0 = 0; m0 < job->num_rows; m0 += tile) {
             const int rows = job->num_rows - m0 < tile ? (int)(job->num_rows - m0) : tile;
             for (int64_t g0 = item * job->span; g0 < end; g0 += PACKED_GROUPS_AT_ONCE) {
