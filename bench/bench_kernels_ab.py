@@ -14,7 +14,9 @@ own tensor so that every product streams its weight from memory; only for CPUs w
 panel GEMM, AVX2 or AVX-512). --product gguf: the int8 GGUF kernel over the 30 layers' fused
 products (qkv, o, gate_up, down) in Q4_1 packed as the model packs it (the default model's
 type), each its own tensor; the two trees' outputs must be bit-equal, as the kernels' one
-arithmetic makes them (a row count of 2048 is a prompt step of 8 x 256 tokens).
+arithmetic makes them (a row count of 2048 is a prompt step of 8 x 256 tokens). --product
+gguf-head: the int16 kernel of the lm_head (packed Q8_0, the vocabulary by the hidden size),
+two copies taken in turn so that each streams from memory, bit-equal too.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def load_panel_gemm(source_dir: Path, library: Path):
 
 
 def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
-    """The int8 GGUF kernel of both trees over the 30 layers' packed Q4_1 products."""
+    """The int8 GGUF kernel of both trees over the 30 layers' packed Q4_1 products, or (head) the
+    int16 one over the lm_head's packed Q8_0."""
     from bench.bench_gguf import random_weight
     from workers.gguf_weight import GGMLType, pack_columns
     from workers.kernels.gguf import gguf_gemm
@@ -67,14 +70,18 @@ def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
         compile_tree(tree, build_dir / f"{name}.so")
         libraries[name] = load(build_dir / f"{name}.so")
     torch.set_num_threads(args.threads)  # the kernel's thread count (gguf.gguf_gemm reads it)
-    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-    print(f"quantizing {len(shapes) * LAYERS} weights", flush=True)
-    one_layer = [pack_columns(random_weight(GGMLType.Q4_1, n, k)) for n, k in shapes]
-    weights = [dataclasses.replace(w, blocks=w.blocks.clone()) for _ in range(LAYERS) for w in one_layer]
+    if args.product == "gguf-head":
+        mode, ggml_type, shapes, copies = "int16", GGMLType.Q8_0, [(VOCAB, HIDDEN)], 2
+    else:
+        mode, ggml_type, copies = "int8", GGMLType.Q4_1, LAYERS
+        shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    print(f"quantizing {len(shapes) * copies} weights", flush=True)
+    one_layer = [pack_columns(random_weight(ggml_type, n, k)) for n, k in shapes]
+    weights = [dataclasses.replace(w, blocks=w.blocks.clone()) for _ in range(copies) for w in one_layer]
     print(f"threads {args.threads} | ms per step's products (median of {args.repeats}, alternating)")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
-        outputs = {name: [gguf_gemm(inputs[w.in_features], w, library=lib) for w in weights[:4]]
+        outputs = {name: [gguf_gemm(inputs[w.in_features], w, mode=mode, library=lib) for w in weights[:4]]
                    for name, lib in libraries.items()}
         if not all(torch.equal(a, b) for a, b in zip(outputs["before"], outputs["after"])):
             raise SystemExit(f"rows {rows}: the two trees' products differ")
@@ -84,7 +91,7 @@ def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
             for name, lib in order:
                 start = time.perf_counter()
                 for weight in weights:
-                    gguf_gemm(inputs[weight.in_features], weight, library=lib)
+                    gguf_gemm(inputs[weight.in_features], weight, mode=mode, library=lib)
                 times[name].append((time.perf_counter() - start) * 1e3)
         before, after = (statistics.median(times[name]) for name in libraries)
         print(f"rows {rows:5d} | before {before:8.2f} | after {after:8.2f} | after/before {after / before:.2f}",
@@ -95,13 +102,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before", type=Path, help="a csrc directory")
     parser.add_argument("after", type=Path, help="another csrc directory")
-    parser.add_argument("--product", default="panel", choices=("panel", "gguf"))
+    parser.add_argument("--product", default="panel", choices=("panel", "gguf", "gguf-head"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,8,16")
     parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args()
     build_dir = Path(tempfile.mkdtemp(prefix="kernels_ab_"))
-    if args.product == "gguf":
+    if args.product in ("gguf", "gguf-head"):
         run_gguf(args, build_dir)
         return
     trees = {"before": load_panel_gemm(args.before, build_dir / "before.so"),

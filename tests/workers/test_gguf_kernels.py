@@ -251,13 +251,15 @@ def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(libr
 
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1], ids=lambda t: t.name)
-def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(library, ggml_type):
-    """Past 4 rows a packed Q4 int8 product on AVX2 takes 16 rows through up to 16 column groups
-    at once, x's block widened once for them all (csrc/gguf_gemm.c, packed_int8_groups): on one
-    thread and two, with a last tile of 2 rows, its outputs are within the reference's bound and
-    bit for bit those of the same rows 4 at a time (packed_int8, a tile's sums in registers) and
-    those of every build (the portable one has neither kernel)."""
+@pytest.mark.parametrize(("ggml_type", "mode"), [(GGMLType.Q4_0, "int8"), (GGMLType.Q4_1, "int8"),
+                                                (GGMLType.Q8_0, "int16")], ids=lambda v: getattr(v, "name", v))
+def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(library, ggml_type, mode):
+    """Past 4 rows a packed Q4 int8 product (or a Q8_0 lm_head's int16 one) on AVX2 takes 16 rows
+    through up to 16 column groups at once, x's block widened once for them all (csrc/gguf_gemm.c,
+    packed_int8_groups, packed_q8_int16_groups): on one thread and two, with a last tile of 2
+    rows, its outputs are within the reference's bound and bit for bit those of the same rows 4
+    at a time (a tile's sums in registers) and those of every build (the portable one has
+    neither kernel)."""
     from workers.kernels.native import native_library
 
     weight = pack_columns(random_gguf_weight(ggml_type, 8 * 72, 64, seed=int(ggml_type) + 200))  # 72 groups
@@ -270,14 +272,15 @@ def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(
         for num_threads in (1, 2):  # an item of 18 groups (16, then 2), or of 9
             torch.set_num_threads(num_threads)
             for b in (None, bias):
-                out = gguf.gguf_gemm(x, weight, b, mode="int8", library=library)
-                assert_close_to_reference(out, x, weight, full, b, "int8")
-                pieces = torch.cat([gguf.gguf_gemm(x[i:i + 4], weight, b, mode="int8", library=library)
+                out = gguf.gguf_gemm(x, weight, b, mode=mode, library=library)
+                assert_close_to_reference(out, x, weight, full, b, mode)
+                pieces = torch.cat([gguf.gguf_gemm(x[i:i + 4], weight, b, mode=mode, library=library)
                                     for i in range(0, 290, 4)])
                 assert torch.equal(out, pieces)
-                assert torch.equal(out, gguf.gguf_gemm(x, weight, b, mode="int8", library=native_library()))
+                assert torch.equal(out, gguf.gguf_gemm(x, weight, b, mode=mode, library=native_library()))
     finally:
         torch.set_num_threads(threads)
+
 
 def test_int8_mode_differs_from_fp32_mode_within_its_bound(weights, packed_weights):
     """The int8 and int16 modes really quantize x (the bounds above are what they are held to, not
