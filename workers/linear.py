@@ -73,6 +73,7 @@ needed for something else, e.g. the embedding that lm_head is tied to.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -198,8 +199,8 @@ class NativeLinear:
         return placed.copy_(panels)
 
     def pack(self, weight: torch.Tensor | GgufWeight) -> DualWeight | PanelWeight | GgufWeight:
-        if isinstance(weight, GgufWeight):  # kept in its GGUF type: gguf_linear's kernels read the blocks
-            return weight
+        if isinstance(weight, GgufWeight):  # kept in its GGUF type, its blocks on 2 MB pages: gguf_linear's
+            return dataclasses.replace(weight, blocks=self._placed(weight.blocks))  # kernels stream them
         if self.has_panels and weight.dtype == torch.float32:
             return self._panel_weight(weight, pack_panels(weight))
         if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:

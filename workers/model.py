@@ -227,6 +227,8 @@ class PagedLlamaModel:
             if isinstance(lm_head_plain, GgufWeight):
                 lm_head_plain = pack_for_kernels(lm_head_plain, logits=True)
         lm_head = linear.pack(lm_head_plain)
+        if config.tie_word_embeddings and isinstance(embed, GgufWeight) and isinstance(lm_head, GgufWeight):
+            embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
