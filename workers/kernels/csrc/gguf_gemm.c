@@ -591,9 +591,12 @@ static inline __m256i packed_sums(__m256i sums) {
  * which a prefetch may do (it never faults) but C pointer arithmetic may not. At 4 rows it
  * gained nothing, and the Q8_0 head's fp32 kernel, which has more work per byte, gained nothing
  * either. */
-static inline __attribute__((always_inline)) void packed_prefetch(const uint8_t *block, const int bb) {
-    const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(PACKED_PREFETCH_BLOCKS * bb);
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *block, const int bb, const int blocks) {
+    const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(blocks * bb);
     for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+}
+static inline __attribute__((always_inline)) void packed_prefetch(const uint8_t *block, const int bb) {
+    prefetch_ahead(block, bb, PACKED_PREFETCH_BLOCKS);
 }
 
 static inline __m256i broadcast4(const int8_t *x) {
@@ -656,6 +659,32 @@ static inline __attribute__((always_inline)) void packed_int8(const int type, co
  * (at 256 rows it took 1.07x). */
 #define PACKED_GROUPS_PREFETCH_BLOCKS 2
 
+/* The sums of rows [0, MR) of groups [g0, g1) (packed_int8_groups, packed_q8_int16_groups): zeroed,
+ * and at the end stored to the output. */
+typedef float GroupSums[PACKED_GROUPS_AT_ONCE][PACKED_INT8_TILE * PACKED_COLUMNS];
+
+static inline void zero_group_sums(GroupSums sums, const int64_t g0, const int64_t g1, const int MR) {
+    for (int64_t g = g0; g < g1; g++)
+        for (int i = 0; i < MR; i++) _mm256_storeu_ps(sums[g - g0] + i * PACKED_COLUMNS, _mm256_setzero_ps());
+}
+
+static inline void store_group_sums(const GgufJob *job, GroupSums sums, const int64_t g0, const int64_t g1,
+                                    const int64_t m0, const int MR) {
+    for (int64_t g = g0; g < g1; g++)
+        store_sums(job, g * PACKED_COLUMNS, (g + 1) * PACKED_COLUMNS, m0, MR, sums[g - g0], PACKED_COLUMNS);
+}
+
+/* Group g's block b (bb bytes a block), asking for the group's block PACKED_GROUPS_PREFETCH_BLOCKS
+ * ahead when the weights stream from memory (past the last blocks that address may lie beyond the
+ * weight: a prefetch never faults). */
+static inline __attribute__((always_inline)) const uint8_t *group_block(const GgufJob *job, const int64_t g,
+                                                                        const int64_t b, const int bb,
+                                                                        const int from_memory) {
+    const uint8_t *block = job->w + g * PACKED_COLUMNS * job->row_bytes + b * bb;
+    if (from_memory) prefetch_ahead(block, bb, PACKED_GROUPS_PREFETCH_BLOCKS);
+    return block;
+}
+
 /* Rows [m0, m0 + MR) of x's int8 block b, each 4-byte piece repeated across a vector, in the
  * order the packed int8 kernels take them: (lo t, hi t) for t = 0..3, a row's 8 after another's. */
 static inline void widen_block(const GgufJob *job, const int64_t m0, const int MR, const int64_t b,
@@ -693,17 +722,12 @@ static inline __attribute__((always_inline)) void packed_int8_groups(const int t
     const int from_memory = job->num_rows <= PACKED_INT8_TILE; /* one tile: no other reads these weights */
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i wide[PACKED_INT8_TILE * 8];
-    float sums[PACKED_GROUPS_AT_ONCE][PACKED_INT8_TILE * PACKED_COLUMNS];
-    for (int64_t g = g0; g < g1; g++)
-        for (int i = 0; i < MR; i++) _mm256_storeu_ps(sums[g - g0] + i * PACKED_COLUMNS, _mm256_setzero_ps());
+    GroupSums sums;
+    zero_group_sums(sums, g0, g1, MR);
     for (int64_t b = 0; b < num_blocks; b++) {
         widen_block(job, m0, MR, b, wide);
         for (int64_t g = g0; g < g1; g++) {
-            const uint8_t *block = job->w + g * PACKED_COLUMNS * job->row_bytes + b * bb;
-            if (from_memory) { /* integer address: past the last blocks it may point beyond the weight */
-                const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(PACKED_GROUPS_PREFETCH_BLOCKS * bb);
-                for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
-            }
+            const uint8_t *block = group_block(job, g, b, bb, from_memory);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
             const __m256 offset = packed_offset(type, block, d);
             __m256i lo[4], hi[4];
@@ -728,8 +752,7 @@ static inline __attribute__((always_inline)) void packed_int8_groups(const int t
             }
         }
     }
-    for (int64_t g = g0; g < g1; g++)
-        store_sums(job, g * PACKED_COLUMNS, (g + 1) * PACKED_COLUMNS, m0, MR, sums[g - g0], PACKED_COLUMNS);
+    store_group_sums(job, sums, g0, g1, m0, MR);
 }
 
 static void packed_int8_groups_q4_0(const GgufJob *job, int64_t g0, int64_t g1, int64_t m0, int MR) {
@@ -863,17 +886,12 @@ static inline __attribute__((always_inline)) void packed_q8_int16_groups(const G
     const int bb = PACKED_COLUMNS * block_bytes(GGML_Q8_0);
     const int from_memory = job->num_rows <= PACKED_INT8_TILE;
     __m256i wide[PACKED_INT8_TILE * 16];
-    float sums[PACKED_GROUPS_AT_ONCE][PACKED_INT8_TILE * PACKED_COLUMNS];
-    for (int64_t g = g0; g < g1; g++)
-        for (int i = 0; i < MR; i++) _mm256_storeu_ps(sums[g - g0] + i * PACKED_COLUMNS, _mm256_setzero_ps());
+    GroupSums sums;
+    zero_group_sums(sums, g0, g1, MR);
     for (int64_t b = 0; b < num_blocks; b++) {
         widen_block16(job, m0, MR, b, wide);
         for (int64_t g = g0; g < g1; g++) {
-            const uint8_t *block = job->w + g * PACKED_COLUMNS * job->row_bytes + b * bb;
-            if (from_memory) { /* integer address: past the last blocks it may point beyond the weight */
-                const uintptr_t ahead = (uintptr_t)block + (uintptr_t)(PACKED_GROUPS_PREFETCH_BLOCKS * bb);
-                for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
-            }
+            const uint8_t *block = group_block(job, g, b, bb, from_memory);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
             for (int i0 = 0; i0 < MR; i0 += Q8_INT16_ROWS) {
                 const float *x_scale = job->x_scale + (m0 + i0) * num_blocks + b;
@@ -888,8 +906,7 @@ static inline __attribute__((always_inline)) void packed_q8_int16_groups(const G
             }
         }
     }
-    for (int64_t g = g0; g < g1; g++)
-        store_sums(job, g * PACKED_COLUMNS, (g + 1) * PACKED_COLUMNS, m0, MR, sums[g - g0], PACKED_COLUMNS);
+    store_group_sums(job, sums, g0, g1, m0, MR);
 }
 #else /* portable C: the same sums and the same fmaf as the vector kernels */
 static inline void packed_int8(const int type, const GgufJob *job, const uint8_t *group, int64_t m0, const int MR,
