@@ -13,7 +13,7 @@ panel GEMM over a decode step's products (30 layers and the lm_head, random weig
 own tensor so that every product streams its weight from memory; only for CPUs with the fp32
 panel GEMM, AVX2 or AVX-512). --product gguf: the int8 GGUF kernel over the 30 layers' fused
 products (qkv, o, gate_up, down) in Q4_1 packed as the model packs it (the default model's
-type), each its own tensor; the two trees' outputs must be bit-equal, as the kernels' one
+type), each its own tensor on 2 MB pages; the two trees' outputs must be bit-equal, as the kernels' one
 arithmetic makes them (a row count of 2048 is a prompt step of 8 x 256 tokens). --product
 gguf-head: the int16 kernel of the lm_head (packed Q8_0, the vocabulary by the hidden size),
 two copies taken in turn so that each streams from memory, bit-equal too.
@@ -37,6 +37,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_linear import HIDDEN, INTERMEDIATE, LAYERS, QKV, VOCAB  # noqa: E402
+from workers.huge_pages import HugeArena  # noqa: E402
 from workers.kernels.native import CFLAGS, SOURCES, compiler, load  # noqa: E402
 from workers.linear import pack_panels  # noqa: E402
 
@@ -77,7 +78,12 @@ def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
         shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
     print(f"quantizing {len(shapes) * copies} weights", flush=True)
     one_layer = [pack_columns(random_weight(ggml_type, n, k)) for n, k in shapes]
-    weights = [dataclasses.replace(w, blocks=w.blocks.clone()) for _ in range(copies) for w in one_layer]
+    arena = HugeArena()  # on 2 MB pages, as the worker's native linear places them
+
+    def placed(weight):
+        return dataclasses.replace(weight, blocks=arena.empty(tuple(weight.blocks.shape), torch.uint8).copy_(weight.blocks))
+
+    weights = [placed(w) for _ in range(copies) for w in one_layer]
     print(f"threads {args.threads} | ms per step's products (median of {args.repeats}, alternating)")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
