@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
-import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -37,9 +36,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_linear import HIDDEN, INTERMEDIATE, LAYERS, QKV, VOCAB  # noqa: E402
-from workers.huge_pages import HugeArena  # noqa: E402
 from workers.kernels.native import CFLAGS, SOURCES, compiler, load  # noqa: E402
-from workers.linear import pack_panels  # noqa: E402
+from workers.linear import NativeLinear, pack_panels  # noqa: E402
 
 
 def compile_tree(source_dir: Path, library: Path) -> None:
@@ -78,12 +76,8 @@ def run_gguf(args: argparse.Namespace, build_dir: Path) -> None:
         shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
     print(f"quantizing {len(shapes) * copies} weights", flush=True)
     one_layer = [pack_columns(random_weight(ggml_type, n, k)) for n, k in shapes]
-    arena = HugeArena()  # on 2 MB pages, as the worker's native linear places them
-
-    def placed(weight):
-        return dataclasses.replace(weight, blocks=arena.empty(tuple(weight.blocks.shape), torch.uint8).copy_(weight.blocks))
-
-    weights = [placed(w) for _ in range(copies) for w in one_layer]
+    linear = NativeLinear()  # each copy's blocks on 2 MB pages, as the worker places them
+    weights = [linear.pack(w) for _ in range(copies) for w in one_layer]
     print(f"threads {args.threads} | ms per step's products (median of {args.repeats}, alternating)")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
