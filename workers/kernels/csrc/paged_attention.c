@@ -199,24 +199,45 @@ static void stream_block(const Task *t, int64_t index, int prefetch_next) {
 #endif
 }
 
-/* When the chunk at key `start` opens its block and the task has a next block, prefetches into
- * L2 kv head g's part of that next block in `cache` (the K or the V pool): the SIMD bodies call
- * it for K just before a head's scores and for V just before its values, so each burst is one
- * head's part (2-4 KB) and the next block arrives while this one computes. Against the whole
- * next block prefetched at once and every block read ahead of its arithmetic (stream_block):
- * bench.bench_attention (16 decodes at 272 keys, 30 layers, blocks scattered over a 1 GB pool),
- * AVX-512 bf16, 1 / 2 threads: 10.4 / 5.6-6.0 -> 6.0 / 3.6 ms; fp32 16.4 / 8.8 -> 12.2 / 6.9 ms;
- * the AVX2 body (built with -march=znver3 on the same Zen 4), fp32, which spread its prefetches
- * over the head dims into L1: 21.1 / 10.6-11.1 -> 12.5-13.0 / 7.5-8.3 ms. Prefetching the
- * whole next block at once overlapped less (5.6-6.0 ms, 2 threads, bf16); one head's K and V
- * together before its scores gave 4.5-4.7 ms; into L1 (T0) instead of L2, 5.4-5.5 ms; two
- * blocks ahead, no better. */
-static inline void prefetch_next_part(const Task *t, const void *cache, int64_t start, int64_t g) {
+/* Kv head g's part of the task's next block in `cache` (the K or the V pool) when the chunk at
+ * key `start` opens its block and the task has a next block; else NULL. */
+static inline const char *next_part(const Task *t, const void *cache, int64_t start, int64_t g) {
     const AttentionArgs *a = t->a;
     const int64_t next = start / a->block_size + 1;
-    if (start % a->block_size != 0 || next * a->block_size >= t->num_keys) return;
-    const char *p = block_part(t, cache, next, g);
-    for (int64_t offset = 0; offset < part_bytes(a); offset += 64) __builtin_prefetch(p + offset, 0, 1);
+    if (start % a->block_size != 0 || next * a->block_size >= t->num_keys) return NULL;
+    return block_part(t, cache, next, g);
+}
+
+/* Prefetches next_part into L2 in one burst: the AVX-512 bodies call it for K just before a
+ * head's scores and for V just before its values, so each burst is one head's part (2-4 KB)
+ * and the next block arrives while this one computes. Against the whole next block prefetched
+ * at once and every block read ahead of its arithmetic (stream_block): bench.bench_attention
+ * (16 decodes at 272 keys, 30 layers, blocks scattered over a 1 GB pool), AVX-512 bf16, 1 / 2
+ * threads: 10.4 / 5.6-6.0 -> 6.0 / 3.6 ms; fp32 16.4 / 8.8 -> 12.2 / 6.9 ms; the AVX2 body
+ * (built with -march=znver3 on the same Zen 4), fp32, which spread its prefetches over the head
+ * dims into L1: 21.1 / 10.6-11.1 -> 12.5-13.0 / 7.5-8.3 ms. Prefetching the whole next block at
+ * once overlapped less (5.6-6.0 ms, 2 threads, bf16); one head's K and V together before its
+ * scores gave 4.5-4.7 ms; into L1 (T0) instead of L2, 5.4-5.5 ms; two blocks ahead, no better.
+ *
+ * The AVX2 body, which runs on CPUs without AVX-512, spreads its prefetches of next_part over
+ * the dims of its scores (K) and the keys of its values (V) instead, a line or two between
+ * FMAs (prefetch_span). On a 2-core Zen 3 EPYC the burst's 32 prefetches stalled the core until
+ * most had left, so the next block's reads and this one's arithmetic hardly overlapped: a
+ * 16-sequence decode step of SmolLM2 at 256-384 keys spent 9.6-9.7 ms in attention with the
+ * burst and 7.6-8.1 ms spread, one sequence 0.98 and 0.74-0.77 ms (2 threads, fp16 pool, in
+ * the step, two runs each); bench.bench_attention-like C loops over 16 sequences, 30 pools of
+ * scattered blocks, 2 threads: 0.74-0.85x the time. Blocks two or four ahead, or whole blocks
+ * at once, were slower there. */
+static inline void prefetch_next_part(const Task *t, const void *cache, int64_t start, int64_t g) {
+    const char *p = next_part(t, cache, start, g);
+    if (p == NULL) return;
+    for (int64_t offset = 0; offset < part_bytes(t->a); offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
+/* Prefetches the lines of [p, p + bytes) into L1 (at least p's line). */
+static inline __attribute__((always_inline)) void prefetch_span(const char *p, const int64_t bytes) {
+    __builtin_prefetch(p, 0, 3);
+    for (int64_t offset = 64; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
 }
 
 /* The softmax update of row r from its chunk scores s[lo, hi): p (fp32 and bf16), correction, m, l. */
@@ -477,22 +498,39 @@ static inline __m256 load_half8(const uint16_t *p) {
  * past n are blended away below like the keys a row may not see. */
 static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, Scratch *w, const int64_t *rows,
                                                                 const int RB, const char *kb, int64_t g,
-                                                                int64_t start, int64_t n, const int D, const int HALF) {
+                                                                int64_t start, int64_t n, const int D, const int HALF,
+                                                                const char *next) {
     const int64_t BS = t->a->block_size, slot0 = start % BS;
     const __m256i low = first_lanes8(n), high = first_lanes8(n - 8);
-    __m256 lo[ROW_BATCH], hi[ROW_BATCH];
-    for (int i = 0; i < RB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    /* Up to 3 rows sum the even dims and the odd ones apart (SPLIT = 2), and add the two at the
+     * end: with one chain of FMAs per sum, 6 sums or fewer waited on the FMA's latency at every
+     * dim (4 cycles on Zen 3; a lone sequence's decode has 3 rows per kv head under SmolLM2's
+     * grouping). 4 rows have 8 chains, enough to hide it, and no registers for 16. */
+    const int SPLIT = RB <= 3 ? 2 : 1;
+    __m256 lo[2][ROW_BATCH], hi[2][ROW_BATCH];
+    for (int e = 0; e < SPLIT; e++)
+        for (int i = 0; i < RB; i++) lo[e][i] = hi[e][i] = _mm256_setzero_ps();
     const float *kt = (const float *)kb + g * D * BS + slot0; /* dim 0, key slot0 */
     const uint16_t *kh = (const uint16_t *)kb + g * D * BS + slot0;
-    for (int d = 0; d < D; d++) {
-        const __m256 k0 = HALF ? load_half8(kh + d * BS) : _mm256_maskload_ps(kt + d * BS, low);
-        const __m256 k1 = HALF ? load_half8(kh + d * BS + 8) : _mm256_maskload_ps(kt + d * BS + 8, high);
-        for (int i = 0; i < RB; i++) {
-            const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
-            lo[i] = _mm256_fmadd_ps(q, k0, lo[i]);
-            hi[i] = _mm256_fmadd_ps(q, k1, hi[i]);
+    for (int d0 = 0; d0 < D; d0 += SPLIT) { /* D is even */
+#pragma GCC unroll 2
+        for (int e = 0; e < SPLIT; e++) {
+            const int d = d0 + e;
+            if (next != NULL) prefetch_span(next + d * BS * (HALF ? 2 : 4), BS * (HALF ? 2 : 4));
+            const __m256 k0 = HALF ? load_half8(kh + d * BS) : _mm256_maskload_ps(kt + d * BS, low);
+            const __m256 k1 = HALF ? load_half8(kh + d * BS + 8) : _mm256_maskload_ps(kt + d * BS + 8, high);
+            for (int i = 0; i < RB; i++) {
+                const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
+                lo[e][i] = _mm256_fmadd_ps(q, k0, lo[e][i]);
+                hi[e][i] = _mm256_fmadd_ps(q, k1, hi[e][i]);
+            }
         }
     }
+    for (int e = 1; e < SPLIT; e++)
+        for (int i = 0; i < RB; i++) {
+            lo[0][i] = _mm256_add_ps(lo[0][i], lo[e][i]);
+            hi[0][i] = _mm256_add_ps(hi[0][i], hi[e][i]);
+        }
     /* The sums leave their registers once, here (as in chunk_scores): read as lo[i] and hi[i]
      * in the row loop below, they were stored to the stack on every dim of the loop above.
      * Prefill of 8 x 256 tokens over a half pool, 2 threads (bench.bench_attention --prefill):
@@ -500,8 +538,8 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
     float scores[ROW_BATCH][CHUNK] __attribute__((aligned(32)));
 #pragma GCC unroll 4
     for (int i = 0; i < RB; i++) {
-        _mm256_store_ps(scores[i], lo[i]);
-        _mm256_store_ps(scores[i] + 8, hi[i]);
+        _mm256_store_ps(scores[i], lo[0][i]);
+        _mm256_store_ps(scores[i] + 8, hi[0][i]);
     }
     for (int i = 0; i < RB; i++) {
         const int64_t r = rows[i];
@@ -538,22 +576,28 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
 }
 
 /* Phase 2 for rows[0, RB) of kv head g, dims [d0, d0 + 32): acc = acc * correction + sum_j p_j v_j.
- * 2 rows x 4 vectors of accumulators share every V load. */
+ * Up to 3 rows x 4 vectors of accumulators share every V load. */
 static inline __attribute__((always_inline)) void chunk_values8(const Task *t, Scratch *w, const int64_t *rows,
                                                                 const int RB, const char *vb, int64_t g,
-                                                                int64_t start, int64_t n, const int D, const int HALF) {
+                                                                int64_t start, int64_t n, const int D, const int HALF,
+                                                                const char *next) {
     const int64_t BS = t->a->block_size, slot0 = start % BS;
     const float *v = (const float *)vb + (g * BS + slot0) * D; /* key slot0 */
     const uint16_t *vh = (const uint16_t *)vb + (g * BS + slot0) * D;
     for (int d0 = 0; d0 < D; d0 += 32) {
-        __m256 out[2][4];
+        __m256 out[3][4];
         for (int i = 0; i < RB; i++) {
             const __m256 c = _mm256_set1_ps(w->correction[rows[i]]);
             for (int d = 0; d < 4; d++) out[i][d] = _mm256_mul_ps(_mm256_load_ps(w->acc[rows[i]] + d0 + 8 * d), c);
         }
         for (int64_t j = 0; j < n; j++) {
-            __m256 p[2];
+            __m256 p[3];
             for (int i = 0; i < RB; i++) p[i] = _mm256_broadcast_ss(&w->p[rows[i]][j]);
+            if (next != NULL) { /* this pass's dims of key j of the next block (and j + 16, ...) */
+                prefetch_span(next + (j * D + d0) * (HALF ? 2 : 4), 32 * (HALF ? 2 : 4));
+                for (int64_t key = j + CHUNK; key < BS; key += CHUNK)
+                    prefetch_span(next + (key * D + d0) * (HALF ? 2 : 4), 32 * (HALF ? 2 : 4));
+            }
             for (int d = 0; d < 4; d++) {
                 const __m256 x = HALF ? load_half8(vh + j * D + d0 + 8 * d) : _mm256_loadu_ps(v + j * D + d0 + 8 * d);
                 for (int i = 0; i < RB; i++) out[i][d] = _mm256_fmadd_ps(p[i], x, out[i][d]);
@@ -576,14 +620,19 @@ static inline __attribute__((always_inline)) void chunk_fast8(const Task *t, Scr
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
-        prefetch_next_part(t, a->k_cache, start, g);
-        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D, HALF)
+        const char *next_k = next_part(t, a->k_cache, start, g), *next_v = next_part(t, a->v_cache, start, g);
+        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES8, kb, g, start, n, D, HALF, i_ == 0 ? next_k : NULL)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (row_sees_some(w, rows[i], start, n)) live[num_live++] = rows[i];
-        prefetch_next_part(t, a->v_cache, start, g);
-        for (int64_t i = 0; i < num_live; i += 2) {
-            if (num_live - i >= 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D, HALF);
-            else chunk_values8(t, w, live + i, 1, vb, g, start, n, D, HALF);
+        /* rows 3 at a time (2 when 4 or 2 are left, then 1): 12 accumulators share each V
+         * load and its widening */
+        for (int64_t i = 0, left; (left = num_live - i) > 0;) {
+            const int rb = left == 3 || left >= 5 ? 3 : left >= 2 ? 2 : 1;
+            const char *next = i == 0 ? next_v : NULL;
+            if (rb == 3) chunk_values8(t, w, live + i, 3, vb, g, start, n, D, HALF, next);
+            else if (rb == 2) chunk_values8(t, w, live + i, 2, vb, g, start, n, D, HALF, next);
+            else chunk_values8(t, w, live + i, 1, vb, g, start, n, D, HALF, next);
+            i += rb;
         }
     }
 }
