@@ -193,6 +193,9 @@ class RequestState:
     #                                       takes it without converting a list every step)
 
 
+PACKED_STEP_MAX_TOKENS = 64  # CPU steps of at most this many tokens build their index tensors in Python (_packed_batch)
+
+
 @dataclass(slots=True)
 class _StepBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -413,6 +416,9 @@ class ModelRunner:
                 logits_rows.append(query_start_loc[-1] - 1)
                 sampling_states.append(state)
         width = max(len(row) for row in block_rows)
+        if self.device.type == "cpu" and len(positions) <= PACKED_STEP_MAX_TOKENS:
+            return self._packed_batch(input_ids, positions, block_rows, width, query_start_loc, seq_lens, logits_rows,
+                                      sampling_states)
         block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         positions_tensor = torch.tensor(positions, dtype=torch.long)
         slot_mapping = (
@@ -433,6 +439,32 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
             sampling_states=sampling_states,
         )
+
+    def _packed_batch(self, input_ids: list[int], positions: list[int], block_rows: list[list[int]], width: int,
+                      query_start_loc: list[int], seq_lens: list[int], logits_rows: list[int],
+                      sampling_states: list[RequestState]) -> _StepBatch:
+        """_prepare_batch's tensors for a small CPU step (decodes): the slots computed here, and every
+        index tensor a view of one of two buffers, so a step builds 2 tensors instead of about 15.
+        Between two decode steps the 100 MB of weights a step streams have evicted the interpreter's
+        and torch's own code and data, so each torch call costs several times what it does in a loop."""
+        size = self.block_size
+        slots = []
+        start = 0
+        for row, end in zip(block_rows, query_start_loc[1:]):
+            slots.extend(row[position // size] * size + position % size for position in positions[start:end])
+            start = end
+        n, s = len(input_ids), len(block_rows)
+        longs = torch.tensor(input_ids + positions + slots + logits_rows, dtype=torch.long)
+        ints = torch.tensor([i for row in block_rows for i in (row + [0] * (width - len(row)))] + query_start_loc
+                            + seq_lens, dtype=torch.int32)
+        metadata = AttentionMetadata(
+            slot_mapping=longs[2 * n:3 * n],
+            block_tables=ints[:s * width].view(s, width),
+            query_start_loc=ints[s * width:s * width + s + 1],
+            seq_lens=ints[s * width + s + 1:],
+        )
+        return _StepBatch(input_ids=longs[:n], positions=longs[n:2 * n], metadata=metadata, logits_rows=longs[3 * n:],
+                          sampling_states=sampling_states)
 
     def _check_request(self, state: RequestState, end: int) -> None:
         if end > len(state.token_ids):

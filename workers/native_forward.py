@@ -21,6 +21,7 @@ loop.
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ from workers.layer_ops import NativeOps
 from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
 
 LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
+SMALL_STEP_ROWS = 64  # steps of up to this many rows share one scratch (NativeForward._args)
+_POOL_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "block_size", "block_stride", "dtype", "kv_dtype")
 
 
 def _type_code(weight) -> int:
@@ -53,6 +56,8 @@ class NativeForward:
         self._layers: ctypes.Array | None = None  # LayerArgs per layer, built for one set of pools
         self._pools: list[int] = []  # data_ptr of each layer's K pool, what _layers was built for
         self._sinks: list[torch.Tensor | None] = []  # each layer's sinks in fp32, which _layers points into
+        self._small_args: SimpleNamespace | None = None  # ForwardArgs for steps of up to SMALL_STEP_ROWS rows
+        self._pool_fields: SimpleNamespace | None = None  # AttentionArgs' pool fields, checked by _args
 
     @classmethod
     def for_model(cls, model) -> NativeForward | None:
@@ -113,35 +118,59 @@ class NativeForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
-        model, c = self.model, self.model.config
-        num_tokens, dtype = input_ids.shape[0], model.dtype
+        model = self.model
+        num_tokens = input_ids.shape[0]
         assert self.takes(num_tokens) and positions.dtype == torch.int64 and positions.is_contiguous()
         step = cpu_attention.bind(metadata, model.scale)  # checks the metadata; its args carry it
+        residual = model.embed_tokens(input_ids)
+        out = torch.empty(num_tokens, model.config.hidden_size, dtype=model.dtype)
+        args = self._args(kv_caches, num_tokens)
+        attention = step.args
+        for name in _POOL_FIELDS:
+            setattr(attention, name, getattr(self._pool_fields, name))
+        args.attention = attention  # a copy of the struct
+        args.residual, args.out, args.positions, args.slot_mapping = (
+            residual.data_ptr(), out.data_ptr(), positions.data_ptr(), step.slots)
+        args.num_tokens, args.num_threads = num_tokens, torch.get_num_threads()
+        args.gguf_mode = gguf.GGUF_MODES[gguf.DEFAULT_MODE]
+        check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
+        return out
+
+    def _args(self, kv_caches, num_tokens: int) -> ForwardArgs:
+        """The step's ForwardArgs with everything but its own pointers and counts set: the pools'
+        layout checked and the scratch allocated once for all steps of up to SMALL_STEP_ROWS rows
+        (a decode step's Python here took about 0.15 ms of a 5 ms step: the step's weights evict
+        what the interpreter touches, so each call and check costs far more than in a loop). A
+        larger step gets its own scratch, which it frees."""
+        layers = self._layer_args(kv_caches)
+        small = num_tokens <= SMALL_STEP_ROWS
+        if small and self._small_args is not None and self._small_args.layers is layers:
+            return self._small_args.args
+        model, c = self.model, self.model.config
+        dtype = model.dtype
         block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
         assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
         kv_dtype = kv_caches[0][0].dtype  # the model's dtype, or fp16 under fp32 (a half pool)
         assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype)
-        residual = model.embed_tokens(input_ids)
+        self._pool_fields = SimpleNamespace(
+            num_heads=c.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+            block_stride=block_stride, dtype=DTYPE_CODES[dtype], kv_dtype=KV_DTYPE_CODES[kv_dtype])
+        rows = SMALL_STEP_ROWS if small else num_tokens
         scratch = {
-            name: torch.empty(num_tokens, width, dtype=dtype)
-            for name, width in (("out", c.hidden_size), ("x", c.hidden_size),
-                                ("qkv", (c.num_heads + 2 * num_kv_heads) * head_dim),
+            name: torch.empty(rows, width, dtype=dtype)
+            for name, width in (("x", c.hidden_size), ("qkv", (c.num_heads + 2 * num_kv_heads) * head_dim),
                                 ("attended", c.num_heads * head_dim), ("delta", c.hidden_size),
                                 ("gate_up", 2 * c.intermediate_size), ("act", c.intermediate_size))
         }
-        attention = step.args
-        attention.num_heads, attention.num_kv_heads, attention.head_dim = c.num_heads, num_kv_heads, head_dim
-        attention.block_size, attention.block_stride = block_size, block_stride
-        attention.dtype, attention.kv_dtype = DTYPE_CODES[dtype], KV_DTYPE_CODES[kv_dtype]
         args = ForwardArgs(
-            layers=self._layer_args(kv_caches), final_norm=model.final_norm.data_ptr(), residual=residual.data_ptr(),
+            layers=layers, final_norm=model.final_norm.data_ptr(),
             **{name: tensor.data_ptr() for name, tensor in scratch.items()},
-            positions=positions.data_ptr(), slot_mapping=step.slots, cos=model.rope.cos_f32.data_ptr(),
-            sin=model.rope.signed_sin_f32.data_ptr(), attention=attention, num_tokens=num_tokens,
+            cos=model.rope.cos_f32.data_ptr(), sin=model.rope.signed_sin_f32.data_ptr(),
             num_layers=len(model.layers), hidden=c.hidden_size, intermediate=c.intermediate_size,
             rotary_dim=model.rope.rotary_dim, eps=c.rms_norm_eps, dtype=DTYPE_CODES[dtype], linear=self.linear_kind,
-            num_threads=torch.get_num_threads(), activation=ACTIVATION_CODES[c.activation],
-            gguf_mode=gguf.GGUF_MODES[gguf.DEFAULT_MODE],
+            activation=ACTIVATION_CODES[c.activation],
         )
-        check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
-        return scratch["out"]
+        args._scratch = scratch  # alive as long as the args that point into it
+        if small:
+            self._small_args = SimpleNamespace(layers=layers, args=args)
+        return args

@@ -170,3 +170,41 @@ def test_unknown_request_means_lost_worker_state_and_reset_forgets_all(tiny_runn
         tiny_runner.execute(SchedulerOutput([], [], {"ghost": 1}, 1))
     with pytest.raises(WorkerStateLostError, match="'ghost'"):
         tiny_runner.execute(SchedulerOutput([], [CachedRequestData("ghost", [], 3)], {"ghost": 1}, 1))
+
+
+def test_a_small_steps_packed_index_tensors_equal_the_general_ones(tiny_model_dir, monkeypatch):
+    """A CPU step of up to PACKED_STEP_MAX_TOKENS tokens builds its index tensors from two
+    buffers (_packed_batch); they hold what the general path builds, in the same dtypes, and
+    each is contiguous, as the kernels require. Steps mixing prompt chunks and decodes of
+    sequences with block tables of different lengths."""
+    import torch
+
+    from workers import model_runner
+
+    runner = make_runner(tiny_model_dir, attention_backend="cpu", layer_ops="native")
+    prompts = prompts_of_lengths(PROMPT_LENGTHS, runner.model_info.vocab_size)
+    prepare = runner._prepare_batch
+    compared = []
+
+    def both_ways(scheduler_output):
+        packed = prepare(scheduler_output)
+        with monkeypatch.context() as patch:
+            patch.setattr(model_runner, "PACKED_STEP_MAX_TOKENS", 0)
+            general = prepare(scheduler_output)
+        fields = lambda batch: {  # noqa: E731
+            "input_ids": batch.input_ids, "positions": batch.positions, "logits_rows": batch.logits_rows,
+            **{name: getattr(batch.metadata, name)
+               for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens")}}
+        if batch_tokens(packed) <= model_runner.PACKED_STEP_MAX_TOKENS:
+            for name, tensor in fields(packed).items():
+                expected = fields(general)[name]
+                assert tensor.dtype == expected.dtype and tensor.is_contiguous(), name
+                assert torch.equal(tensor, expected), name
+            compared.append(packed.metadata.seq_lens.shape[0])
+        assert packed.sampling_states == general.sampling_states
+        return packed
+
+    batch_tokens = lambda batch: batch.input_ids.shape[0]  # noqa: E731
+    runner._prepare_batch = both_ways
+    run_requests(runner, prompts, greedy(6), token_budget=24)
+    assert len(compared) > 5 and max(compared) == len(prompts)
