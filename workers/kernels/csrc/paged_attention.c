@@ -502,35 +502,20 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
                                                                 const char *next) {
     const int64_t BS = t->a->block_size, slot0 = start % BS;
     const __m256i low = first_lanes8(n), high = first_lanes8(n - 8);
-    /* Up to 3 rows sum the even dims and the odd ones apart (SPLIT = 2), and add the two at the
-     * end: with one chain of FMAs per sum, 6 sums or fewer waited on the FMA's latency at every
-     * dim (4 cycles on Zen 3; a lone sequence's decode has 3 rows per kv head under SmolLM2's
-     * grouping). 4 rows have 8 chains, enough to hide it, and no registers for 16. */
-    const int SPLIT = RB <= 3 ? 2 : 1;
-    __m256 lo[2][ROW_BATCH], hi[2][ROW_BATCH];
-    for (int e = 0; e < SPLIT; e++)
-        for (int i = 0; i < RB; i++) lo[e][i] = hi[e][i] = _mm256_setzero_ps();
+    __m256 lo[ROW_BATCH], hi[ROW_BATCH];
+    for (int i = 0; i < RB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     const float *kt = (const float *)kb + g * D * BS + slot0; /* dim 0, key slot0 */
     const uint16_t *kh = (const uint16_t *)kb + g * D * BS + slot0;
-    for (int d0 = 0; d0 < D; d0 += SPLIT) { /* D is even */
-#pragma GCC unroll 2
-        for (int e = 0; e < SPLIT; e++) {
-            const int d = d0 + e;
-            if (next != NULL) prefetch_span(next + d * BS * (HALF ? 2 : 4), BS * (HALF ? 2 : 4));
-            const __m256 k0 = HALF ? load_half8(kh + d * BS) : _mm256_maskload_ps(kt + d * BS, low);
-            const __m256 k1 = HALF ? load_half8(kh + d * BS + 8) : _mm256_maskload_ps(kt + d * BS + 8, high);
-            for (int i = 0; i < RB; i++) {
-                const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
-                lo[e][i] = _mm256_fmadd_ps(q, k0, lo[e][i]);
-                hi[e][i] = _mm256_fmadd_ps(q, k1, hi[e][i]);
-            }
+    for (int d = 0; d < D; d++) {
+        if (next != NULL) prefetch_span(next + d * BS * (HALF ? 2 : 4), BS * (HALF ? 2 : 4));
+        const __m256 k0 = HALF ? load_half8(kh + d * BS) : _mm256_maskload_ps(kt + d * BS, low);
+        const __m256 k1 = HALF ? load_half8(kh + d * BS + 8) : _mm256_maskload_ps(kt + d * BS + 8, high);
+        for (int i = 0; i < RB; i++) {
+            const __m256 q = _mm256_broadcast_ss(&w->qf[rows[i]][d]); /* prescaled */
+            lo[i] = _mm256_fmadd_ps(q, k0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(q, k1, hi[i]);
         }
     }
-    for (int e = 1; e < SPLIT; e++)
-        for (int i = 0; i < RB; i++) {
-            lo[0][i] = _mm256_add_ps(lo[0][i], lo[e][i]);
-            hi[0][i] = _mm256_add_ps(hi[0][i], hi[e][i]);
-        }
     /* The sums leave their registers once, here (as in chunk_scores): read as lo[i] and hi[i]
      * in the row loop below, they were stored to the stack on every dim of the loop above.
      * Prefill of 8 x 256 tokens over a half pool, 2 threads (bench.bench_attention --prefill):
@@ -538,8 +523,8 @@ static inline __attribute__((always_inline)) void chunk_scores8(const Task *t, S
     float scores[ROW_BATCH][CHUNK] __attribute__((aligned(32)));
 #pragma GCC unroll 4
     for (int i = 0; i < RB; i++) {
-        _mm256_store_ps(scores[i], lo[0][i]);
-        _mm256_store_ps(scores[i] + 8, hi[0][i]);
+        _mm256_store_ps(scores[i], lo[i]);
+        _mm256_store_ps(scores[i] + 8, hi[i]);
     }
     for (int i = 0; i < RB; i++) {
         const int64_t r = rows[i];
