@@ -35,7 +35,6 @@ from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight,
 
 LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
 SMALL_STEP_ROWS = 64  # steps of up to this many rows share one scratch (NativeForward._args)
-_POOL_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "block_size", "block_stride", "dtype", "kv_dtype")
 
 
 def _type_code(weight) -> int:
@@ -56,8 +55,8 @@ class NativeForward:
         self._layers: ctypes.Array | None = None  # LayerArgs per layer, built for one set of pools
         self._pools: list[int] = []  # data_ptr of each layer's K pool, what _layers was built for
         self._sinks: list[torch.Tensor | None] = []  # each layer's sinks in fp32, which _layers points into
+        self._pool_fields: dict[str, int] = {}  # AttentionArgs' pool fields, checked with _layers
         self._small_args: SimpleNamespace | None = None  # ForwardArgs for steps of up to SMALL_STEP_ROWS rows
-        self._pool_fields: SimpleNamespace | None = None  # AttentionArgs' pool fields, checked by _args
 
     @classmethod
     def for_model(cls, model) -> NativeForward | None:
@@ -93,6 +92,7 @@ class NativeForward:
     def _layer_args(self, kv_caches) -> ctypes.Array:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
         if self._layers is None or pools != self._pools:
+            self._pool_fields = self._checked_pool_fields(kv_caches)
             dense = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
             operand = lambda w: w.blocks if isinstance(w, GgufWeight) else dense(w)  # noqa: E731
             num_heads, local = self.model.config.num_heads, self.model.local_rope
@@ -116,6 +116,16 @@ class NativeForward:
             self._pools = pools
         return self._layers
 
+    def _checked_pool_fields(self, kv_caches) -> dict[str, int]:
+        """AttentionArgs' fields that describe the pools, after checking that the kernels take them."""
+        c, dtype = self.model.config, self.model.dtype
+        block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
+        assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
+        kv_dtype = kv_caches[0][0].dtype  # the model's dtype, or fp16 under fp32 (a half pool)
+        assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype)
+        return dict(num_heads=c.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                    block_stride=block_stride, dtype=DTYPE_CODES[dtype], kv_dtype=KV_DTYPE_CODES[kv_dtype])
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
         model = self.model
@@ -126,8 +136,8 @@ class NativeForward:
         out = torch.empty(num_tokens, model.config.hidden_size, dtype=model.dtype)
         args = self._args(kv_caches, num_tokens)
         attention = step.args
-        for name in _POOL_FIELDS:
-            setattr(attention, name, getattr(self._pool_fields, name))
+        for name, value in self._pool_fields.items():
+            setattr(attention, name, value)
         args.attention = attention  # a copy of the struct
         args.residual, args.out, args.positions, args.slot_mapping = (
             residual.data_ptr(), out.data_ptr(), positions.data_ptr(), step.slots)
@@ -137,8 +147,8 @@ class NativeForward:
         return out
 
     def _args(self, kv_caches, num_tokens: int) -> ForwardArgs:
-        """The step's ForwardArgs with everything but its own pointers and counts set: the pools'
-        layout checked and the scratch allocated once for all steps of up to SMALL_STEP_ROWS rows
+        """The step's ForwardArgs with everything but its own pointers and counts set: built,
+        and the scratch allocated, once for all steps of up to SMALL_STEP_ROWS rows
         (a decode step's Python here took about 0.15 ms of a 5 ms step: the step's weights evict
         what the interpreter touches, so each call and check costs far more than in a loop). A
         larger step gets its own scratch, which it frees."""
@@ -147,18 +157,11 @@ class NativeForward:
         if small and self._small_args is not None and self._small_args.layers is layers:
             return self._small_args.args
         model, c = self.model, self.model.config
-        dtype = model.dtype
-        block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
-        assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
-        kv_dtype = kv_caches[0][0].dtype  # the model's dtype, or fp16 under fp32 (a half pool)
-        assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype)
-        self._pool_fields = SimpleNamespace(
-            num_heads=c.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-            block_stride=block_stride, dtype=DTYPE_CODES[dtype], kv_dtype=KV_DTYPE_CODES[kv_dtype])
+        dtype, head_dim = model.dtype, c.head_dim
         rows = SMALL_STEP_ROWS if small else num_tokens
         scratch = {
             name: torch.empty(rows, width, dtype=dtype)
-            for name, width in (("x", c.hidden_size), ("qkv", (c.num_heads + 2 * num_kv_heads) * head_dim),
+            for name, width in (("x", c.hidden_size), ("qkv", (c.num_heads + 2 * c.num_kv_heads) * head_dim),
                                 ("attended", c.num_heads * head_dim), ("delta", c.hidden_size),
                                 ("gate_up", 2 * c.intermediate_size), ("act", c.intermediate_size))
         }
