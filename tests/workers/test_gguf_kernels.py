@@ -256,10 +256,11 @@ def test_a_packed_product_of_many_rows_goes_chunk_by_chunk_and_loses_no_row(libr
 def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(library, ggml_type, mode):
     """Past 4 rows a packed Q4 int8 product (or a Q8_0 lm_head's int16 one) on AVX2 takes 16 rows
     through up to 16 column groups at once, x's block widened once for them all (csrc/gguf_gemm.c,
-    packed_int8_groups, packed_q8_int16_groups): on one thread and two, with a last tile of 2
-    rows, its outputs are within the reference's bound and bit for bit those of the same rows 4
-    at a time (a tile's sums in registers) and those of every build (the portable one has
-    neither kernel)."""
+    packed_int8_groups, packed_q8_int16_groups; AVX-512 VNNI builds take two groups, 16 columns,
+    per 512-bit vector instead, and an odd item's last group as AVX2 does: packed_int8_pair,
+    packed_q8_int16_pair): on one thread and two, with a last tile of 2 rows, its outputs are
+    within the reference's bound and bit for bit those of the same rows 4 at a time (a tile's sums
+    in registers) and those of every build (the portable one has none of these kernels)."""
     from workers.kernels.native import native_library
 
     weight = pack_columns(random_gguf_weight(ggml_type, 8 * 72, 64, seed=int(ggml_type) + 200))  # 72 groups
