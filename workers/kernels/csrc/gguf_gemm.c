@@ -951,22 +951,30 @@ static inline __m512 load_pair_halves(const uint8_t *a, const uint8_t *b) {
  * load 8 bytes into a general register and broadcast from there, two transfers per load. */
 static inline __m512i broadcast4_512(const void *p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 
+/* Block b of packed group g (bb bytes a block); the same block of group g + 1 lies one group's
+ * bytes further. A decode step's tile (the weights streamed once) asks for both
+ * PACKED_PREFETCH_BLOCKS ahead. */
+static inline __attribute__((always_inline)) const uint8_t *pair_block(const GgufJob *job, const int64_t g,
+                                                                       const int64_t b, const int bb) {
+    const uint8_t *block = job->w + g * PACKED_COLUMNS * job->row_bytes + b * bb;
+    if (job->num_rows <= PAIR_ROWS) {
+        packed_prefetch(block, bb);
+        packed_prefetch(block + PACKED_COLUMNS * job->row_bytes, bb);
+    }
+    return block;
+}
+
 /* Rows [m0, m0 + MR) of x's int8 blocks times groups g and g + 1, into out[i * 16 + c]. */
 static inline __attribute__((always_inline)) void packed_int8_pair(const int type, const GgufJob *job,
                                                                    const int64_t g, const int64_t m0,
                                                                    const int MR, float *out) {
     const int64_t K = job->K, num_blocks = K / 32;
     const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
-    const uint8_t *w0 = job->w + g * PACKED_COLUMNS * job->row_bytes, *w1 = w0 + PACKED_COLUMNS * job->row_bytes;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[PAIR_ROWS];
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *b0 = w0 + b * bb, *b1 = w1 + b * bb;
-        if (job->num_rows <= PAIR_ROWS) {
-            packed_prefetch(b0, bb);
-            packed_prefetch(b1, bb);
-        }
+        const uint8_t *b0 = pair_block(job, g, b, bb), *b1 = b0 + PACKED_COLUMNS * job->row_bytes;
         const __m512 d = load_pair_halves(b0, b1);
         const __m512 offset = type == GGML_Q4_1 ? load_pair_halves(b0 + 16, b1 + 16)
                                                 : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
@@ -1001,15 +1009,10 @@ static inline __attribute__((always_inline)) void packed_q8_int16_pair(const Ggu
                                                                        float *out) {
     const int64_t K = job->K, num_blocks = K / 32;
     const int bb = PACKED_COLUMNS * block_bytes(GGML_Q8_0);
-    const uint8_t *w0 = job->w + g * PACKED_COLUMNS * job->row_bytes, *w1 = w0 + PACKED_COLUMNS * job->row_bytes;
     const __m256i pairs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)Q8_PAIRS));
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(out + i * 2 * PACKED_COLUMNS, _mm512_setzero_ps());
     for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *b0 = w0 + b * bb, *b1 = w1 + b * bb;
-        if (job->num_rows <= PAIR_ROWS) {
-            packed_prefetch(b0, bb);
-            packed_prefetch(b1, bb);
-        }
+        const uint8_t *b0 = pair_block(job, g, b, bb), *b1 = b0 + PACKED_COLUMNS * job->row_bytes;
         const __m512 d = load_pair_halves(b0, b1);
         __m512i w[16];
         for (int k = 0; k < 16; k++) {
