@@ -913,9 +913,9 @@ static inline __attribute__((always_inline)) void packed_q8_int16_groups(const G
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_PAIR_KERNEL 1
 /* AVX-512 with VNNI: two packed groups side by side (adjacent in memory), 16 columns to a 512-bit
- * vector, for tiles of PAIR_MIN_ROWS to PAIR_ROWS rows. The Q4 kernel keeps the tile's sums in
- * registers through all the blocks (16 accumulators, 8 decoded pieces, d and the offset fit the
- * 32 registers) and takes each row's x straight from its int8 blocks as 4-byte broadcasts: per
+ * vector, for tiles of 5 to PAIR_ROWS rows. The Q4 kernel keeps the tile's sums in registers
+ * through all the blocks (16 accumulators beside 8 decoded pieces, d and the offset: about the 32
+ * registers; two register tiles of 8 rows took 1.08x the time at 12 and 16 rows) and takes each row's x straight from its int8 blocks as 4-byte broadcasts: per
  * block a row costs 8 vpdpbusd and 4 float operations for 16 columns, where packed_int8_groups
  * spends 8 vpdpbusd, 4 float operations and a load and store of its sums on 8. The arithmetic is
  * packed_int8's and packed_q8_int16's, lane for lane (bit-equal: the integer sums are exact in any
@@ -931,9 +931,7 @@ static inline __attribute__((always_inline)) void packed_q8_int16_groups(const G
  * rate of a 256-bit one (a 12-chain loop here: 0.27 against 0.14 ns), so the gain is the fewer
  * instructions around the dot products, not wider arithmetic. */
 #define PAIR_ROWS 16
-#ifndef PAIR_MIN_ROWS
-#define PAIR_MIN_ROWS 5 /* fewer rows: packed_int8, faster there (above) */
-#endif
+_Static_assert(PACKED_TILE < 5, "packed_int8 keeps tiles of 2-4 rows, faster there (above); the pair takes 5 or more");
 
 static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -947,8 +945,8 @@ static inline __m512 load_pair_halves(const uint8_t *a, const uint8_t *b) {
 }
 
 /* The 4 bytes at p in every 32-bit lane, loaded straight into the vector (vpbroadcastd from
- * memory, which the dot products take as an embedded broadcast): a memcpy to an int made GCC
- * load 8 bytes into a general register and broadcast from there, two transfers per load. */
+ * memory, a load): a memcpy to an int made GCC load 8 bytes into a general register and
+ * broadcast from there, two transfers per load. */
 static inline __m512i broadcast4_512(const void *p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 
 /* Block b of packed group g (bb bytes a block); the same block of group g + 1 lies one group's
@@ -1178,6 +1176,23 @@ static void packed_group(const GgufJob *job, const GgufJob *local, int64_t g, in
     }
 }
 
+#ifdef RAYLLM_HAS_AVX2
+/* Rows [m0, m0 + rows) of a packed Q4 int8 or Q8_0 int16 product through groups [g0, g1) (at
+ * most PACKED_GROUPS_AT_ONCE): past PACKED_TILE rows the groups' kernels, else each group's
+ * register tile. */
+static void tile_through_groups(const GgufJob *job, const int64_t g0, const int64_t g1, const int64_t m0,
+                                const int rows, const int tile) {
+    if (rows <= PACKED_TILE)
+        for (int64_t g = g0; g < g1; g++) packed_group(job, NULL, g, m0, m0 + rows, tile);
+    else if (job->type == GGML_Q8_0)
+        packed_q8_int16_groups(job, g0, g1, m0, rows);
+    else if (job->type == GGML_Q4_1)
+        packed_int8_groups_q4_1(job, g0, g1, m0, rows);
+    else
+        packed_int8_groups_q4_0(job, g0, g1, m0, rows);
+}
+#endif
+
 /* Rows of x that an item takes through all its groups before the next rows: about
  * PACKED_CHUNK_BYTES of x (whole tiles), which stay in L2 from one group to the next beside the
  * item's weights. Each group over every row instead read all of x again for each group: at 2048
@@ -1196,11 +1211,12 @@ static void packed_columns(void *context, int64_t item) {
     local.w = unpacked;
     const int tile = unpacked || job->type == GGML_Q8_0 ? PACKED_TILE : PACKED_INT8_TILE;
 #ifdef RAYLLM_HAS_AVX2
-    /* Q4_0/Q4_1 int8 past PACKED_TILE rows: a tile of rows through PACKED_GROUPS_AT_ONCE groups at
-     * a time; x's tile (16 rows) and the item's weights stay in cache from one to the next. */
+    /* Q4_0/Q4_1 int8 and Q8_0 int16 past PACKED_TILE rows: x's tile (16 rows) and the item's
+     * weights stay in cache from one group to the next. */
     const int int16 = job->type == GGML_Q8_0 && job->mode == GGUF_INT16;
+    if (!unpacked && (job->type != GGML_Q8_0 || int16) && job->num_rows > PACKED_TILE) {
 #ifdef HAVE_PAIR_KERNEL
-    if (!unpacked && (job->type != GGML_Q8_0 || int16) && job->num_rows >= PAIR_MIN_ROWS) {
+        /* two groups at a time through all the blocks; an odd last group through the 256-bit kernels */
         for (int64_t m0 = 0; m0 < job->num_rows; m0 += PAIR_ROWS) {
             const int rows = job->num_rows - m0 < PAIR_ROWS ? (int)(job->num_rows - m0) : PAIR_ROWS;
             int64_t g = item * job->span;
@@ -1214,33 +1230,16 @@ static void packed_columns(void *context, int64_t item) {
                     pair_GGML_Q4_0(job, g, m0, rows, sums);
                 store_sums(job, g * PACKED_COLUMNS, (g + 2) * PACKED_COLUMNS, m0, rows, sums, 2 * PACKED_COLUMNS);
             }
-            if (g < end && rows <= PACKED_TILE)
-                packed_group(job, NULL, g, m0, m0 + rows, tile);
-            else if (g < end && int16)
-                packed_q8_int16_groups(job, g, g + 1, m0, rows);
-            else if (g < end && job->type == GGML_Q4_1)
-                packed_int8_groups_q4_1(job, g, g + 1, m0, rows);
-            else if (g < end)
-                packed_int8_groups_q4_0(job, g, g + 1, m0, rows);
+            if (g < end) tile_through_groups(job, g, g + 1, m0, rows, tile);
         }
-        return;
-    }
-#endif
-    if (!unpacked && (job->type != GGML_Q8_0 || int16) && job->num_rows > PACKED_TILE) {
+#else /* a tile of rows through PACKED_GROUPS_AT_ONCE groups at a time */
         for (int64_t m0 = 0; m0 < job->num_rows; m0 += PACKED_INT8_TILE) {
             const int rows = job->num_rows - m0 < PACKED_INT8_TILE ? (int)(job->num_rows - m0) : PACKED_INT8_TILE;
-            for (int64_t g0 = item * job->span; g0 < end; g0 += PACKED_GROUPS_AT_ONCE) {
-                const int64_t g1 = g0 + PACKED_GROUPS_AT_ONCE < end ? g0 + PACKED_GROUPS_AT_ONCE : end;
-                if (rows <= PACKED_TILE)
-                    for (int64_t g = g0; g < g1; g++) packed_group(job, NULL, g, m0, m0 + rows, tile);
-                else if (int16)
-                    packed_q8_int16_groups(job, g0, g1, m0, rows);
-                else if (job->type == GGML_Q4_1)
-                    packed_int8_groups_q4_1(job, g0, g1, m0, rows);
-                else
-                    packed_int8_groups_q4_0(job, g0, g1, m0, rows);
-            }
+            for (int64_t g0 = item * job->span; g0 < end; g0 += PACKED_GROUPS_AT_ONCE)
+                tile_through_groups(job, g0, g0 + PACKED_GROUPS_AT_ONCE < end ? g0 + PACKED_GROUPS_AT_ONCE : end, m0,
+                                    rows, tile);
         }
+#endif
         return;
     }
 #endif
