@@ -7,6 +7,11 @@ the dense fp32 panel GEMM of the same shape, at SmolLM2-135M's shapes.
 
     .venv/bin/python -m bench.bench_gguf                         # 1 thread, rows 1 and 16
     .venv/bin/python -m bench.bench_gguf --threads 2 --rows 1,4,16,64 --type Q4_K
+    .venv/bin/python -m bench.bench_gguf --threads 2 --rows 16,32,64,256 --tiles   # + AMX tiles (csrc/amx.c)
+
+With --tiles (a CPU whose OS grants AMX tile data), the layer shapes also run on tiles over the
+packed weights (gguf.amx_gemm: each group of columns dequantized to bf16, x rounded to bf16),
+with tiles / packed int8 last: what workers/kernels/cpu_isa.py's TILE_MIN_ROWS["gguf"] is judged by.
 
 Each shape gets enough copies of its weight (distinct memory) that a pass over them reads
 --min-mb megabytes, so every product streams its weight from memory as a real step does; the
@@ -30,7 +35,8 @@ import torch.nn.functional as F
 
 from workers.gguf_weight import (BLOCK_LAYOUT, LAYER_PACKED_TYPES, LOGITS_PACKED_TYPES, PACKED_ROWS, GGMLType,
                                  GgufWeight, pack_columns)
-from workers.kernels.gguf import gguf_dequantize, gguf_gemm, logits_mode
+from workers.kernels.cpu_isa import cpu_plan
+from workers.kernels.gguf import amx_gemm, gguf_dequantize, gguf_gemm, logits_mode
 from workers.linear import NativeLinear
 
 SHAPES = [(576, 576, None), (192, 576, None), (1536, 576, None), (576, 1536, None), (49152, 576, GGMLType.Q8_0)]
@@ -70,7 +76,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--type", default="Q4_1", choices=[t.name for t in BLOCK_LAYOUT])
     parser.add_argument("--min-mb", type=float, default=64.0)
+    parser.add_argument("--tiles", action="store_true", help="the layer shapes on AMX tiles too")
     args = parser.parse_args()
+    if args.tiles and not cpu_plan().amx:
+        parser.error(f"no AMX tiles here: {cpu_plan().amx_status}")
     torch.set_num_threads(args.threads)
     native = NativeLinear()
     print(f"threads {args.threads} | ms per product (median of {args.repeats}) and GB/s of weight bytes read")
@@ -104,6 +113,8 @@ def main() -> None:
                 "dense": (native.linear, dense, dense_bytes),
                 "dequantized": (lambda x, w: F.linear(x, gguf_dequantize(w, scratch=True)), quantized, first.nbytes),
             }
+            if args.tiles and not is_head:
+                paths["tiles"] = (amx_gemm, packed, first.nbytes)
             times: dict[str, list[float]] = {name: [] for name in paths}
             for name, (run, weights, _) in paths.items():  # warm-up
                 timed(run, weights[:2], x)
@@ -115,7 +126,9 @@ def main() -> None:
             print(f"{f'{out_features}x{in_features} {ggml_type.name}':>18} {rows:>5} | " + " | ".join(cells)
                   + f" | {median['packed'] / median['fp32' if is_head else 'int8']:9.2f}"
                   + f" {median['packed'] / median['dense']:10.2f}"
-                  + f" {median['dequantized'] / median['packed']:8.2f}", flush=True)
+                  + f" {median['dequantized'] / median['packed']:8.2f}"
+                  + (f"   tiles/packed {median['tiles'] / median['packed']:.2f}" if "tiles" in median else ""),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ the median over --repeats passes of all of them, the paths alternating:
   AVX512_BF16), at every row count (past its row limit too, which is what the limit is
   judged by);
 - onednn: oneDNN's prepacked GEMM, at every row count;
-- gemv: our GEMV, at the rows it takes (GEMV_MAX_ROWS).
+- gemv: our GEMV, at the rows it takes (GEMV_MAX_ROWS);
+- tiles: our AMX tile GEMM over the same bf16 panels (csrc/amx.c), bf16 on a CPU whose OS grants
+  tile data (workers/kernels/cpu_isa.py), at every row count: what its TILE_MIN_ROWS is judged by.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from workers.kernels.cpu_isa import cpu_plan  # noqa: E402
 from workers.linear import GEMV_MAX_ROWS, NativeLinear, PanelWeight  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
@@ -56,6 +59,7 @@ def main() -> None:
     onednn = [panel.packed if panel.packed is not None else native.onednn.pack(weight)
               for weight, panel in zip(plain, packed)]  # bf16 panels keep no oneDNN copy: one for the comparison
     limit = packed[0].max_rows
+    tiles = dtype == torch.bfloat16 and cpu_plan().amx
     print(f"{args.dtype} | threads {args.threads} | ms per step's products (median of {args.repeats}); panels take "
           f"{'every row count' if limit is None else f'up to {limit} rows'} when serving")
 
@@ -64,6 +68,8 @@ def main() -> None:
             x = inputs[weight.shape[1]]
             if path == "panels":
                 native._panel_gemm(x, panel, None, dtype)
+            elif path == "tiles":
+                native._tile_gemm(x, panel, None, dtype)
             elif path == "onednn":
                 native.onednn.linear(x, reordered)
             else:
@@ -71,7 +77,7 @@ def main() -> None:
 
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {width: torch.randn(rows, width).to(dtype) for width in (HIDDEN, INTERMEDIATE)}
-        paths = ["panels", "onednn"] + (["gemv"] if rows <= GEMV_MAX_ROWS else [])
+        paths = ["panels", "onednn"] + (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["tiles"] if tiles else [])
         times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.repeats):
             for path in paths:
@@ -80,7 +86,8 @@ def main() -> None:
                 times[path].append(time.perf_counter() - started)
         medians = {path: statistics.median(spent) for path, spent in times.items()}
         print(f"rows {rows:4d}: " + "   ".join(f"{path} {s * 1e3:8.1f}" for path, s in medians.items())
-              + f"   onednn / panels {medians['onednn'] / medians['panels']:.2f}x", flush=True)
+              + f"   onednn / panels {medians['onednn'] / medians['panels']:.2f}x"
+              + (f"   tiles / panels {medians['tiles'] / medians['panels']:.2f}x" if tiles else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gguf_model_dir(tmp_path_factory) -> Path:
+    """A tiny llama whose projections' input widths are whole K-type super-blocks (256, 512): the
+    GGUF tests quantize its layers (test_gguf_kernels.quantize_layers)."""
+    from tiny_model import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-gguf"), hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model converted to safetensors (once; reuses ~/.cache/rayllm when present)."""
     from workers.loader import resolve_model_path

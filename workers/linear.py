@@ -81,6 +81,7 @@ import torch.nn.functional as F
 
 from workers.gguf_weight import GgufWeight, gguf_linear, gguf_logits
 from workers.huge_pages import HugeArena
+from workers.kernels.cpu_isa import cpu_plan
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 from workers.quant_formats import Fp8Weight, Int4Weight, QuantWeight
 
@@ -90,6 +91,7 @@ PANEL_MAX_ROWS = 1024  # rows at most that take the fp32 panel GEMM on AVX2; mor
 AVX512_PANEL_MAX_ROWS: int | None = None  # ... on AVX-512 CPUs (panel_avx512.c): every row count
 BF16_PANEL_MAX_ROWS: int | None = None  # the bf16 panel GEMM (AVX512_BF16) takes every row count
 PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
+TILE_K = 32  # input columns of an AMX tile (csrc/amx.c): a bf16 product on tiles needs a multiple of it
 
 
 class TorchLinear:
@@ -233,6 +235,8 @@ class NativeLinear:
             out_features = weight.out_features if isinstance(weight, PanelWeight) else weight.plain.shape[0]
             return x.new_empty(0, out_features, dtype=out_dtype)
         if isinstance(weight, PanelWeight) and weight.takes(rows):
+            if weight.panels.dtype == torch.bfloat16 and tiles_take_bf16(x, rows):
+                return self._tile_gemm(x, weight, bias, out_dtype)
             return self._panel_gemm(x, weight, bias, out_dtype)
         if isinstance(weight, DualWeight) and 0 < rows <= GEMV_MAX_ROWS:
             return self._gemv(x, weight.plain, bias, out_dtype)
@@ -259,6 +263,20 @@ class NativeLinear:
             ), "rayllm_panel_gemm_bf16")
         return out
 
+    def _tile_gemm(self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """The product on AMX tiles over the same bf16 panels (csrc/amx.c)."""
+        x = x.contiguous()
+        num_rows, width = x.shape
+        assert x.dtype == torch.bfloat16 and weight.panels.shape[1] * 2 == width
+        assert bias is None or bias.dtype == torch.bfloat16
+        out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
+        check_status(self.library.rayllm_amx_gemm_bf16(
+            x.data_ptr(), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            num_rows, weight.out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
+        ), "rayllm_amx_gemm_bf16")
+        return out
+
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               out_dtype: torch.dtype) -> torch.Tensor:
         x = x.contiguous()
@@ -270,6 +288,12 @@ class NativeLinear:
             num_rows, out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
         ), "rayllm_gemv")
         return out
+
+
+def tiles_take_bf16(x: torch.Tensor, num_rows: int) -> bool:
+    """A bf16 product of num_rows rows runs on AMX tiles (workers/kernels/cpu_isa.py's table); its
+    width must be whole tiles of 32."""
+    return x.shape[1] % TILE_K == 0 and cpu_plan().tiles_take("bf16", num_rows)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

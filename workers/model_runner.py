@@ -37,6 +37,7 @@ from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.grammar import GrammarMatchers
 from workers.kernels import cpu_attention, resolve_attention_backend_name
+from workers.kernels.cpu_isa import cpu_plan
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
@@ -166,6 +167,9 @@ class ModelInfo:
     # the projection weights: "none" (in dtype), "gguf:<file type>" (e.g. "gguf:Q4_1"), or a quantized
     # checkpoint's label (QuantSpec.label) + " (dequantized at load)", e.g. "awq:4bit-g128 (dequantized at load)"
     quantization: str = "none"
+    # what runs each path on this CPU, in words (workers/kernels/cpu_isa.py): "products" (dense
+    # weights), "attention", and "gguf" (a GGUF checkpoint's products); {} on a GPU
+    isa: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -307,7 +311,19 @@ class ModelRunner:
             layer_ops=self.model.ops.name,
             linear_backend=self.model.linear_backend.name,
             quantization=self.model.quantization,
+            isa=self._isa(),
         )
+
+    def _isa(self) -> dict[str, str]:
+        """ModelInfo.isa: the plan's words where the path runs our C kernels, else the backend's name."""
+        if self.device.type != "cpu":
+            return {}
+        isa = cpu_plan().isa(self.model.dtype, self.model.quantization.startswith("gguf"))
+        if self.model.linear_backend.name != "native":
+            isa["products"] = self.model.linear_backend.name
+        if self.attention_backend != "cpu":
+            isa["attention"] = self.attention_backend
+        return isa
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[KVCache]:
         """One pool per layer in the attention backend's layout. Zeroed: masked-out slots may

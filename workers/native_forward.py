@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from workers.gguf_weight import GgufWeight
 from workers.kernels import check_variants, cpu_attention, gguf
+from workers.kernels.cpu_isa import cpu_plan
 from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODES, ForwardArgs, LayerArgs, check_status,
                                     native_library)
 from workers.layer_ops import NativeOps
@@ -72,8 +73,10 @@ class NativeForward:
         quantized = [w for w in weights if isinstance(w, GgufWeight)]
         if not all(gguf.native_has(w) for w in quantized):
             return None
-        # a prompt step whose GGUF products go dense (gguf.goes_dense) runs the Python loop
-        limits = [gguf.DENSE_MIN_ROWS - 1] if any(gguf.goes_dense(w, gguf.DENSE_MIN_ROWS) for w in quantized) else []
+        # a prompt step whose GGUF products go dense (gguf.goes_dense) runs the Python loop, unless
+        # such steps run on tiles
+        goes_dense = any(gguf.goes_dense(w, gguf.DENSE_MIN_ROWS) for w in quantized)
+        limits = [gguf.DENSE_MIN_ROWS - 1] if goes_dense and not gguf.tiles_take(quantized[0], gguf.DENSE_MIN_ROWS) else []
         dense = [w for w in weights if not isinstance(w, GgufWeight)]
         if not dense:  # every product is a GGUF weight's own kernel, whatever the backend
             return cls(model, LINEAR_GEMV, min(limits, default=None))
@@ -143,6 +146,8 @@ class NativeForward:
             residual.data_ptr(), out.data_ptr(), positions.data_ptr(), step.slots)
         args.num_tokens, args.num_threads = num_tokens, torch.get_num_threads()
         args.gguf_mode = gguf.GGUF_MODES[gguf.DEFAULT_MODE]
+        plan = cpu_plan()
+        args.tile_min_rows_bf16, args.tile_min_rows_gguf = plan.min_rows("bf16"), plan.min_rows("gguf")
         check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
         return out
 

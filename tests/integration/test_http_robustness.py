@@ -26,6 +26,8 @@ def test_health_version_models(server) -> None:
         assert model["root"] == str(server.model_dir)
         # the shared app pins fp32 (see conftest); on CPU the attention is our C kernel
         # (triton is the CUDA default)
+        isa = model["backend"].pop("isa")  # what runs each path: this CPU's (workers/kernels/cpu_isa.py)
+        assert set(isa) == {"products", "attention"} and all(isinstance(v, str) and v for v in isa.values())
         assert model["backend"] == {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32",
                                     "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -28,7 +26,8 @@ from workers.gguf_weight import (BLOCK_LAYOUT, PACKABLE_TYPES, GGMLType, GgufWei
                                  dequantize_rows, gguf_linear, gguf_logits, pack_columns, pack_for_kernels,
                                  reference_linear, unpack_columns)
 from workers.kernels import gguf
-from workers.kernels.native import CFLAGS, SOURCE_DIR, SOURCES, build, compiler, load, native_available
+from workers.kernels.cpu_isa import cpu_plan, using_plan, without_tiles
+from workers.kernels.native import build, load, native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
 
@@ -327,8 +326,14 @@ def test_dequantize_gives_the_gguf_packages_values(library, weights, ggml_type):
 
 
 def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by_the_kernel(weights):
-    """From gguf.DENSE_MIN_ROWS rows, gguf_linear is the dense fp32 product of the dequantized
-    weight (fp32-exact, no int8 rounding); below, the int8 kernel."""
+    """Without AMX tiles (cpu_isa: where the CPU has them, test_amx.py checks their dispatch), from
+    gguf.DENSE_MIN_ROWS rows gguf_linear is the dense fp32 product of the dequantized weight
+    (fp32-exact, no int8 rounding); below, the int8 kernel."""
+    with using_plan(without_tiles(cpu_plan())):
+        check_the_vector_paths_dispatch(weights)
+
+
+def check_the_vector_paths_dispatch(weights):
     weight = weights[GGMLType.Q4_K]
     generator = torch.Generator().manual_seed(6)
     bias = torch.randn(N, generator=generator)
@@ -345,10 +350,12 @@ def test_a_prompt_step_multiplies_by_the_dequantized_weight_and_a_decode_step_by
 
 def test_a_packed_weights_prompt_step_stays_on_its_int8_kernel(packed_weights):
     """The packed int8 kernel is faster than dequantizing at any number of rows (bench.bench_gguf);
-    a packed Q8_0 lm_head's fp32 product is not, and its prompt logits go dense (gguf.goes_dense)."""
+    a packed Q8_0 lm_head's fp32 product is not, and its prompt logits go dense (gguf.goes_dense).
+    (Without AMX tiles: with them, such a prompt step runs on the tiles, test_amx.py.)"""
     weight = packed_weights[GGMLType.Q4_1]
     x = torch.randn(gguf.DENSE_MIN_ROWS, K, generator=torch.Generator().manual_seed(7))
-    assert torch.equal(gguf_linear(x, weight), gguf.gguf_gemm(x, weight, mode="int8"))
+    with using_plan(without_tiles(cpu_plan())):
+        assert torch.equal(gguf_linear(x, weight), gguf.gguf_gemm(x, weight, mode="int8"))
     assert gguf.goes_dense(weight, gguf.DENSE_MIN_ROWS, "fp32") and not gguf.goes_dense(weight, gguf.DENSE_MIN_ROWS)
     head = packed_weights[GGMLType.Q8_0]
     assert gguf.goes_dense(head, gguf.DENSE_MIN_ROWS, "fp32") and not gguf.goes_dense(head, gguf.DENSE_MIN_ROWS - 1)
@@ -406,31 +413,6 @@ def test_k_types_need_whole_super_blocks_and_the_kernel_checks_sizes(weights):
         gguf.gguf_gemm(torch.zeros(1, 256), weight)
 
 
-def _avx512_march(cc: str) -> str | None:
-    """A Zen 4 (else Sapphire Rapids) target this compiler knows, for a compile-only check."""
-    for march in ("znver4", "sapphirerapids"):
-        probe = subprocess.run([cc, f"-march={march}", "-x", "c", "-fsyntax-only", "-"], input="int x;\n",
-                               capture_output=True, text=True, check=False)
-        if probe.returncode == 0:
-            return march
-    return None
-
-
-def test_the_avx512_paths_compile():
-    """This machine may have no AVX-512; the AVX-512 (and VNNI) code must still compile."""
-    cc = compiler()
-    if cc is None or platform.machine() != "x86_64" or shutil.which(cc) is None:
-        pytest.skip("no x86 C compiler")
-    march = _avx512_march(cc)
-    if march is None:
-        pytest.skip("this compiler knows no AVX-512 CPU")
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS if flag != "-shared"]
-    for name in SOURCES:
-        result = subprocess.run([cc, *flags, "-c", "-o", "/dev/null", str(SOURCE_DIR / name)], capture_output=True,
-                                text=True, check=False)
-        assert result.returncode == 0, f"{name} with -march={march}:\n{result.stderr[-2000:]}"
-
-
 # ---------------------------------------------------------------- the C layer loop over GGUF weights
 
 LAYER_TYPES = [  # (qkv, o, gate_up, down) per layer: every type, and four types in one layer
@@ -438,15 +420,6 @@ LAYER_TYPES = [  # (qkv, o, gate_up, down) per layer: every type, and four types
     (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_1),
     (GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.Q5_K),
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_model_dir(tmp_path_factory):
-    """A tiny llama whose projections' input widths are whole K-type super-blocks (256, 512)."""
-    from tiny_model import build_tiny_model_dir
-
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-gguf"), hidden_size=256, intermediate_size=512,
-                                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
 
 
 def quantize_layers(model, layer_types=LAYER_TYPES) -> None:
@@ -473,8 +446,10 @@ def test_c_loop_over_gguf_weights_equals_the_python_loop(gguf_model_dir, dtype, 
     runner = make_runner(gguf_model_dir, attention_backend="cpu", dtype=dtype, num_threads=threads)
     quantize_layers(runner.model)
     native = runner.model.native_forward
-    # every product is a GGUF one: every step but a prompt step's many rows (those go dense, in Python)
-    assert native is not None and native.max_rows == gguf.DENSE_MIN_ROWS - 1
+    # every product is a GGUF one: every step but a prompt step's many rows (those go dense, in Python),
+    # unless such steps run on AMX tiles
+    on_tiles = gguf.tiles_take(runner.model.layers[0].qkv, gguf.DENSE_MIN_ROWS)
+    assert native is not None and native.max_rows == (None if on_tiles else gguf.DENSE_MIN_ROWS - 1)
     compared = compare_every_step(runner)
     prompts = prompts_of_lengths([1, 3, 8, 17, 29], runner.model_info.vocab_size)
     outputs = run_requests(runner, prompts, greedy(8), token_budget=16)

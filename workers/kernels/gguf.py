@@ -54,6 +54,7 @@ import threading
 import torch
 
 from workers.gguf_weight import LAYER_PACKED_TYPES, GGMLType, GgufWeight
+from workers.kernels.cpu_isa import cpu_plan
 from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
 
 NATIVE_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
@@ -101,6 +102,36 @@ def goes_dense(weight: GgufWeight, num_rows: int, mode: str | None = None) -> bo
     against 146 ms dequantized, 2 threads: it goes dense.)"""
     return num_rows >= DENSE_MIN_ROWS and not (weight.packed and (mode or DEFAULT_MODE) == "int8"
                                                and weight.ggml_type in LAYER_PACKED_TYPES)
+
+
+def tiles_take(weight: GgufWeight, num_rows: int, mode: str | None = None) -> bool:
+    """A layer's product of this many rows runs on AMX tiles (cpu_isa's table): its blocks are
+    dequantized to bf16 a group of 32 columns at a time and x is rounded to bf16 (amx.c). Not a
+    product with an explicit mode other than int8: an lm_head's logits keep their mode."""
+    return (mode or DEFAULT_MODE) == "int8" and cpu_plan().tiles_take("gguf", num_rows)
+
+
+def amx_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None, library=None) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias) on AMX tiles (csrc/amx.c): x and the weights rounded to bf16,
+    fp32 sums. The caller has checked tiles_take."""
+    library = library or native_library()
+    out_dtype = out_dtype or x.dtype
+    x = x.contiguous()
+    num_rows, width = x.shape
+    if width != weight.in_features:
+        raise ValueError(f"x has {width} features, the {weight.ggml_type.name} weight takes {weight.in_features}")
+    out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
+    if num_rows == 0:
+        return out
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    check_status(library.rayllm_amx_gguf_gemm(
+        x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
+        weight.out_features, width, type_code(weight), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
+        torch.get_num_threads(),
+    ), "rayllm_amx_gguf_gemm")
+    return out
 
 
 def native_has(weight: GgufWeight) -> bool:

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c",
-           "gguf_gemm.c")  # compiled together; they include csrc/*.h
+           "gguf_gemm.c", "amx.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -219,6 +219,8 @@ class ForwardArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int32),
         ("activation", ctypes.c_int32),
         ("gguf_mode", ctypes.c_int32),  # GGUF_MODES (workers/kernels/gguf.py): the GGUF products' mode
+        ("tile_min_rows_bf16", ctypes.c_int64),  # steps from this many rows run on AMX tiles (cpu_isa), 0: never
+        ("tile_min_rows_gguf", ctypes.c_int64),
     ]
 
 
@@ -266,6 +268,15 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     # blocks, out, N, K, ggml_type, num_threads (fp32 out)
     "rayllm_gguf_dequantize": [_P, _P, _I64, _P, _I64, _I64, _I32, _I32],
+    # the CPU's features (CPU_* bits of csrc/entry_points.h), whether this build has the tile kernels,
+    # and the OS's permission for tile data (AMX_* codes)
+    "rayllm_cpu_features": [],
+    "rayllm_amx_built": [],
+    "rayllm_amx_enable": [],
+    # x, panels, bias, out, num_rows, N, K, dtype, out_dtype, num_threads (bf16 panels, x bf16 or fp32)
+    "rayllm_amx_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+    # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads
+    "rayllm_amx_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
 }

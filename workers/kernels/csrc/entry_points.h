@@ -75,6 +75,24 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
 int rayllm_gguf_dequantize(const uint8_t *w, const int64_t *index, int64_t num_out, float *out, int64_t N, int64_t K,
                            int32_t ggml_type, int32_t num_threads);
 
+/* gguf_gemm.c, for amx.c: a GGUF row's bytes (-1: a type it does not have; -2: bad sizes), and
+ * columns [n0, n0 + 32) of a GGUF weight dequantized to two bf16 panels (AVX512_BF16 builds). */
+int64_t rayllm_gguf_row_bytes(int32_t ggml_type, int64_t N, int64_t K);
+void rayllm_gguf_bf16_panels(const uint8_t *w, int32_t ggml_type, int64_t row_bytes, int64_t N, int64_t K, int64_t n0,
+                             uint16_t *out);
+
+/* amx.c: what the CPU has (CPU_* bits), whether the OS grants tile data (AMX_*), and the
+ * products on tiles (1 where this build has none). */
+enum { CPU_AVX2 = 1, CPU_AVX512 = 2, CPU_AVX512_BF16 = 4, CPU_AVX512_VNNI = 8, CPU_AMX_BF16 = 16, CPU_AMX_INT8 = 32 };
+enum { AMX_GRANTED = 0, AMX_NOT_BUILT = 1, AMX_NO_CPU = 2, AMX_REFUSED = 3 };
+int rayllm_cpu_features(void);
+int rayllm_amx_built(void);
+int rayllm_amx_enable(void);
+int rayllm_amx_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows, int64_t N,
+                         int64_t K, int32_t dtype, int32_t out_dtype, int32_t num_threads);
+int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
+                         int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t num_threads);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);

@@ -64,13 +64,23 @@ typedef struct {
     int32_t dtype, linear, num_threads;
     int32_t activation;      /* the MLP's: ACTIVATION_SILU or ACTIVATION_GELU_TANH (rayllm_gated_mul) */
     int32_t gguf_mode;       /* GGUF_FP32 or GGUF_INT8: the mode of the GGUF weights' products (gguf_gemm.c) */
+    /* steps of at least this many tokens run their products on AMX tiles (amx.c), 0: never
+     * (workers/kernels/cpu_isa.py's table): bf16 panels, and GGUF weights in the int8 mode */
+    int64_t tile_min_rows_bf16, tile_min_rows_gguf;
 } ForwardArgs;
+
+static int takes_tiles(int64_t min_rows, int64_t num_tokens) { return min_rows > 0 && num_tokens >= min_rows; }
 
 static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t type, const void *bias, void *out,
                   int64_t N, int64_t K) {
+    if (type && a->gguf_mode == GGUF_INT8 && takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
+        return rayllm_amx_gguf_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype, a->num_threads);
     if (type)
         return rayllm_gguf_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype, a->gguf_mode,
                                 a->num_threads);
+    if (a->linear == LINEAR_PANELS && a->dtype == DTYPE_BF16 && K % 32 == 0 &&
+        takes_tiles(a->tile_min_rows_bf16, a->num_tokens))
+        return rayllm_amx_gemm_bf16(x, w, bias, out, a->num_tokens, N, K, DTYPE_BF16, DTYPE_BF16, a->num_threads);
     if (a->linear == LINEAR_PANELS)
         return a->dtype == DTYPE_F32
                    ? rayllm_panel_gemm(x, w, bias, out, a->num_tokens, N, K, a->num_threads)

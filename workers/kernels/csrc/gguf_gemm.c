@@ -1420,3 +1420,134 @@ int rayllm_gguf_dequantize(const uint8_t *w, const int64_t *index, int64_t num_o
                         dequantize_rows, &job);
     return 0;
 }
+
+/* ------------------------------------------------ a group of columns as bf16 panels (amx.c's) */
+
+/* ggml_type's (with GGUF_PACKED) bytes per row of K weights; -1 for a type this file does not
+ * have, -2 for K not a whole number of its blocks or N not of its packed groups. */
+int64_t rayllm_gguf_row_bytes(int32_t ggml_type, int64_t N, int64_t K) {
+    const int packed = (ggml_type & GGUF_PACKED) != 0;
+    const int type = ggml_type & ~GGUF_PACKED;
+    if (!columns_function(type) || (packed && !packable(type))) return -1;
+    const int64_t block_weights = 32 * block_subs(type);
+    if (N < 1 || K < block_weights || K % block_weights || (packed && N % PACKED_COLUMNS)) return -2;
+    return K / block_weights * block_bytes(type);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Block b of column c of a packed group, back in the file's layout (unpack_row's, one block). */
+static inline const uint8_t *file_block(const uint8_t *group, int c, int64_t b, int type, uint8_t *out) {
+    const int block = block_bytes(type), qs = packed_values(type), head = qs / PACKED_COLUMNS;
+    const uint8_t *packed = group + b * PACKED_COLUMNS * block;
+    memcpy(out, packed + 2 * c, 2);
+    if (type == GGML_Q8_0)
+        for (int k = 0; k < 32; k++) out[2 + k] = packed[16 + 8 * k + c];
+    else {
+        if (head == 4) memcpy(out + 2, packed + 16 + 2 * c, 2);
+        for (int t = 0; t < 4; t++) memcpy(out + head + 4 * t, packed + qs + 32 * t + 4 * c, 4);
+    }
+    return out;
+}
+
+/* r[i] lane j <- r[j] lane i, for 16 x 16 dwords. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4q + s] now holds, in each 128-bit lane L, dwords s of rows 4q..4q+3 of lane L's columns 4L.. */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);      /* lanes 0, 2 of r[i], then of r[4 + i] */
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);  /* lanes 1, 3 */
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
+/* A packed Q4_0/Q4_1 group's 8 columns into half `half` (columns 8 half ..) of a bf16 panel
+ * [K / 2][16][2]: per block, each 32-byte piece t of 4-bit values widens to weights 4t..4t+3 (low
+ * nibbles) and 16+4t..16+4t+3 (high) of the 8 columns, scaled by fma(q, d, offset) (sub_weights'
+ * values: q d is exact), rounded to bf16 in pairs of k, each pair of lines stored in two halves. */
+static void packed_q4_bf16_panel(const uint8_t *group, int type, int64_t K, int half, uint16_t *panel) {
+    const int bb = PACKED_COLUMNS * block_bytes(type), qs = packed_values(type);
+    const __m512i low_columns = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i high_columns = _mm512_add_epi32(low_columns, _mm512_set1_epi32(4));
+    const __m512i even_then_odd = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t *block = group + b * bb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        const __m512 d8 = _mm512_castps256_ps512(d), offset8 = _mm512_castps256_ps512(packed_offset(type, block, d));
+        const __m512 d_lo = _mm512_permutexvar_ps(low_columns, d8), d_hi = _mm512_permutexvar_ps(high_columns, d8);
+        const __m512 o_lo = _mm512_permutexvar_ps(low_columns, offset8);
+        const __m512 o_hi = _mm512_permutexvar_ps(high_columns, offset8);
+        uint16_t *lines = panel + b * 16 * 32 + half * 16; /* line j of the block at lines + 32 j */
+        for (int t = 0; t < 4; t++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + qs + 32 * t));
+            const __m256i nibbles[2] = {_mm256_and_si256(raw, low4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4)};
+            for (int h = 0; h < 2; h++) { /* low nibbles: pairs 2t, 2t + 1; high: 8 + 2t, 9 + 2t */
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(nibbles[h])));
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(nibbles[h], 1)));
+                const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q1, d_hi, o_hi),
+                                                                   _mm512_fmadd_ps(q0, d_lo, o_lo));
+                const __m512i by_line = _mm512_permutexvar_epi32(even_then_odd, pairs); /* column c's pair */
+                uint16_t *line = lines + (8 * h + 2 * t) * 32;
+                _mm256_storeu_si256((__m256i *)line, _mm512_castsi512_si256(by_line));
+                _mm256_storeu_si256((__m256i *)(line + 32), _mm512_extracti64x4_epi64(by_line, 1));
+            }
+        }
+    }
+}
+
+/* Columns [n0, n0 + 32) of w ([N, row_bytes] blocks of ggml_type, GGUF_PACKED or not) as two bf16
+ * panels [2][K / 2][16][2] (panel_avx512.c's layout), zeros past N: each weight the fp32 value
+ * the fp32 mode multiplies by (sub_weights), rounded to bf16 (nearest even). */
+void rayllm_gguf_bf16_panels(const uint8_t *w, int32_t ggml_type, int64_t row_bytes, int64_t N, int64_t K, int64_t n0,
+                             uint16_t *out) {
+    const int packed = (ggml_type & GGUF_PACKED) != 0, type = ggml_type & ~GGUF_PACKED, subs = block_subs(type);
+    const int64_t lines = K / 2; /* a panel's 64-byte lines */
+    if (packed && (type == GGML_Q4_0 || type == GGML_Q4_1) && n0 + 32 <= N) {
+        for (int g = 0; g < 4; g++)
+            packed_q4_bf16_panel(w + (n0 + 8 * g) * row_bytes, type, K, g & 1, out + (g / 2) * lines * 32);
+        return;
+    }
+    uint8_t unpacked[256];
+    for (int p = 0; p < 2; p++) {
+        uint16_t *panel = out + p * lines * 32;
+        for (int64_t sb = 0; sb < K / 32; sb++) {
+            __m512i r[16];
+            for (int c = 0; c < 16; c++) {
+                const int64_t n = n0 + 16 * p + c;
+                if (n >= N) {
+                    r[c] = _mm512_setzero_si512();
+                    continue;
+                }
+                const int64_t b = sb / subs;
+                const uint8_t *block = packed ? file_block(w + (n - n % PACKED_COLUMNS) * row_bytes,
+                                                           (int)(n % PACKED_COLUMNS), b, type, unpacked)
+                                              : w + n * row_bytes + b * block_bytes(type);
+                __m256 v[4];
+                sub_weights(type, block, (int)(sb % subs), v);
+                const __m512 lo = _mm512_insertf32x8(_mm512_castps256_ps512(v[0]), v[1], 1);
+                const __m512 hi = _mm512_insertf32x8(_mm512_castps256_ps512(v[2]), v[3], 1);
+                r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* dword j: weights 2j, 2j + 1 */
+            }
+            transpose16_epi32(r); /* r[j]: pair j of the 16 columns */
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(panel + (sb * 16 + j) * 32, r[j]);
+        }
+    }
+}
+#endif

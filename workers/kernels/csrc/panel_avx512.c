@@ -128,7 +128,7 @@ static void store_sums(const float *sums, int64_t num_rows, int panels, const vo
             if (out_dtype == DTYPE_F32)
                 _mm512_mask_storeu_ps((float *)out + m * N + n, mask, value);
             else
-                _mm256_mask_storeu_epi16((uint16_t *)out + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(value));
+                _mm256_mask_storeu_epi16((uint16_t *)out + m * N + n, mask, cvt16_bf16(value));
         }
     }
 }

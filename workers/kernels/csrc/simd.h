@@ -129,8 +129,20 @@ static inline __m512 load16(const void *p, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 16 fp32 -> 16 bf16, rounded to nearest even: vcvtneps2bf16 where the CPU has AVX512_BF16, else
+ * the same rounding in integer arithmetic (Skylake-SP, Cascade Lake, Ice Lake: AVX-512 without it). */
+static inline __m256i cvt16_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
+}
+
 static inline __m512 round_bf16(__m512 x) { /* the fp32 value of x rounded to bf16 */
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m256i h = cvt16_bf16(x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -138,7 +150,7 @@ static inline void store16(void *p, __m512 x, int bf16) {
     if (!bf16)
         _mm512_storeu_ps(p, x);
     else
-        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+        _mm256_storeu_si256((__m256i *)p, cvt16_bf16(x));
 }
 #endif
 #ifdef RAYLLM_HAS_AVX2

@@ -1,0 +1,206 @@
+"""Products on AMX tiles (csrc/amx.c) against float64 of the same bf16 operands, and the dispatch
+that sends products to them (workers/kernels/cpu_isa.py).
+
+The tiles multiply bf16 by bf16 into fp32 sums in an order of their own (not the panels'), so
+each output is checked against float64 within the fp32 summation bound K 2^-24 sum_k |x_k w_k|
+(plus half a bf16 ulp where the output is bf16). What is bit for bit: a row's result on tiles
+does not depend on the rows beside it, and the C layer loop equals the Python loop.
+
+On a CPU without AMX (or where the OS refuses tile data) the tile tests skip, saying why; the
+dispatch tests run everywhere (test_builds.py compiles the AMX bodies on every machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+
+import pytest
+import torch
+from runner_helpers import greedy, make_runner, prompts_of_lengths, run_requests
+from test_gguf_kernels import quantize_layers, random_gguf_weight
+from test_native_forward import compare_every_step
+
+from workers.gguf_weight import PACKABLE_TYPES, GGMLType, dequantize, gguf_linear, pack_columns
+from workers.kernels import cpu_isa, gguf
+from workers.kernels.cpu_isa import CpuPlan, using_plan, without_tiles
+from workers.kernels.native import native_available, native_library
+from workers.linear import NativeLinear, PanelWeight
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+
+
+def _tiles_reason() -> str | None:
+    if not native_available():
+        return "the C kernels do not build here"
+    plan = cpu_isa.detected_plan()
+    return None if plan.amx else f"AMX tiles: {plan.amx_status}"
+
+
+needs_tiles = pytest.mark.skipif(_tiles_reason() is not None, reason=_tiles_reason() or "")
+
+
+def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 of x and weight rounded to bf16 (what the tiles multiply), and the fp32 summation
+    bound of each output."""
+    xb, wb = x.to(torch.bfloat16).double(), weight.to(torch.bfloat16).double()
+    expected = xb @ wb.T + (0 if bias is None else bias.double())
+    bound = x.shape[1] * 2.0 ** -24 * (xb.abs() @ wb.abs().T) + 1e-30
+    return expected, bound
+
+
+def assert_within(out: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    allowed = bound + (expected.abs() * 2.0 ** -8 if out.dtype == torch.bfloat16 else 0)
+    error = (out.double() - expected).abs()
+    assert (error <= allowed).all(), f"worst error {(error - allowed).max().item():.3g} over its bound"
+
+
+SHAPES = [(1, 16, 32), (5, 40, 64), (17, 33, 96), (33, 576, 576), (300, 96, 1536), (64, 1001, 128)]
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows, out_features, in_features", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_tiles_match_float64_of_the_same_operands(rows, out_features, in_features, threads):
+    """Rows in blocks of 32 and a last block of 1-31 (read from a zero-padded copy), columns in
+    groups of 32 and a last of 1-31 (one panel, or two cut short), bias or none, bf16 or fp32 out."""
+    native = NativeLinear()
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+    packed = native.pack(weight)
+    assert isinstance(packed, PanelWeight)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            for out_dtype in (torch.bfloat16, torch.float32):
+                out = native._tile_gemm(x, packed, b, out_dtype)
+                assert out.dtype == out_dtype and out.shape == (rows, out_features)
+                assert_within(out, *bf16_reference(x, weight, b))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_tiles
+def test_a_row_on_tiles_is_the_same_in_every_batch():
+    native = NativeLinear()
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 192, generator=generator).to(torch.bfloat16)
+    weight = native.pack(torch.randn(330, 192, generator=generator).to(torch.bfloat16))
+    alone = torch.cat([native._tile_gemm(x[row:row + 1], weight, None, torch.float32) for row in range(300)])
+    for rows in (2, 15, 16, 17, 31, 32, 33, 64, 257, 300):
+        assert torch.equal(native._tile_gemm(x[:rows], weight, None, torch.float32), alone[:rows]), rows
+
+
+@needs_tiles
+def test_the_dispatch_sends_many_rows_to_the_tiles_and_few_to_the_panels():
+    """NativeLinear takes the tiles from the table's rows on (their answers differ from the
+    panels' in the last bits, so which one ran shows), and the panels below and with tiles off."""
+    native = NativeLinear()
+    generator = torch.Generator().manual_seed(5)
+    weight = native.pack(torch.randn(100, 576, generator=generator).to(torch.bfloat16))
+    plan = cpu_isa.detected_plan()
+    first = plan.tile_min_rows["bf16"]
+    for rows in (first - 1, first, 4 * first):
+        x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
+        tiles = native._tile_gemm(x, weight, None, torch.float32)
+        panels = native._panel_gemm(x, weight, None, torch.float32)
+        assert not torch.equal(tiles, panels)  # fp32 sums bits apart somewhere in 100 x rows outputs
+        assert torch.equal(native.logits(x, weight), tiles if rows >= first else panels)
+        with using_plan(without_tiles(plan)):
+            assert torch.equal(native.logits(x, weight), panels)
+
+
+GGUF_TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+@needs_tiles
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 16, 45])
+def test_gguf_tiles_match_float64_of_the_weights_in_bf16(ggml_type, rows):
+    """Each group of 32 columns dequantized to bf16 (the fp32 mode's values, rounded once) and x
+    rounded to bf16; packed Q4_0 and Q4_1 through their own decode, the rest through sub_weights;
+    N = 72: a last group of 8 columns."""
+    weight = random_gguf_weight(ggml_type, 72, 512, seed=int(ggml_type))
+    full = dequantize(weight)
+    generator = torch.Generator().manual_seed(rows)
+    bias = torch.randn(72, generator=generator)
+    variants = [weight] + ([pack_columns(weight)] if ggml_type in PACKABLE_TYPES else [])
+    for w in variants:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 512, generator=generator).to(dtype)
+            out = gguf.amx_gemm(x, w, bias)
+            assert out.dtype == dtype and out.shape == (rows, 72)
+            assert_within(out, *bf16_reference(x, full, bias.to(dtype)))
+
+
+@needs_tiles
+def test_gguf_layer_products_take_the_tiles_from_the_tables_rows_and_logits_never():
+    weight = pack_columns(random_gguf_weight(GGMLType.Q4_1, 64, 256, seed=1))
+    generator = torch.Generator().manual_seed(1)
+    first = cpu_isa.detected_plan().tile_min_rows["gguf"]
+    for rows in (first - 1, first):
+        x = torch.randn(rows, 256, generator=generator)
+        tiles, int8 = gguf.amx_gemm(x, weight), gguf.gguf_gemm(x, weight, mode="int8")
+        assert torch.equal(gguf_linear(x, weight), tiles if rows >= first else int8)
+        assert torch.equal(gguf_linear(x, weight, out_dtype=torch.float32, mode="fp32"),
+                           gguf.gguf_gemm(x, weight, out_dtype=torch.float32, mode="fp32"))
+
+
+@needs_tiles
+@pytest.mark.parametrize("dtype, quantized", [("bfloat16", False), ("float32", True)], ids=["bf16", "gguf"])
+def test_the_c_loop_on_tiles_equals_the_python_loop(tiny_model_dir, gguf_model_dir, dtype, quantized):
+    """Prompt steps of 16 or more rows run their products on tiles in both loops: the same hidden
+    states bit for bit, and steps on both sides of the table's rows."""
+    runner = make_runner(gguf_model_dir if quantized else tiny_model_dir, attention_backend="cpu", dtype=dtype,
+                         num_threads=2)
+    if quantized:
+        quantize_layers(runner.model)  # every GGUF type, packed and not
+    assert runner.model.native_forward is not None
+    compared = compare_every_step(runner)
+    prompts = prompts_of_lengths([1, 3, 20, 29, 45], runner.model_info.vocab_size)
+    run_requests(runner, prompts, greedy(6), token_budget=64)
+    path = "gguf" if quantized else "bf16"
+    first = cpu_isa.detected_plan().tile_min_rows[path]
+    assert min(compared) < first <= max(compared), compared
+
+
+# ---------------------------------------------------------------- the dispatch and the builds
+
+
+def test_the_plan_names_what_runs_each_path():
+    plan = cpu_isa.cpu_plan()
+    bf16 = plan.isa(torch.bfloat16, gguf=True)
+    assert set(bf16) == {"products", "attention", "gguf"}
+    assert ("amx-bf16" in bf16["products"]) == plan.amx == ("amx-bf16" in bf16["gguf"])
+    assert "amx" not in plan.isa(torch.float32, gguf=False)["products"]  # no fp32 tiles
+    off = without_tiles(plan)
+    assert not off.amx and not off.tiles_take("bf16", 10**6) and off.min_rows("gguf") == 0
+    assert "amx" not in off.isa(torch.bfloat16, gguf=True)["products"]
+
+
+def test_amx_off_in_the_environment_keeps_the_tiles_off(monkeypatch):
+    monkeypatch.setenv("RAYLLM_AMX", "off")
+    plan = cpu_isa.plan_from(native_library())
+    assert not plan.amx and plan.amx_status.startswith("off")
+
+
+def test_a_granted_plan_takes_tiles_from_its_rows_only():
+    plan = CpuPlan(frozenset({"amx_bf16"}), 16, True, "granted")
+    first = plan.tile_min_rows["bf16"]
+    assert plan.tiles_take("bf16", first) and not plan.tiles_take("bf16", first - 1)
+    assert plan.min_rows("bf16") == first
+    with using_plan(dataclasses.replace(plan, tile_min_rows={"bf16": 3, "gguf": 5})):
+        assert cpu_isa.cpu_plan().tiles_take("bf16", 3) and not cpu_isa.cpu_plan().tiles_take("gguf", 4)
+    assert cpu_isa.cpu_plan() is not plan or cpu_isa.detected_plan() is plan
+
+
+def test_the_features_are_the_cpus():
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    features = cpu_isa.detected_plan().features
+    for name, flag in (("avx2", " avx2"), ("avx512", " avx512f"), ("avx512_bf16", " avx512_bf16"),
+                       ("amx_bf16", " amx_bf16")):
+        if flags:
+            assert (name in features) == (flag + " " in flags or flag + "\n" in flags), name
