@@ -82,7 +82,8 @@ import torch.nn.functional as F
 from workers.gguf_weight import GgufWeight, gguf_linear, gguf_logits
 from workers.huge_pages import HugeArena
 from workers.kernels.cpu_isa import cpu_plan
-from workers.kernels.native import DTYPE_CODES, check_status, native_available, native_library
+from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
+from workers.layer_ops import SWIGLU_ALPHA, SWIGLU_LIMIT
 from workers.quant_formats import Fp8Weight, Int4Weight, QuantWeight
 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
@@ -124,6 +125,11 @@ class TorchLinear:
         if isinstance(weight, GgufWeight):
             return gguf_logits(x, weight)
         return self.linear(x, weight).float()
+
+    def gated_product(self, x: torch.Tensor, weight, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+        """act(gate) * up of x's gate_up product in one pass, where this backend has such a product
+        (NativeLinear on AMX tiles); None: compute the product, then the activation."""
+        return None
 
 
 class OneDnnLinear(TorchLinear):
@@ -275,6 +281,24 @@ class NativeLinear:
             x.data_ptr(), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
             num_rows, weight.out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
         ), "rayllm_amx_gemm_bf16")
+        return out
+
+    def gated_product(self, x: torch.Tensor, weight, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+        """On AMX tiles (bf16 panels, from the table's rows): act(gate) * up of each 16 columns as
+        they leave the tiles (csrc/amx.c), the gate_up product itself never written: the bits of
+        the product in bf16 and then the ops' gated_mul. None where the tiles do not take it."""
+        rows, width = x.shape
+        if not (isinstance(weight, PanelWeight) and weight.panels.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+                and weight.out_features % (2 * PANEL_WIDTH) == 0 and tiles_take_bf16(x, rows)
+                and activation in ACTIVATION_CODES and (bias is None or bias.dtype == torch.bfloat16)):
+            return None
+        x = x.contiguous()
+        out = torch.empty(rows, weight.out_features // 2, dtype=torch.bfloat16)
+        check_status(self.library.rayllm_amx_gated_gemm_bf16(
+            x.data_ptr(), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+            weight.out_features // 2, width, ACTIVATION_CODES[activation], SWIGLU_ALPHA, SWIGLU_LIMIT,
+            torch.get_num_threads(),
+        ), "rayllm_amx_gated_gemm_bf16")
         return out
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

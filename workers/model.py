@@ -158,11 +158,20 @@ class PagedLlamaModel:
             if layer.moe is not None:
                 delta = moe_mlp(x, layer.moe, self.linear_backend, self.ops, activation)
             else:
-                delta = self.linear(self.ops.gated_mul(self.linear(x, layer.gate_up, layer.gate_up_bias), activation),
-                                    layer.down, layer.down_bias)
+                delta = self.linear(self._gated(x, layer, activation), layer.down, layer.down_bias)
             if layer.mlp_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.mlp_out_norm, eps)
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
+
+    def _gated(self, x: torch.Tensor, layer, activation: str) -> torch.Tensor:
+        """act(gate) * up of the layer's gate_up product: in one tile product where the products and
+        ops are ours and the tiles take it (workers/linear.py, gated_product: the same bits), else
+        the product, then the ops' gated_mul."""
+        if self.ops.name == "native":
+            fused = self.linear_backend.gated_product(x, layer.gate_up, layer.gate_up_bias, activation)
+            if fused is not None:
+                return fused
+        return self.ops.gated_mul(self.linear(x, layer.gate_up, layer.gate_up_bias), activation)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> the residual stream's start [num_tokens, hidden] (times the family's multiplier)."""

@@ -204,3 +204,73 @@ def test_the_features_are_the_cpus():
                        ("amx_bf16", " amx_bf16")):
         if flags:
             assert (name in features) == (flag + " " in flags or flag + "\n" in flags), name
+
+
+# ---------------------------------------------------------------- attention of prompts on tiles
+
+# prompts and chunks of 16+ queries (after cached keys: one starting mid-block, one on a block
+# boundary; one of 70 queries over two tasks' worth of blocks), beside decodes and short chunks
+TILE_SPECS = [(0, 16), (37, 20), (70, 1), (0, 5), (48, 17), (5, 70), (0, 300)]
+
+
+def _attend_bf16(batch, **variants):
+    from workers.kernels import cpu_attention
+
+    k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache, batch.v_cache)
+    cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    return cpu_attention.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                         batch.seq_lens, batch.scale, **variants)
+
+
+@needs_tiles
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("variant", [None, "window16", "window7", "all"])
+def test_prompts_attention_on_tiles_matches_the_oracle(head_dim, block_size, variant):
+    """Sequences of 16+ queries on tiles, the rest on the vector body, in one call: every output
+    within the bf16 bound of the dense oracle, pool slots outside the sequences (and blocks
+    outside windows) NaN; the tile rows differ from the vector body's in rounding only."""
+    import kernel_cases as kc
+
+    batch = kc.make_batch(TILE_SPECS, block_size=block_size, num_kv_heads=2, num_queries_per_kv=3,
+                          head_dim=head_dim, dtype=torch.bfloat16, seed=block_size)
+    variants = kc.variant_kwargs(variant, 6) if variant else {}
+    if "window" in variants:
+        kc.poison_outside_windows(batch, variants["window"])
+    plan = cpu_isa.detected_plan()
+    tiles = _attend_bf16(batch, **variants)
+    with using_plan(without_tiles(plan)):
+        vectors = _attend_bf16(batch, **variants)
+    expected = kc.naive_attention(batch, **variants)
+    assert not tiles.isnan().any()
+    assert kc.max_abs_err(tiles, expected) <= kc.ATOL[torch.bfloat16]
+    starts = batch.query_start_loc.tolist()
+    for s, (_, query_len) in enumerate(TILE_SPECS):
+        rows = slice(starts[s], starts[s + 1])
+        same = torch.equal(tiles[rows], vectors[rows])
+        if query_len < plan.tile_min_rows["attention"]:
+            assert same, (s, query_len)  # the vector body both times
+        elif query_len >= 64:  # long rows: some bf16 output rounds apart (short ones may all agree)
+            assert not same, (s, query_len)
+
+
+@needs_tiles
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
+@pytest.mark.parametrize("rows, width, in_features", [(6, 16, 64), (33, 1536, 576), (300, 96, 128)])
+def test_a_gated_product_on_tiles_is_the_product_then_the_activation_bit_for_bit(activation, rows, width,
+                                                                                 in_features):
+    """act(gate) * up as the gate_up product's columns leave the tiles: the bits of the bf16
+    product followed by NativeOps.gated_mul (the same arithmetic, simd.h's gated16), bias or none."""
+    from workers.layer_ops import NativeOps
+
+    native, ops = NativeLinear(), NativeOps()
+    generator = torch.Generator().manual_seed(rows + width)
+    weight = native.pack((torch.randn(2 * width, in_features, generator=generator) * 0.2).to(torch.bfloat16))
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    for bias in (None, torch.randn(2 * width, generator=generator).to(torch.bfloat16)):
+        fused = native.gated_product(x, weight, bias, activation)
+        assert fused is not None and fused.shape == (rows, width)
+        assert torch.equal(fused, ops.gated_mul(native.linear(x, weight, bias), activation))
+    assert native.gated_product(x[:1], weight, None, activation) is None  # below the table's rows: two steps
+    with using_plan(without_tiles(cpu_isa.detected_plan())):
+        assert native.gated_product(x, weight, None, activation) is None

@@ -36,6 +36,7 @@ import torch
 
 from workers.huge_pages import empty_huge
 from workers.kernels import check_variants
+from workers.kernels.cpu_isa import cpu_plan
 from workers.kernels.native import DTYPE_CODES, KV_DTYPE_CODES, AttentionArgs, check_status, native_library
 
 __all__ = ["allocate_kv_cache", "bind", "from_standard_layout", "paged_attention", "pool_layout", "write_kv_cache"]
@@ -188,6 +189,7 @@ class CpuStepAttention:
             block_tables=block_tables.data_ptr(), query_start_loc=query_start_loc.data_ptr(),
             seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs, max_blocks_per_seq=block_tables.shape[1],
             scale=scale, num_threads=torch.get_num_threads(),
+            tile_min_queries=cpu_plan().min_rows("attention"),  # prompts on AMX tiles (csrc/attention_amx.c)
         )
         self.function = native_library().rayllm_paged_attention
 

@@ -50,7 +50,9 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 # - gguf (rayllm_amx_gguf_gemm against the packed Q4_1 int8 kernel, `bench.bench_gguf --threads 2
 #   --tiles`, SmolLM2's four layer shapes): 1.2-2.4x at 16 rows, 0.89-1.21x at 32, 0.73-1.04x at
 #   48, 0.61-0.95x at 64, 0.43-0.57x at 256 (the blocks' dequantization to bf16 is paid per call).
-TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 48}
+# - attention (csrc/attention_amx.c against paged_attention.c's vector body, a bf16 pool under bf16
+#   queries): the queries a sequence computes in the step.
+TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 48, "attention": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,10 @@ class CpuPlan:
         dense = f"{vectors} panels" if vectors != "portable" else "oneDNN"
         if dtype == torch.bfloat16 and self.amx:
             dense = f"amx-bf16 from {self.tile_min_rows['bf16']} rows, {dense} below"
-        isa = {"products": dense, "attention": vectors}
+        attention = vectors
+        if dtype == torch.bfloat16 and self.amx:
+            attention = f"amx-bf16 for prompts of {self.tile_min_rows['attention']} tokens or more, {vectors} below"
+        isa = {"products": dense, "attention": attention}
         if gguf:
             integer = "avx512-vnni" if "avx512_vnni" in self.features and self.vector_width == 16 else vectors
             isa["gguf"] = (f"amx-bf16 from {self.tile_min_rows['gguf']} rows, {integer} int8 below" if self.amx

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c",
-           "gguf_gemm.c", "amx.c")  # compiled together; they include csrc/*.h
+           "gguf_gemm.c", "amx.c", "attention_amx.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -177,6 +177,7 @@ class AttentionArgs(ctypes.Structure):
         ("window", ctypes.c_int64),  # 0: no sliding window
         ("softcap", ctypes.c_float),  # 0: no soft-cap
         ("sinks", ctypes.c_void_p),  # [num_heads] fp32, or None: no sinks
+        ("tile_min_queries", ctypes.c_int64),  # sequences of this many queries on AMX tiles (cpu_isa); 0: never
     ]
 
 
@@ -275,6 +276,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_amx_enable": [],
     # x, panels, bias, out, num_rows, N, K, dtype, out_dtype, num_threads (bf16 panels, x bf16 or fp32)
     "rayllm_amx_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+    # x, gate_up panels, bias, out, num_rows, width, K, activation, alpha, limit, num_threads (bf16)
+    "rayllm_amx_gated_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _F32, _F32, _I32],
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads
     "rayllm_amx_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],

@@ -179,6 +179,11 @@ typedef struct {
     int64_t group_begin, group_end; /* the groups (of 32 columns) of this pass */
     int64_t panels_group;    /* the group whose panels start at `panels` */
     int32_t bias_dtype, out_dtype;
+    /* a gated product (rayllm_amx_gated_gemm_bf16): group g is gate panel g beside up panel g +
+     * up_panels, and out column 16 g + c is act(gate) * up; activation -1: a plain product */
+    int32_t activation;
+    int64_t up_panels;
+    float alpha, limit;
 } AmxJob;
 
 /* The x tile of rows [m, m + 16). */
@@ -290,6 +295,23 @@ static uint16_t *thread_buffer(uint16_t **buffer, int64_t *elems, int64_t needed
     return *buffer;
 }
 
+/* A gated block's sums [32][32] (16 gates, then 16 ups, a row) into out columns [n, n + 16):
+ * gate and up (+ bias) rounded to bf16 as a gate_up product's output is, then act(gate) * up,
+ * with rayllm_gated_mul's own arithmetic (simd.h's gated16): the unfused path's bits. */
+static void store_gated_block(const AmxJob *job, const float *sums, int64_t m, int rows, int64_t n) {
+    const __m512 gate_bias = load_bias(job, n, 16), up_bias = load_bias(job, n + job->up_panels * 16, 16);
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS), gate_bias));
+        const __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS + 16), up_bias));
+        store16((uint16_t *)job->out + (m + r) * job->N + n, gated16(g, u, job->activation, job->alpha, job->limit), 1);
+    }
+}
+
+static inline void finish_block(const AmxJob *job, const float *sums, Block block) {
+    if (job->activation >= 0) store_gated_block(job, sums, block.m, block.rows, block.n);
+    else store_block(job, sums, block.m, block.rows, block.n, block.columns);
+}
+
 /* One item: rows [span * span_rows, ...) times groups [g0, g1) of the job's group range. Each
  * block's sums leave their tiles after its products are issued, and the vector epilogue of the
  * block before (bias, rounding, the stores to out) runs while the tiles compute. */
@@ -305,9 +327,12 @@ static void amx_item(void *context, int64_t item) {
     int buffer = 0;
     configure_tiles();
     for (int64_t g = g0; g < g1; g++) {
-        const int64_t n = g * GROUP_COLUMNS;
-        const int columns = job->N - n < GROUP_COLUMNS ? (int)(job->N - n) : GROUP_COLUMNS;
-        const uint16_t *b0 = job->panels + (g - job->panels_group) * 2 * panel_elems, *b1 = b0 + panel_elems;
+        const int gated = job->activation >= 0;
+        const int64_t n = g * (gated ? 16 : GROUP_COLUMNS);
+        /* the tiles' columns: a gated group's 16 gates and 16 ups, else up to 32 outputs */
+        const int columns = gated ? GROUP_COLUMNS : job->N - n < GROUP_COLUMNS ? (int)(job->N - n) : GROUP_COLUMNS;
+        const uint16_t *b0 = job->panels + (g - job->panels_group) * (gated ? 1 : 2) * panel_elems;
+        const uint16_t *b1 = b0 + (gated ? job->up_panels : 1) * panel_elems;
         for (int64_t m = m0; m < m1; m += 32) {
             const int rows = m1 - m < 32 ? (int)(m1 - m) : 32;
             const uint16_t *x0 = x_tile(job, m), *x1 = rows > 16 ? x_tile(job, m + 16) : NULL;
@@ -315,13 +340,13 @@ static void amx_item(void *context, int64_t item) {
             else if (x1) tile_product_2x1(x0, x1, x_stride, b0, b1, k_tiles);
             else if (columns > 16) tile_product_1x2(x0, x1, x_stride, b0, b1, k_tiles);
             else tile_product_1x1(x0, x1, x_stride, b0, b1, k_tiles);
-            if (done.rows) store_block(job, sums[buffer ^ 1], done.m, done.rows, done.n, done.columns);
+            if (done.rows) finish_block(job, sums[buffer ^ 1], done);
             store_tiles(rows, columns, sums[buffer]);
             done = (Block){m, n, rows, columns};
             buffer ^= 1;
         }
     }
-    if (done.rows) store_block(job, sums[buffer ^ 1], done.m, done.rows, done.n, done.columns);
+    if (done.rows) finish_block(job, sums[buffer ^ 1], done);
     _tile_release();
 }
 
@@ -424,7 +449,7 @@ static int amx_gemm(const void *x, int32_t dtype, AmxJob *job, int32_t num_threa
     job->num_spans = (M + job->span_rows - 1) / job->span_rows;
     if (job->w) return gguf_chunks(job, threads);
     job->group_begin = job->panels_group = 0;
-    job->group_end = (job->N + GROUP_COLUMNS - 1) / GROUP_COLUMNS;
+    job->group_end = job->activation >= 0 ? job->N / 16 : (job->N + GROUP_COLUMNS - 1) / GROUP_COLUMNS;
     run_items(job, threads);
     return 0;
 }
@@ -438,7 +463,7 @@ int rayllm_amx_gemm_bf16(const void *x, const void *panels, const void *bias, vo
                          int64_t K, int32_t dtype, int32_t out_dtype, int32_t num_threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     AmxJob job = {.panels = panels, .bias = bias, .out = out, .num_rows = num_rows, .N = N, .K = K,
-                  .bias_dtype = dtype, .out_dtype = out_dtype};
+                  .bias_dtype = dtype, .out_dtype = out_dtype, .activation = -1};
     return amx_gemm(x, dtype, &job, num_threads);
 #else
     (void)x, (void)panels, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)dtype, (void)out_dtype;
@@ -455,11 +480,32 @@ int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void
     const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, N, K);
     if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
     AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
-                  .N = N, .K = K, .bias_dtype = dtype, .out_dtype = out_dtype};
+                  .N = N, .K = K, .bias_dtype = dtype, .out_dtype = out_dtype, .activation = -1};
     return amx_gemm(x, dtype, &job, num_threads);
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
     (void)out_dtype, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* act(x gate^T) * (x up^T) for a gate_up weight in bf16 panels (its first `width` rows the gates,
+ * the next `width` the ups; width a multiple of 16): x [num_rows, K] bf16, bias [2 width] bf16 or
+ * NULL, out [num_rows, width] bf16, each output rayllm_gated_mul's of the gate_up product's
+ * bf16 outputs, bit for bit, without writing them. activation: rayllm_gated_mul's code (alpha and
+ * limit: ACTIVATION_SWIGLU_OAI's). 1 where this build has no tiles, 2 on bad sizes. */
+int rayllm_amx_gated_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows,
+                               int64_t width, int64_t K, int32_t activation, float alpha, float limit,
+                               int32_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (width < 16 || width % 16 || activation < 0 || activation > 2) return 2;
+    AmxJob job = {.panels = panels, .bias = bias, .out = out, .num_rows = num_rows, .N = width, .K = K,
+                  .bias_dtype = DTYPE_BF16, .out_dtype = DTYPE_BF16, .activation = activation,
+                  .up_panels = width / 16, .alpha = alpha, .limit = limit};
+    return amx_gemm(x, DTYPE_BF16, &job, num_threads);
+#else
+    (void)x, (void)panels, (void)bias, (void)out, (void)num_rows, (void)width, (void)K, (void)activation, (void)alpha;
+    (void)limit, (void)num_threads;
     return 1;
 #endif
 }

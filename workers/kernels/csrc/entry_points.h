@@ -25,6 +25,9 @@ typedef struct {
     int64_t window;      /* > 0: a query at position p sees keys (p - window, p] only */
     float softcap;       /* > 0: scores = softcap * tanh(scores / softcap) before the softmax */
     const float *sinks;  /* [num_heads] fp32: each head's sink logit in the softmax, or NULL */
+    /* sequences computing at least this many queries run on AMX tiles where the shapes allow
+     * (attention_amx.c); 0: never (workers/kernels/cpu_isa.py's table) */
+    int64_t tile_min_queries;
 } AttentionArgs;
 
 int rayllm_paged_attention(const AttentionArgs *a);
@@ -90,8 +93,16 @@ int rayllm_amx_built(void);
 int rayllm_amx_enable(void);
 int rayllm_amx_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows, int64_t N,
                          int64_t K, int32_t dtype, int32_t out_dtype, int32_t num_threads);
+int rayllm_amx_gated_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows,
+                               int64_t width, int64_t K, int32_t activation, float alpha, float limit,
+                               int32_t num_threads);
 int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                          int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t num_threads);
+
+/* attention_amx.c: whether the tile path takes a call's shapes, and the sequences of at least
+ * min_queries queries on it (taken[s] set for each; 1 where this build has no tiles). */
+int rayllm_tile_attention_fits(const AttentionArgs *a);
+int rayllm_tile_attention(const AttentionArgs *a, int64_t min_queries, uint8_t *taken);
 
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */

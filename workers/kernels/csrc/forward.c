@@ -9,6 +9,7 @@
  *     delta = linear(attended, o_weight);  [delta = rms_norm(delta, attn_out_norm)]
  *     residual, x = add_rms_norm(residual, delta, post_norm)
  *     delta = linear(act_mul(linear(x, gate_up_weight)), down_weight);  [delta = rms_norm(delta, mlp_out_norm)]
+ *                                                  (act_mul(linear(...)) in one tile product on AMX: gated())
  *
  * (the q/k norms where the layer has them, RoPE unless the layer has none, the norms of a
  * branch's output where the family has them; a NULL input_norm or post_norm means the branch
@@ -88,6 +89,22 @@ static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t ty
     return rayllm_gemv(x, w, bias, out, a->num_tokens, N, K, a->dtype, a->dtype, a->num_threads);
 }
 
+/* act = act(gate) * up of x's gate_up product: in one AMX tile product where the tiles take the
+ * step's bf16 panels (amx.c: the same bits as the two steps, the product never written, as
+ * workers/model.py's Python loop does it too), else the product into the gate_up scratch, then
+ * rayllm_gated_mul. */
+static int gated(const ForwardArgs *a, const void *x, const LayerArgs *layer, int64_t inter, int64_t hidden) {
+    if (!layer->gate_up_type && a->linear == LINEAR_PANELS && a->dtype == DTYPE_BF16 && hidden % 32 == 0 &&
+        inter % 16 == 0 && takes_tiles(a->tile_min_rows_bf16, a->num_tokens))
+        return rayllm_amx_gated_gemm_bf16(x, layer->gate_up, layer->gate_up_bias, a->act, a->num_tokens, inter, hidden,
+                                          a->activation, 0.0f, 0.0f, a->num_threads);
+    int status = linear(a, x, layer->gate_up, layer->gate_up_type, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
+    if (!status)
+        status = rayllm_gated_mul(a->gate_up, a->act, a->num_tokens, inter, a->activation, 0.0f, 0.0f, a->dtype,
+                                  a->num_threads);
+    return status;
+}
+
 /* 0 on success; otherwise 1000 * (layer + 1) + the failing entry point's status (the final norm's
  * status alone). */
 int rayllm_decoder_forward(const ForwardArgs *a) {
@@ -133,9 +150,7 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         if (!status)
             status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
-        if (!status) status = linear(a, x, layer->gate_up, layer->gate_up_type, layer->gate_up_bias, a->gate_up, 2 * inter, hidden);
-        if (!status)
-            status = rayllm_gated_mul(a->gate_up, a->act, T, inter, a->activation, 0.0f, 0.0f, a->dtype, a->num_threads);
+        if (!status) status = gated(a, x, layer, inter, hidden);
         if (!status) status = linear(a, a->act, layer->down, layer->down_type, layer->down_bias, a->delta, hidden, inter);
         if (!status && layer->mlp_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->mlp_out_norm, a->delta, T, hidden, a->eps, a->dtype,

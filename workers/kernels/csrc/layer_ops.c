@@ -192,8 +192,6 @@ typedef struct {
  * z = 2 sqrt(2 / pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)).
  * gpt-oss's clamped SwiGLU first clamps g to at most limit and up to [-limit, limit], then
  * takes z = alpha g and multiplies by (up + 1) instead of up. */
-#define GELU_K2 1.5957691216057308f /* 2 sqrt(2 / pi) */
-#define GELU_C 0.044715f
 
 static void gated_row(const void *context, int64_t t) {
     const GatedJob *j = context;
@@ -206,21 +204,9 @@ static void gated_row(const void *context, int64_t t) {
     char *dst = (char *)j->out + t * width * elem;
     int64_t i = 0;
 #ifdef __AVX512F__
-    for (; i + 16 <= width; i += 16) {
-        __m512 g = load16(gate + i * elem, bf16), u = load16(up + i * elem, bf16);
-        __m512 z = g;
-        if (gelu)
-            z = _mm512_mul_ps(_mm512_set1_ps(GELU_K2),
-                              _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_C), g), _mm512_mul_ps(g, g), g));
-        if (oai) {
-            g = _mm512_min_ps(g, _mm512_set1_ps(limit));
-            u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
-            u = _mm512_add_ps(u, _mm512_set1_ps(1.0f));
-            z = _mm512_mul_ps(_mm512_set1_ps(alpha), g);
-        }
-        const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-        store16(dst + i * elem, _mm512_mul_ps(act, u), bf16);
-    }
+    for (; i + 16 <= width; i += 16)
+        store16(dst + i * elem, gated16(load16(gate + i * elem, bf16), load16(up + i * elem, bf16), j->activation,
+                                        alpha, limit), bf16);
 #elif defined(RAYLLM_AVX2)
     for (; i + 8 <= width; i += 8) {
         __m256 g = load8(gate + i * elem, bf16), u = load8(up + i * elem, bf16);

@@ -82,6 +82,9 @@ static inline uint16_t f32_to_f16(float f) {
 #endif
 }
 
+#define GELU_K2 1.5957691216057308f /* 2 sqrt(2 / pi): GELU's tanh form as a sigmoid (layer_ops.c) */
+#define GELU_C 0.044715f
+
 /* The dtype codes every entry point takes. DTYPE_F16 is a KV pool's only (fp32 queries over a
  * half pool, paged_attention.c); no other entry point takes it. */
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
@@ -151,6 +154,24 @@ static inline void store16(void *p, __m512 x, int bf16) {
         _mm512_storeu_ps(p, x);
     else
         _mm256_storeu_si256((__m256i *)p, cvt16_bf16(x));
+}
+
+/* act(g) * u of 16 gates and ups (rayllm_gated_mul's activation codes: SiLU, GELU's tanh form as
+ * g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)), or gpt-oss's clamped SwiGLU with alpha and limit).
+ * One body for layer_ops.c's rayllm_gated_mul and amx.c's gated products: the same bits. */
+static inline __m512 gated16(__m512 g, __m512 u, int activation, float alpha, float limit) {
+    __m512 z = g;
+    if (activation == 1) /* ACTIVATION_GELU_TANH */
+        z = _mm512_mul_ps(_mm512_set1_ps(GELU_K2),
+                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_C), g), _mm512_mul_ps(g, g), g));
+    if (activation == 2) { /* ACTIVATION_SWIGLU_OAI */
+        g = _mm512_min_ps(g, _mm512_set1_ps(limit));
+        u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
+        u = _mm512_add_ps(u, _mm512_set1_ps(1.0f));
+        z = _mm512_mul_ps(_mm512_set1_ps(alpha), g);
+    }
+    const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+    return _mm512_mul_ps(act, u);
 }
 #endif
 #ifdef RAYLLM_HAS_AVX2
