@@ -118,6 +118,10 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            8000, ALL_CELLS),
     Server("ours-sync", "ours with async_scheduling=false: each step scheduled after the last one's result came back "
            "(the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("async_scheduling=false",)),
+    Server("ours-held", "ours with the prompt-batching knobs pinned to the constants they had before step costs "
+           "(waiting_served_ratio 0.3, hold_while_finishing_steps 4, long_prefill_tokens_while_decoding 128)",
+           "ours.sh", 8000, ("c1", "c16", "long-prompt"),
+           ("waiting_served_ratio=0.3", "hold_while_finishing_steps=4", "long_prefill_tokens_while_decoding=128")),
     Server("ours-nohold", "ours with waiting_served_ratio=0: every arrival admitted at the next step, beside running "
            "decodes (vLLM's rule; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("waiting_served_ratio=0",)),
@@ -137,6 +141,10 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            8000, ("c1", "c16"), ("num_workers=2", "worker_num_cpus=0.75", "worker_num_threads=1")),
     Server("ours-chunk256", "ours with 256-token steps (max_num_batched_tokens=256; the shipped YAML otherwise)",
            "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=256",)),
+    Server("ours-chunk1024", "ours with 1024-token steps (max_num_batched_tokens=1024; the shipped YAML otherwise)",
+           "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=1024",)),
+    Server("ours-steps512", "ours with 512-token steps (max_num_batched_tokens=512; the shipped YAML otherwise)",
+           "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=512",)),
     Server("ours-chunk512", "ours with the previous 512-token steps (max_num_batched_tokens=512, no per-prompt "
            "threshold; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("max_num_batched_tokens=512", "long_prefill_token_threshold=null")),

@@ -17,6 +17,7 @@ DEPLOYING forever) and waits for the workers with a deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import logging
@@ -88,6 +89,7 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
         "cuda_graph_batch_sizes": (args.cuda_graph_batch_sizes if args.cuda_graph_batch_sizes == "auto"
                                    else tuple(args.cuda_graph_batch_sizes)),
         "seed": args.seed,
+        "measure_step_costs": True,  # the scheduler's prompt-batching rules follow them (scheduler/step_costs.py)
     }
 
 
@@ -171,7 +173,11 @@ class EngineSupervisor:
             block_size=infos[0].block_size,
             num_blocks=min(info.num_blocks for info in infos),
             max_model_len=min(info.max_model_len for info in infos),
+            step_costs=infos[0].step_costs,
         )
+        self._prefill_rules = {name: {"value": value, "from": source} for name, (value, source) in
+                               args.prefill_rule_sources(infos[0].step_costs, infos[0].block_size).items()}
+        logger.info("prompt batching (scheduler/step_costs.py): %s", self._prefill_rules)
         autoscale = args.autoscale_config()
         elastic = None if autoscale is None else ElasticWorkers(
             autoscale, self._spawn, drain_timeout_s=args.drain_timeout_s, wake_timeout_s=args.startup_timeout_s)
@@ -190,7 +196,8 @@ class EngineSupervisor:
 
         "scheduler" is shard 0's handle; "schedulers" lists every shard's, by shard index.
         """
-        return {"scheduler": self._scheduler, "schedulers": self._schedulers, "model_info": self._model_info}
+        return {"scheduler": self._scheduler, "schedulers": self._schedulers, "model_info": self._model_info,
+                "prefill_rules": self._prefill_rules}
 
     async def __del__(self) -> None:
         """Serve calls this on app deletion or redeploy, before the actors this replica owns
@@ -237,7 +244,8 @@ class OpenAIIngress:
                      "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes), "model_type": info.model_type,
                      "layer_loop": info.layer_loop, "layer_ops": info.layer_ops,
                      "linear_backend": info.linear_backend, "quantization": info.quantization,
-                     "isa": dict(info.isa)},
+                     "isa": dict(info.isa),
+                     "step_costs": None if info.step_costs is None else dataclasses.asdict(info.step_costs)},
             reasoning_parser=choose_reasoning_parser(tokenizer.chat_template, self._args.reasoning_parser,
                                                      tokenizer.keeps_text(THINK_OPEN + "x" + THINK_CLOSE)),
             tool_call_parser=choose_tool_call_parser(tokenizer.chat_template, self._args.tool_call_parser),
@@ -245,7 +253,8 @@ class OpenAIIngress:
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,
                                    stream_interval=self._args.stream_interval,
-                                   fast_data_plane=report_data_plane().as_json())  # warns once when off
+                                   fast_data_plane=report_data_plane().as_json(),  # warns once when off
+                                   prefill_rules=engine.get("prefill_rules"))
         # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
         # a full collection over them paused this replica's loop for 100-300 ms under load.
         gc.freeze()

@@ -7,6 +7,7 @@ before anything is created and fails with a message that says what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from scheduler.admission import AdmissionConfig
 from scheduler.autoscale import AutoscaleConfig
 from scheduler.config import SchedulerConfig
+from scheduler.step_costs import PrefillRules, StepCosts, prefill_rules
 from serve_app.ingress_scaling import IngressAutoscaling, max_ingress_replicas, parse_ingress_replicas
 from serve_app.limits import ServerLimits
 from serve_app.protocol import MAX_N
@@ -25,6 +27,10 @@ from scheduler.router import RouterConfig
 
 GIB = 1 << 30
 _ROUTER_DEFAULTS = RouterConfig()
+
+
+# The app args that follow the workers' step costs when the config leaves them out.
+PREFILL_RULE_FIELDS = tuple(field.name for field in dataclasses.fields(PrefillRules))
 
 
 class AppArgs(BaseModel):
@@ -398,8 +404,12 @@ class AppArgs(BaseModel):
             retry_after_s=self.queue_retry_after_s,
         )
 
-    def scheduler_config(self, *, block_size: int, num_blocks: int, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's config, given what the workers report about their KV pools."""
+    def scheduler_config(self, *, block_size: int, num_blocks: int, max_model_len: int,
+                         step_costs: StepCosts | None = None) -> SchedulerConfig:
+        """The scheduler's config, given what the workers report about their KV pools and (where
+        they measured them) their step costs: the prompt-batching knobs not set in the config follow
+        from those (scheduler/step_costs.py), the app's defaults where there are none."""
+        rules = self.prefill_rules(step_costs, block_size)
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             budget = max(budget, max_model_len)  # a whole prompt must fit one step, as in vLLM
@@ -413,13 +423,31 @@ class AppArgs(BaseModel):
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-            long_prefill_tokens_while_decoding=self.long_prefill_tokens_while_decoding,
+            long_prefill_tokens_while_decoding=rules["long_prefill_tokens_while_decoding"],
             async_scheduling=self.async_scheduling,
-            waiting_served_ratio=self.waiting_served_ratio,
+            waiting_served_ratio=rules["waiting_served_ratio"],
             max_waiting_steps=self.max_waiting_steps,
-            hold_while_finishing_steps=self.hold_while_finishing_steps,
+            hold_while_finishing_steps=rules["hold_while_finishing_steps"],
             min_shared_prefix_to_wait=self.min_shared_prefix_to_wait,
         )
+
+    def prefill_rules(self, step_costs: StepCosts | None, block_size: int) -> dict[str, Any]:
+        """The prompt-batching knobs: each as set in the config, else derived from the workers'
+        step costs, else the field's default."""
+        return {name: value for name, (value, _) in self.prefill_rule_sources(step_costs, block_size).items()}
+
+    def prefill_rule_sources(self, step_costs: StepCosts | None, block_size: int) -> dict[str, tuple[Any, str]]:
+        """Each prompt-batching knob's value and where it came from: "config", "step costs" or "default"."""
+        derived = {} if step_costs is None else dataclasses.asdict(prefill_rules(step_costs, block_size))
+        sources = {}
+        for name in PREFILL_RULE_FIELDS:
+            if name in self.model_fields_set:
+                sources[name] = (getattr(self, name), "config")
+            elif name in derived:
+                sources[name] = (derived[name], "step costs")
+            else:
+                sources[name] = (getattr(self, name), "default")
+        return sources
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(

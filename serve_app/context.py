@@ -34,6 +34,8 @@ class ServingContext:
     grammars: Any = None  # serve_app.grammar.GrammarValidator, made on the first structured-output request
     stream_interval: int = 1  # tokens per streamed chunk at least (AppArgs.stream_interval)
     fast_data_plane: dict[str, Any] | None = None  # serve_app.data_plane's verdict; None: not checked
+    # the scheduler's prompt-batching knobs in effect: name -> {"value", "from": config | step costs | default}
+    prefill_rules: dict[str, Any] | None = None
 
     def start_run(
         self,

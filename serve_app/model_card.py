@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.errors import OpenAIError
 
@@ -16,8 +17,9 @@ class ModelCard:
     eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence unless ignore_eos
     created: int = 0  # unix seconds, for /v1/models
     # worker device, dtype, kernels, model type, layer loop, quantization ("none", "gguf:<type>", e.g. "gguf:Q4_1",
-    # or a quantized checkpoint's label, e.g. "awq:4bit-g128 (dequantized at load)")
-    backend: dict[str, str] = field(default_factory=dict)
+    # or a quantized checkpoint's label, e.g. "awq:4bit-g128 (dequantized at load)"), what runs each path
+    # ("isa": {"products", "attention", "gguf"}) and the step costs measured at start ("step_costs")
+    backend: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None  # serve_app/reasoning.py's parser for this template; None: none
     tool_call_parser: str = "hermes"  # serve_app/tool_parsers.py's parser for this template's tool calls
 

@@ -249,5 +249,6 @@ def server_info_json(ctx: ServingContext, obs: Observability) -> dict[str, Any]:
         "engine_stats_age_s": None if cache is None else cache.age_s(),
         "engine_stats_error": None if cache is None else cache.last_error,
         "fast_data_plane": ctx.fast_data_plane,  # {"enabled", "missing"}: Serve's data plane in this replica
+        "prefill_rules": ctx.prefill_rules,  # the prompt-batching knobs in effect, and where each came from
         "schedulers": shards,
     }

@@ -33,6 +33,7 @@ from scheduler.outputs import (
     WorkerStateLostError,
 )
 from scheduler.sampling_params import SamplingParams
+from scheduler.step_costs import StepCosts
 from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.grammar import GrammarMatchers
@@ -42,6 +43,7 @@ from workers.loader import gguf_source, load_weights, resolve_model_path, serves
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
+from workers.step_costs import measure_step_costs
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +145,9 @@ class RunnerConfig:
     # Decode batch sizes to capture as CUDA graphs (cuda + triton only); () = off; "auto":
     # AUTO_CUDA_GRAPH_SIZES on cuda with the triton backend, off elsewhere (see resolve_graph_sizes).
     cuda_graph_batch_sizes: tuple[int, ...] | str = "auto"
+    # time a few steps at start (workers/step_costs.py): the scheduler derives its prompt-batching
+    # rules from them (scheduler/step_costs.py); the served app turns it on, tests and tools need not
+    measure_step_costs: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,7 @@ class ModelInfo:
     # what runs each path on this CPU, in words (workers/kernels/cpu_isa.py): "products" (dense
     # weights), "attention", and "gguf" (a GGUF checkpoint's products); {} on a GPU
     isa: dict[str, str] = field(default_factory=dict)
+    step_costs: StepCosts | None = None  # measured at start (RunnerConfig.measure_step_costs), else None
 
 
 @dataclass(slots=True)
@@ -291,6 +297,9 @@ class ModelRunner:
         self._mask_thread: ThreadPoolExecutor | None = None  # started by the first step with a grammar
         self.requests: dict[str, RequestState] = {}
         self.last_timing = StepTiming()
+        self.step_costs: StepCosts | None = None
+        if config.measure_step_costs:
+            self.step_costs = measure_step_costs(self)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -312,6 +321,7 @@ class ModelRunner:
             linear_backend=self.model.linear_backend.name,
             quantization=self.model.quantization,
             isa=self._isa(),
+            step_costs=self.step_costs,
         )
 
     def _isa(self) -> dict[str, str]:

@@ -28,6 +28,8 @@ def test_health_version_models(server) -> None:
         # (triton is the CUDA default)
         isa = model["backend"].pop("isa")  # what runs each path: this CPU's (workers/kernels/cpu_isa.py)
         assert set(isa) == {"products", "attention"} and all(isinstance(v, str) and v for v in isa.values())
+        costs = model["backend"].pop("step_costs")  # timed at the worker's start (workers/step_costs.py)
+        assert costs["prompt_token_ms"] > 0 and costs["decode_row_ms"] >= 0 and costs["decode_step_ms"] > 0
         assert model["backend"] == {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32",
                                     "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",

@@ -1,0 +1,76 @@
+"""What a worker's steps cost, measured when it starts, and the prompt-batching rules they imply.
+
+A worker times a few steps of its own model before it serves (workers/step_costs.py) and
+reports, per step:
+
+    step_ms(decode_rows, prompt_tokens) = decode_step_ms + decode_rows x decode_row_ms
+                                          + prompt_tokens x prompt_token_ms
+
+The scheduler's rules for computing prompts beside decoding streams exist because a prompt
+token stalls every running stream: a step that computes T prompt tokens delays each stream's
+next token by T x prompt_token_ms. How long that is, counted in decode steps, decides them
+(prefill_rules):
+
+- waiting_served_ratio / hold_while_finishing_steps (TGI's rule: hold arrivals while streams
+  decode, so that several prompts share one stall). Worth it where one typical prompt stalls
+  the streams for several decode steps. Where it stalls them for about one, holding only
+  delays the new request's first token: the rules turn off (ratio 0, vLLM's rule).
+- long_prefill_tokens_while_decoding: the chunk a long prompt computes per step beside
+  decoding streams, as many tokens as cost about one decode step (a stream's token gap at most
+  doubles), in whole blocks, at least MIN_LONG_CHUNK.
+
+A value set in the app's config (the YAML) wins over the derived one (serve_app/config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A typical prompt stalls streams for at most this many decode steps: arrivals are admitted at
+# once. More: they are held (HOLD_RATIO, HOLD_FINISHING_STEPS), the rules tuned where a prompt
+# cost many decode steps. Measured on a 2-core Xeon with AMX, SmolLM2 (workers/step_costs.py):
+# 2.3-2.5 steps in bf16 and 3.2-3.9 for the GGUF on tiles, 7.6-10.0 with the tiles off (the
+# AVX-512 vector kernels, the regime the holding rules were tuned in). Served there (docs/
+# serving.md), admitting at once beat holding at c16: 495-508 against 460-463 tok/s.
+ADMIT_AT_ONCE_STALL_STEPS = 5.0
+HOLD_RATIO = 0.3
+HOLD_FINISHING_STEPS = 4
+TYPICAL_PROMPT_TOKENS = 256  # what "a typical prompt" costs is measured at this length
+MIN_LONG_CHUNK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """A worker's step costs, from steps timed at its start (workers/step_costs.py)."""
+
+    decode_step_ms: float  # a step's fixed part: one decoding sequence's step, less its row
+    decode_row_ms: float  # each decoding sequence in a step
+    prompt_token_ms: float  # each prompt token a step computes
+    decode_rows: int  # the decode batch the row cost was measured at (the running batch it stands for)
+
+    def step_ms(self, decode_rows: int, prompt_tokens: int) -> float:
+        return self.decode_step_ms + decode_rows * self.decode_row_ms + prompt_tokens * self.prompt_token_ms
+
+    def stall_steps(self, prompt_tokens: int = TYPICAL_PROMPT_TOKENS) -> float:
+        """A prompt's delay to running streams, in steps of the measured decode batch."""
+        return prompt_tokens * self.prompt_token_ms / self.step_ms(self.decode_rows, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRules:
+    """The scheduler's prompt-batching knobs (scheduler/config.py), derived from step costs."""
+
+    waiting_served_ratio: float
+    hold_while_finishing_steps: int
+    long_prefill_tokens_while_decoding: int
+
+
+def prefill_rules(costs: StepCosts, block_size: int) -> PrefillRules:
+    held = costs.stall_steps() > ADMIT_AT_ONCE_STALL_STEPS
+    one_step = costs.step_ms(costs.decode_rows, 0) / max(costs.prompt_token_ms, 1e-9)
+    chunk = max(MIN_LONG_CHUNK, int(one_step) // block_size * block_size)
+    return PrefillRules(
+        waiting_served_ratio=HOLD_RATIO if held else 0.0,
+        hold_while_finishing_steps=HOLD_FINISHING_STEPS if held else 0,
+        long_prefill_tokens_while_decoding=chunk,
+    )
