@@ -321,7 +321,9 @@ def build_app(args: dict[str, Any]) -> Application:
         app_args.api_keys = [SecretStr(key) for key in api_keys_from_env()]
     if ray.is_initialized():
         plan_resources(app_args, ray.cluster_resources())
-    plain_args = app_args.model_dump()
+    # the fields the config set (and api_keys, if read here): the deployments validate them again, and a
+    # field left out keeps meaning "not set" there (the prompt-batching knobs then follow the step costs)
+    plain_args = app_args.model_dump(exclude_unset=True)
     grace_s = app_args.drain_timeout_s + 10.0  # Serve force-kills a replica after this
     supervisor = EngineSupervisor.options(
         name=f"{app_args.name}-engine", graceful_shutdown_timeout_s=grace_s
