@@ -10,8 +10,10 @@ the dense fp32 panel GEMM of the same shape, at SmolLM2-135M's shapes.
     .venv/bin/python -m bench.bench_gguf --threads 2 --rows 16,32,64,256 --tiles   # + AMX tiles (csrc/amx.c)
 
 With --tiles (a CPU whose OS grants AMX tile data), the layer shapes also run on tiles over the
-packed weights (gguf.amx_gemm: each group of columns dequantized to bf16, x rounded to bf16),
-with tiles / packed int8 last: what workers/kernels/cpu_isa.py's TILE_MIN_ROWS["gguf"] is judged by.
+packed weights: bf16 tiles (gguf.amx_gemm: each group of columns dequantized to bf16, x rounded to
+bf16) and int8 tiles (gguf.amx_int8_gemm: the int8 mode's product, bit for bit), each against
+the packed int8 vector kernel last: what workers/kernels/cpu_isa.py's TILE_MIN_ROWS["gguf"] and
+["gguf_int8"] are judged by.
 
 Each shape gets enough copies of its weight (distinct memory) that a pass over them reads
 --min-mb megabytes, so every product streams its weight from memory as a real step does; the
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from workers.gguf_weight import (BLOCK_LAYOUT, LAYER_PACKED_TYPES, LOGITS_PACKED_TYPES, PACKED_ROWS, GGMLType,
                                  GgufWeight, pack_columns)
 from workers.kernels.cpu_isa import cpu_plan
-from workers.kernels.gguf import amx_gemm, gguf_dequantize, gguf_gemm, logits_mode
+from workers.kernels.gguf import amx_gemm, amx_int8_gemm, gguf_dequantize, gguf_gemm, logits_mode
 from workers.linear import NativeLinear
 
 SHAPES = [(576, 576, None), (192, 576, None), (1536, 576, None), (576, 1536, None), (49152, 576, GGMLType.Q8_0)]
@@ -115,6 +117,8 @@ def main() -> None:
             }
             if args.tiles and not is_head:
                 paths["tiles"] = (amx_gemm, packed, first.nbytes)
+                if packed_mode == "int8" and packed[0].packed:
+                    paths["int8 tiles"] = (amx_int8_gemm, packed, first.nbytes)
             times: dict[str, list[float]] = {name: [] for name in paths}
             for name, (run, weights, _) in paths.items():  # warm-up
                 timed(run, weights[:2], x)
@@ -127,7 +131,9 @@ def main() -> None:
                   + f" | {median['packed'] / median['fp32' if is_head else 'int8']:9.2f}"
                   + f" {median['packed'] / median['dense']:10.2f}"
                   + f" {median['dequantized'] / median['packed']:8.2f}"
-                  + (f"   tiles/packed {median['tiles'] / median['packed']:.2f}" if "tiles" in median else ""),
+                  + (f"   tiles/packed {median['tiles'] / median['packed']:.2f}" if "tiles" in median else "")
+                  + (f"   int8 tiles/packed {median['int8 tiles'] / median['packed']:.2f}"
+                     if "int8 tiles" in median else ""),
                   flush=True)
 
 

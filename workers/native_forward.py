@@ -148,6 +148,7 @@ class NativeForward:
         args.gguf_mode = gguf.GGUF_MODES[gguf.DEFAULT_MODE]
         plan = cpu_plan()
         args.tile_min_rows_bf16, args.tile_min_rows_gguf = plan.min_rows("bf16"), plan.min_rows("gguf")
+        args.tile_min_rows_gguf_int8 = plan.min_rows("gguf_int8")
         check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
         return out
 

@@ -222,6 +222,40 @@ def _attend_bf16(batch, **variants):
                                          batch.seq_lens, batch.scale, **variants)
 
 
+def _attend_half_pool(batch, **variants):
+    from workers.kernels import cpu_attention
+
+    k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache.half(), batch.v_cache.half())
+    cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    return cpu_attention.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                         batch.seq_lens, batch.scale, **variants)
+
+
+@needs_tiles
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", [None, "window7", "all"])
+def test_prompts_over_a_half_pool_on_tiles_match_the_oracle_to_bf16(head_dim, variant):
+    """fp32 queries over an fp16 pool (a GGUF model's): prompts on tiles, their queries, keys and
+    values rounded to bf16 as they are laid out for the tiles, within bf16's bound of the dense
+    oracle; decodes and short chunks on the vector body, which keeps fp32 (its bits unchanged)."""
+    import kernel_cases as kc
+
+    batch = kc.make_batch(TILE_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=head_dim,
+                          dtype=torch.float32, seed=head_dim)
+    variants = kc.variant_kwargs(variant, 6) if variant else {}
+    if "window" in variants:
+        kc.poison_outside_windows(batch, variants["window"])
+    tiles = _attend_half_pool(batch, **variants)
+    with using_plan(without_tiles(cpu_isa.detected_plan())):
+        vectors = _attend_half_pool(batch, **variants)
+    assert tiles.dtype == torch.float32 and not tiles.isnan().any()
+    assert kc.max_abs_err(tiles, kc.naive_attention(batch, **variants)) <= kc.ATOL[torch.bfloat16]
+    starts = batch.query_start_loc.tolist()
+    for s, (_, query_len) in enumerate(TILE_SPECS):
+        rows = slice(starts[s], starts[s + 1])
+        assert torch.equal(tiles[rows], vectors[rows]) == (query_len < cpu_isa.detected_plan().tile_min_rows["attention"])
+
+
 @needs_tiles
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -274,3 +308,24 @@ def test_a_gated_product_on_tiles_is_the_product_then_the_activation_bit_for_bit
     assert native.gated_product(x[:1], weight, None, activation) is None  # below the table's rows: two steps
     with using_plan(without_tiles(cpu_isa.detected_plan())):
         assert native.gated_product(x, weight, None, activation) is None
+
+
+@needs_tiles
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1], ids=lambda t: t.name)
+def test_the_int8_mode_on_int8_tiles_is_the_vector_kernels_bit_for_bit(ggml_type):
+    """Packed Q4_0 and Q4_1: the integer dot products on int8 tiles, the fp32 scaling per block as
+    the vector kernels do it, so every row count, dtype and bias gives their bits (a row's result
+    the same on tiles or not, alone or in a batch); and the dispatch takes them from the table's
+    rows to the bf16 tiles' (gguf_linear)."""
+    weight = pack_columns(random_gguf_weight(ggml_type, 80, 576, seed=int(ggml_type)))
+    generator = torch.Generator().manual_seed(2)
+    for rows in (1, 15, 16, 17, 63, 64, 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 576, generator=generator).to(dtype)
+            for bias in (None, torch.randn(80, generator=generator).to(dtype)):
+                assert torch.equal(gguf.amx_int8_gemm(x, weight, bias), gguf.gguf_gemm(x, weight, bias, mode="int8"))
+    plan = cpu_isa.detected_plan()
+    first, bf16_from = plan.tile_min_rows["gguf_int8"], plan.tile_min_rows["gguf"]
+    assert gguf.int8_tiles_take(weight, first) and not gguf.int8_tiles_take(weight, first - 1)
+    assert not gguf.int8_tiles_take(weight, bf16_from) and gguf.tiles_take(weight, bf16_from)
+    assert not gguf.int8_tiles_take(weight, first, mode="fp32")

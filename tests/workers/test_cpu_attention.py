@@ -27,6 +27,7 @@ import torch
 
 import kernel_cases as kc  # tests/kernel_cases.py (tests/ is on sys.path via tests/conftest.py)
 from workers.kernels import bind_attention, cpu_attention, get_attention_backend, resolve_attention_backend_name, torch_ref
+from workers.kernels.cpu_isa import cpu_plan, using_plan, without_tiles
 from workers.kernels.native import NativeBuildError, native_library
 
 try:
@@ -75,12 +76,14 @@ def test_matches_dense_oracle_and_torch_reference(case, block_size, gqa, head_di
 
 def _half_pool_attend(batch: kc.PagedBatch, **variants) -> torch.Tensor:
     """The step over an fp16 pool under fp32 queries: the prefix copied in as half, this step's
-    fp32 keys and values rounded to half by the kernel's write."""
+    fp32 keys and values rounded to half by the kernel's write. On the vector bodies: where the
+    CPU has AMX tiles, prompts over a half pool run there instead, in bf16 (test_amx.py)."""
     k_cache, v_cache = cpu_attention.from_standard_layout(batch.k_cache.half(), batch.v_cache.half())
     cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
     assert k_cache.dtype == torch.float16
-    return cpu_attention.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                                         batch.seq_lens, batch.scale, **variants)
+    with using_plan(without_tiles(cpu_plan())):
+        return cpu_attention.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                             batch.seq_lens, batch.scale, **variants)
 
 
 def _rounded_to_half(batch: kc.PagedBatch) -> kc.PagedBatch:

@@ -49,10 +49,15 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   0.98x at 4, 0.87x at 6, 0.75x at 8, 0.50x at 16, 0.24x at 64;
 # - gguf (rayllm_amx_gguf_gemm against the packed Q4_1 int8 kernel, `bench.bench_gguf --threads 2
 #   --tiles`, SmolLM2's four layer shapes): 1.2-2.4x at 16 rows, 0.89-1.21x at 32, 0.73-1.04x at
-#   48, 0.61-0.95x at 64, 0.43-0.57x at 256 (the blocks' dequantization to bf16 is paid per call).
+#   48, 0.61-0.95x at 64, 0.43-0.57x at 256 (the blocks' dequantization to bf16 is paid per call);
+# - gguf_int8 (rayllm_amx_gguf_int8_gemm: the same int8 product bit for bit, the integer dot
+#   products on int8 tiles, packed Q4_0 and Q4_1 only), up to gguf's rows: 0.89-1.55x at 1-4 rows,
+#   0.94-1.08x at 8, 0.78-0.98x at 16, 0.66-0.84x at 32, 0.57-0.84x at 64 (the bf16 tiles 0.58-0.93x
+#   there, 0.44-0.67x at 128 against int8 tiles' 0.60-0.95x): the fp32 scaling per block and output
+#   stays in vectors, and a tile product covers one 32-weight block;
 # - attention (csrc/attention_amx.c against paged_attention.c's vector body, a bf16 pool under bf16
-#   queries): the queries a sequence computes in the step.
-TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 48, "attention": 16}
+#   queries or an fp16 pool under fp32 ones): the queries a sequence computes in the step.
+TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 32, "attention": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +93,13 @@ class CpuPlan:
         if dtype == torch.bfloat16 and self.amx:
             dense = f"amx-bf16 from {self.tile_min_rows['bf16']} rows, {dense} below"
         attention = vectors
-        if dtype == torch.bfloat16 and self.amx:
+        if self.amx and (dtype == torch.bfloat16 or gguf):  # a bf16 pool, or a GGUF model's fp16 one
             attention = f"amx-bf16 for prompts of {self.tile_min_rows['attention']} tokens or more, {vectors} below"
         isa = {"products": dense, "attention": attention}
         if gguf:
             integer = "avx512-vnni" if "avx512_vnni" in self.features and self.vector_width == 16 else vectors
-            isa["gguf"] = (f"amx-bf16 from {self.tile_min_rows['gguf']} rows, {integer} int8 below" if self.amx
+            isa["gguf"] = (f"amx-bf16 from {self.tile_min_rows['gguf']} rows, amx-int8 from "
+                           f"{self.tile_min_rows['gguf_int8']} (packed Q4_0/Q4_1), {integer} int8 below" if self.amx
                            else f"{integer} int8")
         return isa
 

@@ -134,6 +134,38 @@ def amx_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = No
     return out
 
 
+INT8_TILES_MAX_ROWS = 512  # rows of an int8 tile product at most (csrc/gguf_amx.c: its sums per thread)
+
+
+def amx_int8_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, library=None) -> torch.Tensor:
+    """The int8 mode's product (gguf_gemm(mode="int8")) of a packed Q4_0 or Q4_1 weight, bit for bit,
+    on AMX int8 tiles (csrc/gguf_amx.c). The caller has checked int8_tiles_take."""
+    library = library or native_library()
+    out_dtype = out_dtype or x.dtype
+    x = x.contiguous()
+    num_rows, width = x.shape
+    out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
+    if num_rows == 0:
+        return out
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    check_status(library.rayllm_amx_gguf_int8_gemm(
+        x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
+        weight.out_features, width, type_code(weight), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
+        torch.get_num_threads(),
+    ), "rayllm_amx_gguf_int8_gemm")
+    return out
+
+
+def int8_tiles_take(weight: GgufWeight, num_rows: int, mode: str | None = None) -> bool:
+    """A layer's int8 product of this many rows runs on AMX int8 tiles (cpu_isa's table, "gguf_int8"):
+    packed Q4_0 and Q4_1 only, 16 columns at a time, and below the rows the bf16 tiles take."""
+    return ((mode or DEFAULT_MODE) == "int8" and weight.packed and weight.ggml_type in LAYER_PACKED_TYPES
+            and weight.out_features % 16 == 0 and num_rows <= INT8_TILES_MAX_ROWS
+            and cpu_plan().tiles_take("gguf_int8", num_rows) and not cpu_plan().tiles_take("gguf", num_rows))
+
+
 def native_has(weight: GgufWeight) -> bool:
     """Our kernels read this weight: a type they have, blocks on the CPU, a built library."""
     return weight.ggml_type in NATIVE_TYPES and weight.blocks.device.type == "cpu" and native_available()

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c",
-           "gguf_gemm.c", "amx.c", "attention_amx.c")  # compiled together; they include csrc/*.h
+           "gguf_gemm.c", "amx.c", "attention_amx.c", "gguf_amx.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -222,6 +222,7 @@ class ForwardArgs(ctypes.Structure):
         ("gguf_mode", ctypes.c_int32),  # GGUF_MODES (workers/kernels/gguf.py): the GGUF products' mode
         ("tile_min_rows_bf16", ctypes.c_int64),  # steps from this many rows run on AMX tiles (cpu_isa), 0: never
         ("tile_min_rows_gguf", ctypes.c_int64),
+        ("tile_min_rows_gguf_int8", ctypes.c_int64),  # packed Q4_0/Q4_1 on int8 tiles, below tile_min_rows_gguf
     ]
 
 
@@ -278,6 +279,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_amx_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     # x, gate_up panels, bias, out, num_rows, width, K, activation, alpha, limit, num_threads (bf16)
     "rayllm_amx_gated_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _F32, _F32, _I32],
+    # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads (packed Q4_0/Q4_1, int8 tiles)
+    "rayllm_amx_gguf_int8_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads
     "rayllm_amx_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],

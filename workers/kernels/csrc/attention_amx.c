@@ -61,15 +61,18 @@ static void configure_tiles(void) {
 
 /* Whether the tile path takes this call's shapes (the caller checked the dtypes). */
 int rayllm_tile_attention_fits(const AttentionArgs *a) {
-    return a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_BF16 && (a->head_dim == 64 || a->head_dim == 128) &&
-           a->block_size % 16 == 0 && rayllm_amx_enable() == AMX_GRANTED;
+    const int pools = (a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_BF16) ||
+                      (a->dtype == DTYPE_F32 && a->kv_dtype == DTYPE_F16);
+    return pools && (a->head_dim == 64 || a->head_dim == 128) && a->block_size % 16 == 0 &&
+           rayllm_amx_enable() == AMX_GRANTED;
 }
 
 typedef struct {
     float *scores;      /* [16][key_capacity] fp32 */
     uint16_t *probs;    /* [16][key_capacity] bf16 */
     uint16_t *values;   /* [key_capacity / 2][head_dim][2] bf16 */
-    uint16_t *q_pad;    /* [16][head_dim] bf16: a last block's queries, zero rows after */
+    uint16_t *keys;     /* [key_capacity / 16][head_dim / 2][16][2] bf16: an fp16 pool's keys as tiles */
+    uint16_t *q_pad;    /* [16][head_dim] bf16: queries in bf16 (a last block's, or fp32 ones), zero rows after */
     int64_t key_capacity;
 } TileScratch;
 
@@ -81,12 +84,14 @@ static int reserve(int64_t keys, int64_t head_dim) {
     free(scratch.scores);
     free(scratch.probs);
     free(scratch.values);
+    free(scratch.keys);
     free(scratch.q_pad);
     scratch.scores = aligned_alloc(64, (size_t)(QUERIES * keys * 4));
     scratch.probs = aligned_alloc(64, (size_t)(QUERIES * keys * 2));
     scratch.values = aligned_alloc(64, (size_t)(keys * MAX_TILE_HEAD_DIM * 2));
+    scratch.keys = aligned_alloc(64, (size_t)(keys * MAX_TILE_HEAD_DIM * 2));
     scratch.q_pad = aligned_alloc(64, (size_t)(QUERIES * MAX_TILE_HEAD_DIM * 2));
-    scratch.key_capacity = scratch.scores && scratch.probs && scratch.values && scratch.q_pad ? keys : 0;
+    scratch.key_capacity = scratch.scores && scratch.probs && scratch.values && scratch.keys && scratch.q_pad ? keys : 0;
     (void)head_dim;
     return scratch.key_capacity > 0;
 }
@@ -97,7 +102,7 @@ typedef struct {
     volatile int failed;
 } TileJob;
 
-static inline int64_t part_bytes(const AttentionArgs *a) { return a->block_size * a->head_dim * 2; }
+static inline int64_t part_bytes(const AttentionArgs *a) { return a->block_size * a->head_dim * 2; } /* bf16 or fp16 */
 
 static inline const char *part(const AttentionArgs *a, const void *cache, const int32_t *table, int64_t key, int64_t g) {
     return (const char *)cache + table[key / a->block_size] * a->block_stride * 2 + g * part_bytes(a);
@@ -119,11 +124,50 @@ static void copy_values(const AttentionArgs *a, const int32_t *table, int64_t g,
     memset(values + written * D, 0, (size_t)((padded - written) * D * 2));
 }
 
+/* [a0..a15] and [b0..b15] (fp32) as bf16 pairs (a0, b0), (a1, b1), ... (nearest even). */
+static inline __m512i pairs16(__m512 a, __m512 b) {
+    static const uint16_t order[32] __attribute__((aligned(64))) = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                                                                     22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12,
+                                                                     28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_load_si512(order), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+static inline __m512 half16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* An fp16 pool's values of keys [k0, k1) of kv head g (part [key][dim]) as bf16 key pairs, as
+ * copy_values lays a bf16 pool's out; zeros up to `padded` keys (and for an odd last key's partner). */
+static void convert_values(const AttentionArgs *a, const int32_t *table, int64_t g, int64_t k0, int64_t k1,
+                           int64_t padded, uint16_t *values) {
+    const int64_t D = a->head_dim, BS = a->block_size;
+    for (int64_t key = k0; key < k1; key += 2) {
+        const uint16_t *v0 = (const uint16_t *)part(a, a->v_cache, table, key, g) + (key % BS) * D;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 first = half16(v0 + d), second = key + 1 < k1 ? half16(v0 + D + d) : _mm512_setzero_ps();
+            _mm512_storeu_si512(values + (key - k0) * D + 2 * d, pairs16(first, second));
+        }
+    }
+    const int64_t written = (k1 - k0 + 1) / 2 * 2;
+    memset(values + written * D, 0, (size_t)((padded - written) * D * 2));
+}
+
+/* An fp16 pool's keys [k0, k1) (k1 rounded up to 16) of kv head g (part [dim][key]) as key tiles:
+ * tile t (keys k0 + 16 t ..) holds [dim pair][16 keys][2], the layout a bf16 pool's part has. */
+static void convert_keys(const AttentionArgs *a, const int32_t *table, int64_t g, int64_t k0, int64_t k1,
+                         uint16_t *keys) {
+    const int64_t D = a->head_dim, BS = a->block_size;
+    for (int64_t key = k0; key < k1; key += 16) {
+        const uint16_t *k = (const uint16_t *)part(a, a->k_cache, table, key, g) + key % BS; /* dim 0 */
+        uint16_t *tile = keys + (key - k0) * D;
+        for (int64_t pair = 0; pair < D / 2; pair++)
+            _mm512_storeu_si512(tile + pair * 32, pairs16(half16(k + 2 * pair * BS), half16(k + (2 * pair + 1) * BS)));
+    }
+}
+
 /* Scores of one head's 16 query rows (q tile rows q_stride elements apart) against keys
  * [k0, k1) of kv head g, into scratch.scores (column j: key k0 + j), 16 keys a tile. */
 static void tile_scores(const AttentionArgs *a, const int32_t *table, int64_t g, const uint16_t *q, int64_t q_stride,
-                        int64_t k0, int64_t k1, int64_t stride) {
-    const int64_t D = a->head_dim, BS = a->block_size;
+                        int64_t k0, int64_t k1, int64_t stride, const uint16_t *keys) {
+    const int64_t D = a->head_dim, BS = keys ? 16 : a->block_size; /* keys: converted tiles, 16 keys a "block" */
     _tile_loadd(4, q, q_stride * 2);
     _tile_loadd(5, q + 32, q_stride * 2);
     if (D == 128) {
@@ -132,7 +176,7 @@ static void tile_scores(const AttentionArgs *a, const int32_t *table, int64_t g,
     }
     for (int64_t key = k0; key < k1; key += 16) {
         /* 16 keys from `key` (a multiple of 16): lines of dim pairs, BS keys x 2 dims apart */
-        const char *k = part(a, a->k_cache, table, key, g) + (key % BS) * 4;
+        const char *k = keys ? (const char *)(keys + (key - k0) * D) : part(a, a->k_cache, table, key, g) + (key % BS) * 4;
         _tile_zero(0);
         _tile_loadd(1, k, BS * 4);
         _tile_dpbf16ps(0, 4, 1);
@@ -226,7 +270,13 @@ static void tile_task(void *context, int64_t index) {
         job->failed = 1;
         return;
     }
-    copy_values(a, table, g, k0, k1, padded, scratch.values);
+    const int half = a->kv_dtype == DTYPE_F16; /* fp32 queries over an fp16 pool: both rounded to bf16 */
+    if (half) {
+        convert_values(a, table, g, k0, k1, padded, scratch.values);
+        convert_keys(a, table, g, k0, (k1 + 15) / 16 * 16, scratch.keys);
+    } else {
+        copy_values(a, table, g, k0, k1, padded, scratch.values);
+    }
     float o[QUERIES * 64] __attribute__((aligned(64)));
     float sums[QUERIES];
     configure_tiles();
@@ -236,16 +286,26 @@ static void tile_task(void *context, int64_t index) {
         const int64_t block_k1 = (last_key + 1 + 15) / 16 * 16 < k1 ? (last_key + 1 + 15) / 16 * 16 : k1;
         const int64_t block_keys = block_k1 - k0, block_padded = (block_keys + 31) / 32 * 32;
         for (int64_t h = g * group; h < (g + 1) * group; h++) {
-            const uint16_t *q = (const uint16_t *)a->q + (token0 + b) * a->q_stride_token + h * a->q_stride_head;
+            const int64_t at = (token0 + b) * a->q_stride_token + h * a->q_stride_head;
+            const uint16_t *q = (const uint16_t *)a->q + at;
             int64_t q_stride = a->q_stride_token;
-            if (rows < QUERIES) { /* the last block: its rows, then zeros */
+            if (half) { /* fp32 queries rounded to bf16, zero rows after the last */
+                const float *qf = (const float *)a->q + at;
+                for (int64_t r = 0; r < QUERIES; r++)
+                    for (int64_t d = 0; d < D; d += 32)
+                        _mm512_storeu_si512(scratch.q_pad + r * D + d, r < rows ? (__m512i)_mm512_cvtne2ps_pbh(
+                            _mm512_loadu_ps(qf + r * q_stride + d + 16), _mm512_loadu_ps(qf + r * q_stride + d))
+                                                                               : _mm512_setzero_si512());
+                q = scratch.q_pad;
+                q_stride = D;
+            } else if (rows < QUERIES) { /* the last block: its rows, then zeros */
                 memset(scratch.q_pad, 0, (size_t)(QUERIES * D * 2));
                 for (int64_t r = 0; r < rows; r++) memcpy(scratch.q_pad + r * D, q + r * a->q_stride_token, (size_t)D * 2);
                 q = scratch.q_pad;
                 q_stride = D;
             }
             /* scores of whole tiles of 16 keys; keys past block_k1 (or the sequence) are never read */
-            tile_scores(a, table, g, q, q_stride, k0, (block_keys + 15) / 16 * 16 + k0, padded);
+            tile_scores(a, table, g, q, q_stride, k0, (block_keys + 15) / 16 * 16 + k0, padded, half ? scratch.keys : NULL);
             const float sink = a->sinks ? a->sinks[h] : NEG_INF;
             for (int64_t r = 0; r < rows; r++)
                 sums[r] = softmax_row(a, r, k0, first_key_of(a, position0 + b + r), position0 + b + r, block_padded,
@@ -254,11 +314,16 @@ static void tile_task(void *context, int64_t index) {
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 tile_values(D, block_padded, padded, d0, o);
                 for (int64_t r = 0; r < rows; r++) {
-                    uint16_t *dst = (uint16_t *)a->out + (token0 + b + r) * a->out_stride_token + h * a->out_stride_head + d0;
+                    const int64_t at_out = (token0 + b + r) * a->out_stride_token + h * a->out_stride_head + d0;
                     const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
-                    for (int64_t d = 0; d < 64; d += 16)
-                        _mm256_storeu_si256((__m256i *)(dst + d),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + r * 64 + d), inv)));
+                    for (int64_t d = 0; d < 64; d += 16) {
+                        const __m512 value = _mm512_mul_ps(_mm512_load_ps(o + r * 64 + d), inv);
+                        if (half)
+                            _mm512_storeu_ps((float *)a->out + at_out + d, value);
+                        else
+                            _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + at_out + d),
+                                                (__m256i)_mm512_cvtneps_pbh(value));
+                    }
                 }
             }
         }

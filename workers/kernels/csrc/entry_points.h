@@ -84,6 +84,14 @@ int64_t rayllm_gguf_row_bytes(int32_t ggml_type, int64_t N, int64_t K);
 void rayllm_gguf_bf16_panels(const uint8_t *w, int32_t ggml_type, int64_t row_bytes, int64_t N, int64_t K, int64_t n0,
                              uint16_t *out);
 
+void rayllm_gguf_quantize_rows(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int8_t *xq, float *x_scale,
+                               float *x_sum, int32_t num_threads);
+/* gguf_amx.c: rayllm_gguf_gemm's GGUF_INT8 product of packed Q4_0 / Q4_1 weights, bit for bit, on
+ * AMX int8 tiles (1 where this build or CPU has none) */
+int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                              int64_t N, int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype,
+                              int32_t num_threads);
+
 /* amx.c: what the CPU has (CPU_* bits), whether the OS grants tile data (AMX_*), and the
  * products on tiles (1 where this build has none). */
 enum { CPU_AVX2 = 1, CPU_AVX512 = 2, CPU_AVX512_BF16 = 4, CPU_AVX512_VNNI = 8, CPU_AMX_BF16 = 16, CPU_AMX_INT8 = 32 };

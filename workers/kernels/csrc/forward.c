@@ -68,6 +68,7 @@ typedef struct {
     /* steps of at least this many tokens run their products on AMX tiles (amx.c), 0: never
      * (workers/kernels/cpu_isa.py's table): bf16 panels, and GGUF weights in the int8 mode */
     int64_t tile_min_rows_bf16, tile_min_rows_gguf;
+    int64_t tile_min_rows_gguf_int8; /* ... and packed Q4_0 / Q4_1 on int8 tiles (gguf_amx.c), below gguf's rows */
 } ForwardArgs;
 
 static int takes_tiles(int64_t min_rows, int64_t num_tokens) { return min_rows > 0 && num_tokens >= min_rows; }
@@ -76,6 +77,11 @@ static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t ty
                   int64_t N, int64_t K) {
     if (type && a->gguf_mode == GGUF_INT8 && takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
         return rayllm_amx_gguf_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype, a->num_threads);
+    const int q4 = (type & GGUF_PACKED) && ((type & 0xff) == 2 || (type & 0xff) == 3); /* packed Q4_0, Q4_1 */
+    if (q4 && a->gguf_mode == GGUF_INT8 && N % 16 == 0 && a->num_tokens <= 512 &&
+        takes_tiles(a->tile_min_rows_gguf_int8, a->num_tokens))
+        return rayllm_amx_gguf_int8_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype,
+                                         a->num_threads);
     if (type)
         return rayllm_gguf_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype, a->gguf_mode,
                                 a->num_threads);

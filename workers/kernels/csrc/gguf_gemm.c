@@ -1281,6 +1281,15 @@ static void prepare_rows(void *context, int64_t item) {
     }
 }
 
+/* For gguf_amx.c: x's rows quantized as GGUF_INT8 quantizes them (xq [num_rows, K], x_scale and
+ * x_sum [num_rows, K / 32]). */
+void rayllm_gguf_quantize_rows(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int8_t *xq, float *x_scale,
+                               float *x_sum, int32_t num_threads) {
+    PrepareJob prepare = {x, xq, NULL, x_scale, x_sum, NULL, num_rows, K, dtype};
+    rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? num_threads : 1,
+                        prepare_rows, &prepare);
+}
+
 /* x: [num_rows, K] in dtype; w: [N, K / weights-per-block * block bytes] GGUF blocks of ggml_type
  * (with GGUF_PACKED: Q4_0, Q4_1 or Q8_0 repacked, N a multiple of PACKED_COLUMNS); bias: [N] in dtype
  * or NULL; out: [num_rows, N] in out_dtype. Returns 1 for a type or mode this file does not have,

@@ -1,0 +1,234 @@
+/* GGUF products of packed Q4_0 and Q4_1 weights on AMX int8 tiles (TDPBSUD), with x quantized to
+ * int8 blocks as gguf_gemm.c's GGUF_INT8 mode quantizes it, and that mode's arithmetic exactly:
+ *
+ *     per 32-weight block b:  s[m, n] = sum_k xq[m, k] q[n, k]                   (exact int32)
+ *                             acc = fma(float(s), d[n] * x_scale[m, b], acc)
+ *                             acc = fma(offset[n], x_sum[m, b], acc)            (Q4_1: min; Q4_0: -8 d)
+ *     out[m, n] = acc + bias[n]
+ *
+ * so each output has the bits of the vector kernels' (gguf_gemm.c: packed_int8, packed_int8_pair):
+ * a row's result is the same on tiles or vectors, alone or in a batch. What the tiles replace is
+ * the integer dot products, 16 x 16 outputs of a block in one instruction; the fp32 part per
+ * block and output stays, in 16-lane vectors.
+ *
+ * The weight tile of a block (32 k x 16 columns) wants, in row r, each column's weights 4r..4r+3:
+ * a packed group's piece t (gguf_gemm.c: bytes 4t..4t+3 of each of its 8 columns) holds exactly
+ * that for r = t in its low nibbles and r = 4 + t in its high ones, so two groups' pieces widen to
+ * a tile's 8 rows of 64 bytes with an and and a shift. The x tile is 16 rows of the block's 32
+ * int8 values, read in place from the quantized rows.
+ *
+ * Threads claim items of column groups (16 columns each, about 8 items a thread); an item walks
+ * its groups, and for each group the blocks in order and the row tiles of each block, the sums
+ * of every row's 16 columns kept in the thread's buffer (int8_group says how the tiles overlap
+ * the vector work).
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "entry_points.h"
+#include "simd.h"
+
+enum { Q4_0 = 2, Q4_1 = 3 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define GROUP 16        /* output columns of an item's group: two packed groups of 8 */
+#define BLOCK_K 32      /* weights of a block: one tile product */
+#define MAX_ROWS 512    /* rows of a call on these tiles (more: the bf16 tiles, amx.c) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* TMM0-1: sums (16 x 16 int32); TMM2-3: x (16 rows x 32 int8); TMM4-5: weights (8 rows x 64). */
+static void configure_tiles(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 2; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    for (int t = 2; t < 4; t++) config.rows[t] = 16, config.colsb[t] = 32;
+    for (int t = 4; t < 6; t++) config.rows[t] = 8, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+typedef struct {
+    const int8_t *xq;              /* [num_rows padded to 16, K] */
+    const float *x_scale, *x_sum;  /* [num_rows, K / 32] */
+    const uint8_t *w;              /* packed groups of 8 columns: [N / 8][K / 32][8 x block bytes] */
+    const void *bias;
+    void *out;
+    int64_t num_rows, N, K, row_bytes, groups_per_item;
+    int type, dtype, out_dtype;
+    volatile int failed; /* a thread could not get its scratch: the call returns 3 */
+} Int8Job;
+
+/* Block b of 16 columns (two packed groups' blocks, first and second) as a weight tile. */
+static inline void weight_tile(const Int8Job *job, const uint8_t *first, const uint8_t *second, uint8_t tile[8][64]) {
+    const int values = job->type == Q4_1 ? 32 : 16; /* after the 8 scales (and Q4_1's 8 minimums) */
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(first + values + 32 * t));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(second + values + 32 * t));
+        _mm256_storeu_si256((__m256i *)tile[t], _mm256_and_si256(a, low4));
+        _mm256_storeu_si256((__m256i *)(tile[t] + 32), _mm256_and_si256(b, low4));
+        _mm256_storeu_si256((__m256i *)tile[4 + t], _mm256_and_si256(_mm256_srli_epi16(a, 4), low4));
+        _mm256_storeu_si256((__m256i *)(tile[4 + t] + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
+    }
+}
+
+/* A block's scales and offsets of the 16 columns (the first group's 8, then the second's). */
+static inline void scales(const Int8Job *job, const uint8_t *first, const uint8_t *second, __m512 *d, __m512 *offset) {
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)first));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)second));
+    *d = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
+    if (job->type == Q4_1) {
+        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(first + 16)));
+        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(second + 16)));
+        *offset = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
+    } else { /* as packed_offset: d * -8, lane by lane */
+        *offset = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_mul_ps(d0, _mm256_set1_ps(-8.0f))),
+                                     _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f)), 1);
+    }
+}
+
+typedef struct {
+    int64_t b, m0; /* block, first row of the row tile */
+} Pair;
+
+/* The pair's sums (int32 [16][16]) scaled into acc, rows [m0, min(m0 + 16, M)). */
+static inline void scale_in(const Int8Job *job, const int32_t *sums, Pair p, const __m512 *d, const __m512 *offset,
+                            float *acc) {
+    const int64_t blocks = job->K / BLOCK_K, end = p.m0 + 16 < job->num_rows ? p.m0 + 16 : job->num_rows;
+    for (int64_t m = p.m0; m < end; m++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums + (m - p.m0) * 16));
+        __m512 a = _mm512_load_ps(acc + m * GROUP);
+        a = _mm512_fmadd_ps(dot, _mm512_mul_ps(d[p.b], _mm512_set1_ps(job->x_scale[m * blocks + p.b])), a);
+        a = _mm512_fmadd_ps(offset[p.b], _mm512_set1_ps(job->x_sum[m * blocks + p.b]), a);
+        _mm512_store_ps(acc + m * GROUP, a);
+    }
+}
+
+#define MAX_BLOCKS 256 /* K / 32 at most (K <= 8192) */
+
+/* Columns [16 g, 16 g + 16) for every row. The group's weight tiles, scales and offsets are
+ * widened for all its blocks first (tile loads then read lines the vector stores left long
+ * before); the (block, row tile) pairs then run in order, each pair's sums leaving their tile
+ * one pair later and scaled in one pair after that, so no load waits on a store just made. */
+static void int8_group(const Int8Job *job, int64_t g, float *acc, uint8_t (*tiles)[8][64], __m512 *d, __m512 *offset) {
+    const int64_t blocks = job->K / BLOCK_K, bb = 8 * (job->type == Q4_1 ? 20 : 18);
+    const uint8_t *first = job->w + (2 * g) * 8 * job->row_bytes, *second = first + 8 * job->row_bytes;
+    int32_t sums[3][16 * 16] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < blocks; b++) {
+        weight_tile(job, first + b * bb, second + b * bb, tiles[b]);
+        scales(job, first + b * bb, second + b * bb, d + b, offset + b);
+    }
+    memset(acc, 0, (size_t)(job->num_rows * GROUP * sizeof(float)));
+    Pair issued[3];
+    int64_t n = 0; /* pairs issued: pair n computes in tile n % 2 and leaves it for sums[n % 3] */
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m0 = 0; m0 < job->num_rows; m0 += 16, n++) {
+            const int8_t *x = job->xq + m0 * job->K + b * BLOCK_K;
+            if (n & 1) { /* the tile numbers are the instructions' operands */
+                _tile_zero(1);
+                _tile_loadd(3, x, job->K);
+                _tile_loadd(5, tiles[b], 64);
+                _tile_dpbsud(1, 3, 5);
+                if (n >= 1) _tile_stored(0, sums[(n - 1) % 3], 64);
+            } else {
+                _tile_zero(0);
+                _tile_loadd(2, x, job->K);
+                _tile_loadd(4, tiles[b], 64);
+                _tile_dpbsud(0, 2, 4);
+                if (n >= 1) _tile_stored(1, sums[(n - 1) % 3], 64);
+            }
+            if (n >= 2) scale_in(job, sums[(n - 2) % 3], issued[(n - 2) % 3], d, offset, acc);
+            issued[n % 3] = (Pair){b, m0};
+        }
+    }
+    if (n & 1) _tile_stored(0, sums[(n - 1) % 3], 64); /* the last pair's tile */
+    else _tile_stored(1, sums[(n - 1) % 3], 64);
+    if (n >= 2) scale_in(job, sums[(n - 2) % 3], issued[(n - 2) % 3], d, offset, acc);
+    scale_in(job, sums[(n - 1) % 3], issued[(n - 1) % 3], d, offset, acc);
+}
+
+/* acc (+ bias) into out columns [16 g, 16 g + 16), as gguf_gemm.c's store_sums rounds them. */
+static void store_group(const Int8Job *job, int64_t g, const float *acc) {
+    __m512 bias = _mm512_setzero_ps();
+    if (job->bias) bias = load16((const char *)job->bias + 16 * g * (job->dtype == DTYPE_BF16 ? 2 : 4),
+                                 job->dtype == DTYPE_BF16);
+    const int out_bf16 = job->out_dtype == DTYPE_BF16;
+    for (int64_t m = 0; m < job->num_rows; m++) {
+        __m512 v = _mm512_load_ps(acc + m * GROUP);
+        if (job->bias) v = _mm512_add_ps(v, bias);
+        store16((char *)job->out + (m * job->N + 16 * g) * (out_bf16 ? 2 : 4), v, out_bf16);
+    }
+}
+
+/* Each thread's sums of every row (MAX_ROWS x 16 fp32) and a group's widened blocks. */
+typedef struct {
+    float acc[MAX_ROWS * GROUP];
+    uint8_t tiles[MAX_BLOCKS][8][64];
+    __m512 d[MAX_BLOCKS], offset[MAX_BLOCKS];
+} GroupScratch;
+
+static __thread GroupScratch *group_scratch;
+
+static void int8_item(void *context, int64_t item) {
+    Int8Job *job = context;
+    if (!group_scratch && !(group_scratch = aligned_alloc(64, sizeof(GroupScratch)))) {
+        job->failed = 1;
+        return;
+    }
+    const int64_t groups = job->N / GROUP, g0 = item * job->groups_per_item;
+    const int64_t g1 = g0 + job->groups_per_item < groups ? g0 + job->groups_per_item : groups;
+    GroupScratch *w = group_scratch;
+    configure_tiles();
+    for (int64_t g = g0; g < g1; g++) {
+        int8_group(job, g, w->acc, w->tiles, w->d, w->offset);
+        store_group(job, g, w->acc);
+    }
+    _tile_release();
+}
+#endif
+
+/* x: [num_rows, K] in dtype; w: [N, row bytes] packed Q4_0 or Q4_1 (ggml_type | GGUF_PACKED), N a
+ * multiple of 16, num_rows at most 512; bias [N] in dtype or NULL; out [num_rows, N] in out_dtype:
+ * rayllm_gguf_gemm's GGUF_INT8 product, bit for bit, on int8 tiles. 1 where this build or CPU has
+ * none (or another type), 2 on bad sizes, 3 out of memory. */
+int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                              int64_t N, int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype,
+                              int32_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+    const int type = ggml_type & ~GGUF_PACKED;
+    if (!(ggml_type & GGUF_PACKED) || (type != Q4_0 && type != Q4_1)) return 1;
+    if (rayllm_amx_enable() != AMX_GRANTED) return 1;
+    if (num_rows < 1 || num_rows > MAX_ROWS || N < GROUP || N % GROUP || K < BLOCK_K || K % BLOCK_K ||
+        K / BLOCK_K > MAX_BLOCKS)
+        return 2;
+    const int64_t padded = (num_rows + 15) / 16 * 16, blocks = K / BLOCK_K;
+    /* x quantized (its rows past num_rows zero: the last row tile reads 16) */
+    char *scratch = malloc((size_t)(padded * K + 2 * num_rows * blocks * (int64_t)sizeof(float)));
+    if (!scratch) return 3;
+    float *x_scale = (float *)scratch, *x_sum = x_scale + num_rows * blocks;
+    int8_t *xq = (int8_t *)(x_sum + num_rows * blocks);
+    memset(xq + num_rows * K, 0, (size_t)((padded - num_rows) * K));
+    rayllm_gguf_quantize_rows(x, dtype, num_rows, K, xq, x_scale, x_sum, num_threads);
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int64_t groups = N / GROUP;
+    Int8Job job = {xq, x_scale, x_sum, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1, type,
+                   dtype, out_dtype, 0};
+    job.groups_per_item = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
+    rayllm_parallel_for((groups + job.groups_per_item - 1) / job.groups_per_item, threads, int8_item, &job);
+    free(scratch);
+    return job.failed ? 3 : 0;
+#else
+    (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
+    (void)out_dtype, (void)num_threads;
+    return 1;
+#endif
+}
