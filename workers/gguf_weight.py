@@ -219,6 +219,17 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None =
     return out if out_dtype is None else out.to(out_dtype)
 
 
+def gguf_gated_product(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
+                       activation: str) -> torch.Tensor | None:
+    """act(gate) * up of a GGUF gate_up product in one pass on AMX tiles where they take it (the
+    product's bits, then NativeOps.gated_mul's), else None."""
+    from workers.kernels import gguf
+
+    if not (gguf.native_takes(x, weight) and gguf.tiles_take(weight, x.shape[0])):
+        return None
+    return gguf.amx_gated_gemm(x, weight, bias, activation)
+
+
 def gguf_logits(x: torch.Tensor, weight: GgufWeight) -> torch.Tensor:
     """fp32 logits of x through a GGUF lm_head, with x never rounded to 8 bits (workers/kernels/gguf.py's
     logits_mode says why)."""

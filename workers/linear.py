@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import GgufWeight, gguf_linear, gguf_logits
+from workers.gguf_weight import GgufWeight, gguf_gated_product, gguf_linear, gguf_logits
 from workers.huge_pages import HugeArena
 from workers.kernels.cpu_isa import cpu_plan
 from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
@@ -127,8 +127,11 @@ class TorchLinear:
         return self.linear(x, weight).float()
 
     def gated_product(self, x: torch.Tensor, weight, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
-        """act(gate) * up of x's gate_up product in one pass, where this backend has such a product
-        (NativeLinear on AMX tiles); None: compute the product, then the activation."""
+        """act(gate) * up of x's gate_up product in one pass, where there is such a product (AMX
+        tiles: NativeLinear's panels, and a GGUF weight's blocks on any backend, as the C layer
+        loop runs them); None: compute the product, then the activation."""
+        if isinstance(weight, GgufWeight):
+            return gguf_gated_product(x, weight, bias, activation)
         return None
 
 
@@ -288,6 +291,8 @@ class NativeLinear:
         they leave the tiles (csrc/amx.c), the gate_up product itself never written: the bits of
         the product in bf16 and then the ops' gated_mul. None where the tiles do not take it."""
         rows, width = x.shape
+        if isinstance(weight, GgufWeight):
+            return gguf_gated_product(x, weight, bias, activation)
         if not (isinstance(weight, PanelWeight) and weight.panels.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
                 and weight.out_features % (2 * PANEL_WIDTH) == 0 and tiles_take_bf16(x, rows)
                 and activation in ACTIVATION_CODES and (bias is None or bias.dtype == torch.bfloat16)):

@@ -329,3 +329,24 @@ def test_the_int8_mode_on_int8_tiles_is_the_vector_kernels_bit_for_bit(ggml_type
     assert gguf.int8_tiles_take(weight, first) and not gguf.int8_tiles_take(weight, first - 1)
     assert not gguf.int8_tiles_take(weight, bf16_from) and gguf.tiles_take(weight, bf16_from)
     assert not gguf.int8_tiles_take(weight, first, mode="fp32")
+
+
+@needs_tiles
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_a_gguf_gated_product_on_tiles_is_the_product_then_the_activation_bit_for_bit(ggml_type):
+    """A GGUF gate_up weight's chunks dequantized gates first, ups after: act(gate) * up as the
+    tiles leave them, the bits of the tile product and then gated_mul, in fp32 (unrounded, a GGUF
+    model's activations) and bf16."""
+    from workers.layer_ops import NativeOps
+
+    in_features = 512 if ggml_type == GGMLType.Q4_K else 576
+    weight = random_gguf_weight(ggml_type, 2 * 96, in_features, seed=5, std=0.1)
+    variants = [weight] + ([pack_columns(weight)] if ggml_type in PACKABLE_TYPES else [])
+    generator = torch.Generator().manual_seed(9)
+    for w in variants:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(100, in_features, generator=generator).to(dtype)
+            bias = torch.randn(192, generator=generator).to(dtype)
+            for activation in ("silu", "gelu_tanh"):
+                fused = gguf.amx_gated_gemm(x, w, bias, activation)
+                assert torch.equal(fused, NativeOps().gated_mul(gguf.amx_gemm(x, w, bias), activation))

@@ -134,6 +134,30 @@ def amx_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = No
     return out
 
 
+def amx_gated_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None, activation: str,
+                   library=None) -> torch.Tensor | None:
+    """act(gate) * up of x's product with a gate_up weight ([2 width, in], width a multiple of 32) on
+    AMX tiles (csrc/amx.c), in x's dtype: amx_gemm's product, then NativeOps.gated_mul, bit for bit.
+    None where the activation or the width does not fit."""
+    from workers.kernels.native import ACTIVATION_CODES
+    from workers.layer_ops import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+    width = weight.out_features // 2
+    if activation not in ACTIVATION_CODES or weight.out_features % 64:
+        return None
+    library = library or native_library()
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], width, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    check_status(library.rayllm_amx_gguf_gated_gemm(
+        x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+        width, x.shape[1], type_code(weight), DTYPE_CODES[x.dtype], ACTIVATION_CODES[activation], SWIGLU_ALPHA,
+        SWIGLU_LIMIT, torch.get_num_threads(),
+    ), "rayllm_amx_gguf_gated_gemm")
+    return out
+
+
 INT8_TILES_MAX_ROWS = 512  # rows of an int8 tile product at most (csrc/gguf_amx.c: its sums per thread)
 
 

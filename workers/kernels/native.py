@@ -279,6 +279,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_amx_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     # x, gate_up panels, bias, out, num_rows, width, K, activation, alpha, limit, num_threads (bf16)
     "rayllm_amx_gated_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _F32, _F32, _I32],
+    # x, gate_up blocks, bias, out, num_rows, width, K, ggml_type, dtype, activation, alpha, limit, num_threads
+    "rayllm_amx_gguf_gated_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _F32, _F32, _I32],
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads (packed Q4_0/Q4_1, int8 tiles)
     "rayllm_amx_gguf_int8_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads

@@ -299,11 +299,15 @@ static uint16_t *thread_buffer(uint16_t **buffer, int64_t *elems, int64_t needed
  * gate and up (+ bias) rounded to bf16 as a gate_up product's output is, then act(gate) * up,
  * with rayllm_gated_mul's own arithmetic (simd.h's gated16): the unfused path's bits. */
 static void store_gated_block(const AmxJob *job, const float *sums, int64_t m, int rows, int64_t n) {
-    const __m512 gate_bias = load_bias(job, n, 16), up_bias = load_bias(job, n + job->up_panels * 16, 16);
+    const __m512 gate_bias = load_bias(job, n, 16), up_bias = load_bias(job, n + job->N, 16); /* ups after N gates */
+    const int bf16 = job->out_dtype == DTYPE_BF16; /* fp32: the product's fp32 output, as it is */
+    const int64_t elem = bf16 ? 2 : 4;
     for (int r = 0; r < rows; r++) {
-        const __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS), gate_bias));
-        const __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS + 16), up_bias));
-        store16((uint16_t *)job->out + (m + r) * job->N + n, gated16(g, u, job->activation, job->alpha, job->limit), 1);
+        __m512 g = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS), gate_bias);
+        __m512 u = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS + 16), up_bias);
+        if (bf16) g = round_bf16(g), u = round_bf16(u);
+        store16((char *)job->out + ((m + r) * job->N + n) * elem, gated16(g, u, job->activation, job->alpha, job->limit),
+                bf16);
     }
 }
 
@@ -359,12 +363,21 @@ static void run_items(AmxJob *job, int threads) {
     rayllm_parallel_for(job->num_spans * job->num_group_items, threads, amx_item, job);
 }
 
-/* Dequantization item: one group of the chunk into its two panels. */
+/* Dequantization item: one group of the chunk into its two panels. A gated chunk of act groups
+ * [group_begin, group_end) (16 columns each, an even count) holds their gates' panels, then their
+ * ups' (each 32 columns of the gate_up weight, N gates then N ups, in two panels). */
 static void dequantize_group(void *context, int64_t item) {
     const AmxJob *job = context;
-    const int64_t g = job->group_begin + item;
-    rayllm_gguf_bf16_panels(job->w, job->type, job->row_bytes, job->N, job->K, g * GROUP_COLUMNS,
-                            (uint16_t *)job->panels + item * 2 * job->K * 16);
+    const int64_t group_elems = 2 * job->K * 16;
+    uint16_t *to = (uint16_t *)job->panels + item * group_elems;
+    if (job->activation >= 0) {
+        const int64_t half = (job->group_end - job->group_begin) / 2, slice = item % half;
+        const int64_t n0 = job->group_begin * 16 + 32 * slice + (item >= half ? job->N : 0);
+        rayllm_gguf_bf16_panels(job->w, job->type, job->row_bytes, 2 * job->N, job->K, n0, to);
+        return;
+    }
+    rayllm_gguf_bf16_panels(job->w, job->type, job->row_bytes, job->N, job->K, (job->group_begin + item) * GROUP_COLUMNS,
+                            to);
 }
 
 /* The caller's buffer for a GGUF weight's chunk of bf16 panels. */
@@ -374,15 +387,18 @@ static __thread int64_t chunk_buffer_elems;
 /* A GGUF weight a chunk of groups at a time: the chunk's blocks dequantized to bf16 panels once
  * (CHUNK_BYTES at most, so they stay in the caches), then every row through it on tiles. */
 static int gguf_chunks(AmxJob *job, int threads) {
-    const int64_t group_elems = 2 * job->K * 16, num_groups = (job->N + GROUP_COLUMNS - 1) / GROUP_COLUMNS;
+    const int gated = job->activation >= 0;
+    /* a chunk's groups: 32 columns of the weight each, or (gated) 16 act columns, 32 of the weight */
+    const int64_t group_elems = 2 * job->K * 16, num_groups = gated ? job->N / 16 : (job->N + GROUP_COLUMNS - 1) / GROUP_COLUMNS;
     int64_t chunk = CHUNK_BYTES / (group_elems * 2);
-    chunk = chunk < 1 ? 1 : chunk > num_groups ? num_groups : chunk;
+    chunk = chunk < 2 ? 2 : chunk > num_groups ? num_groups : chunk / 2 * 2; /* gated: whole 32-column slices */
     uint16_t *panels = thread_buffer(&chunk_buffer, &chunk_buffer_elems, chunk * group_elems);
     if (!panels) return 3;
     for (int64_t g = 0; g < num_groups; g += chunk) {
         job->group_begin = job->panels_group = g;
         job->group_end = g + chunk < num_groups ? g + chunk : num_groups;
         job->panels = panels;
+        job->up_panels = job->group_end - g; /* gated: the ups' panels follow the chunk's gates' */
         rayllm_parallel_for(job->group_end - g, threads, dequantize_group, job);
         run_items(job, threads);
     }
@@ -506,6 +522,29 @@ int rayllm_amx_gated_gemm_bf16(const void *x, const void *panels, const void *bi
 #else
     (void)x, (void)panels, (void)bias, (void)out, (void)num_rows, (void)width, (void)K, (void)activation, (void)alpha;
     (void)limit, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* rayllm_amx_gated_gemm_bf16's product over a GGUF gate_up weight (w: [2 width, row bytes] of
+ * ggml_type, GGUF_PACKED or not; width a multiple of 32): x [num_rows, K] and out [num_rows,
+ * width] in dtype (fp32: the gates and ups in fp32, unrounded, as the fp32 product leaves them),
+ * bias [2 width] in dtype or NULL; each chunk's gates and ups dequantized to bf16 panels, as
+ * rayllm_amx_gguf_gemm does. */
+int rayllm_amx_gguf_gated_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                               int64_t width, int64_t K, int32_t ggml_type, int32_t dtype, int32_t activation,
+                               float alpha, float limit, int32_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (width < 32 || width % 32 || activation < 0 || activation > 2) return 2;
+    const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, 2 * width, K);
+    if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
+    AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
+                  .N = width, .K = K, .bias_dtype = dtype, .out_dtype = dtype, .activation = activation,
+                  .alpha = alpha, .limit = limit};
+    return amx_gemm(x, dtype, &job, num_threads);
+#else
+    (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)width, (void)K, (void)ggml_type, (void)dtype;
+    (void)activation, (void)alpha, (void)limit, (void)num_threads;
     return 1;
 #endif
 }

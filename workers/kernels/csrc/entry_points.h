@@ -104,6 +104,9 @@ int rayllm_amx_gemm_bf16(const void *x, const void *panels, const void *bias, vo
 int rayllm_amx_gated_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows,
                                int64_t width, int64_t K, int32_t activation, float alpha, float limit,
                                int32_t num_threads);
+int rayllm_amx_gguf_gated_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                               int64_t width, int64_t K, int32_t ggml_type, int32_t dtype, int32_t activation,
+                               float alpha, float limit, int32_t num_threads);
 int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                          int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t num_threads);
 

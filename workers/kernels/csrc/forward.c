@@ -100,6 +100,10 @@ static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t ty
  * workers/model.py's Python loop does it too), else the product into the gate_up scratch, then
  * rayllm_gated_mul. */
 static int gated(const ForwardArgs *a, const void *x, const LayerArgs *layer, int64_t inter, int64_t hidden) {
+    if (layer->gate_up_type && a->gguf_mode == GGUF_INT8 && inter % 32 == 0 &&
+        takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
+        return rayllm_amx_gguf_gated_gemm(x, layer->gate_up, layer->gate_up_bias, a->act, a->num_tokens, inter, hidden,
+                                          layer->gate_up_type, a->dtype, a->activation, 0.0f, 0.0f, a->num_threads);
     if (!layer->gate_up_type && a->linear == LINEAR_PANELS && a->dtype == DTYPE_BF16 && hidden % 32 == 0 &&
         inter % 16 == 0 && takes_tiles(a->tile_min_rows_bf16, a->num_tokens))
         return rayllm_amx_gated_gemm_bf16(x, layer->gate_up, layer->gate_up_bias, a->act, a->num_tokens, inter, hidden,
