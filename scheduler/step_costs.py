@@ -13,10 +13,11 @@ next token by T x prompt_token_ms. How long that is, counted in decode steps, de
 
 - waiting_served_ratio / hold_while_finishing_steps (TGI's rule: hold arrivals while streams
   decode, so that several prompts share one stall). Worth it where one typical prompt stalls
-  the streams for several decode steps. Where it stalls them for about one, holding only
-  delays the new request's first token: the rules turn off (ratio 0, vLLM's rule).
-- long_prefill_tokens_while_decoding: the chunk a long prompt computes per step beside
-  decoding streams, as many tokens as cost about one decode step (a stream's token gap at most
+  the streams for many decode steps: there the three knobs keep the values they were tuned to
+  (0.3, 4, 128). Where it stalls them for a few, holding only delays the new request's first
+  token: the rules turn off (ratio 0, vLLM's rule), and
+- long_prefill_tokens_while_decoding is the chunk a long prompt computes per step beside
+  decoding streams: as many tokens as cost about one decode step (a stream's token gap at most
   doubles), in whole blocks, at least MIN_LONG_CHUNK.
 
 A value set in the app's config (the YAML) wins over the derived one (serve_app/config.py).
@@ -30,11 +31,13 @@ from dataclasses import dataclass
 # once. More: they are held (HOLD_RATIO, HOLD_FINISHING_STEPS), the rules tuned where a prompt
 # cost many decode steps. Measured on a 2-core Xeon with AMX, SmolLM2 (workers/step_costs.py):
 # 2.3-2.5 steps in bf16 and 3.2-3.9 for the GGUF on tiles, 7.6-10.0 with the tiles off (the
-# AVX-512 vector kernels, the regime the holding rules were tuned in). Served there (docs/
-# serving.md), admitting at once beat holding at c16: 495-508 against 460-463 tok/s.
+# AVX-512 vector kernels, the regime the holding rules were tuned in). Served there, bf16, c16
+# (docs/serving.md): admitting at once gave TTFT p50 497-558 ms against holding's 587-606, at
+# 479-485 tok/s against 486-494.
 ADMIT_AT_ONCE_STALL_STEPS = 5.0
 HOLD_RATIO = 0.3
 HOLD_FINISHING_STEPS = 4
+HELD_LONG_CHUNK = 128  # ...and long prompts' chunk beside decodes, as tuned with them
 TYPICAL_PROMPT_TOKENS = 256  # what "a typical prompt" costs is measured at this length
 MIN_LONG_CHUNK = 64
 
@@ -66,11 +69,8 @@ class PrefillRules:
 
 
 def prefill_rules(costs: StepCosts, block_size: int) -> PrefillRules:
-    held = costs.stall_steps() > ADMIT_AT_ONCE_STALL_STEPS
+    if costs.stall_steps() > ADMIT_AT_ONCE_STALL_STEPS:  # dear prompts: the rules as they were tuned
+        return PrefillRules(HOLD_RATIO, HOLD_FINISHING_STEPS, HELD_LONG_CHUNK)
     one_step = costs.step_ms(costs.decode_rows, 0) / max(costs.prompt_token_ms, 1e-9)
-    chunk = max(MIN_LONG_CHUNK, int(one_step) // block_size * block_size)
-    return PrefillRules(
-        waiting_served_ratio=HOLD_RATIO if held else 0.0,
-        hold_while_finishing_steps=HOLD_FINISHING_STEPS if held else 0,
-        long_prefill_tokens_while_decoding=chunk,
-    )
+    return PrefillRules(waiting_served_ratio=0.0, hold_while_finishing_steps=0,
+                        long_prefill_tokens_while_decoding=max(MIN_LONG_CHUNK, int(one_step) // block_size * block_size))

@@ -3,8 +3,8 @@ the app config's precedence over them (serve_app/config.py)."""
 
 from __future__ import annotations
 
-from scheduler.step_costs import (ADMIT_AT_ONCE_STALL_STEPS, HOLD_FINISHING_STEPS, HOLD_RATIO, MIN_LONG_CHUNK,
-                                  TYPICAL_PROMPT_TOKENS, StepCosts, prefill_rules)
+from scheduler.step_costs import (ADMIT_AT_ONCE_STALL_STEPS, HELD_LONG_CHUNK, HOLD_FINISHING_STEPS, HOLD_RATIO,
+                                  MIN_LONG_CHUNK, TYPICAL_PROMPT_TOKENS, StepCosts, prefill_rules)
 from serve_app.config import AppArgs
 
 SIZES = dict(block_size=16, num_blocks=600, max_model_len=8192)
@@ -27,14 +27,15 @@ def test_cheap_prompts_are_admitted_at_once_and_dear_ones_held():
     assert (cheap.waiting_served_ratio, cheap.hold_while_finishing_steps) == (0.0, 0)
     dear = prefill_rules(costs_with_stall(ADMIT_AT_ONCE_STALL_STEPS * 1.1), block_size=16)
     assert (dear.waiting_served_ratio, dear.hold_while_finishing_steps) == (HOLD_RATIO, HOLD_FINISHING_STEPS)
+    assert dear.long_prefill_tokens_while_decoding == HELD_LONG_CHUNK  # the tuned rules, whole
 
 
 def test_a_long_prompts_chunk_costs_about_one_decode_step_in_whole_blocks():
     rules = prefill_rules(StepCosts(10.0, 0.625, 0.05, 16), block_size=16)  # a 20 ms step: 400 tokens
     assert rules.long_prefill_tokens_while_decoding == 400
     assert prefill_rules(StepCosts(10.0, 0.625, 0.05, 16), block_size=32).long_prefill_tokens_while_decoding == 384
-    dear = prefill_rules(StepCosts(10.0, 0.625, 5.0, 16), block_size=16)  # 4 tokens a step: the floor
-    assert dear.long_prefill_tokens_while_decoding == MIN_LONG_CHUNK
+    near = prefill_rules(StepCosts(10.0, 0.625, 0.357, 16), block_size=16)  # cheap enough, 56 tokens a step: the floor
+    assert near.waiting_served_ratio == 0.0 and near.long_prefill_tokens_while_decoding == MIN_LONG_CHUNK
 
 
 def test_the_config_wins_over_the_costs_and_the_costs_over_the_defaults():
