@@ -350,3 +350,32 @@ def test_a_gguf_gated_product_on_tiles_is_the_product_then_the_activation_bit_fo
             for activation in ("silu", "gelu_tanh"):
                 fused = gguf.amx_gated_gemm(x, w, bias, activation)
                 assert torch.equal(fused, NativeOps().gated_mul(gguf.amx_gemm(x, w, bias), activation))
+
+
+class _FakeBuild:
+    """A build's entry points as plan_from reads them: an AMX CPU whose OS answers `answer`."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+
+    def rayllm_cpu_features(self) -> int:
+        return sum(cpu_isa.FEATURE_BITS.values())
+
+    def rayllm_amx_enable(self) -> int:
+        return self.answer
+
+    def rayllm_vector_width(self) -> int:
+        return 16
+
+    def rayllm_panel_gemm_bf16_available(self) -> int:
+        return 1
+
+
+def test_a_cpu_with_amx_whose_os_refuses_the_tiles_runs_the_vectors_and_says_why(monkeypatch):
+    monkeypatch.delenv("RAYLLM_AMX", raising=False)
+    refused = cpu_isa.plan_from(_FakeBuild(3))
+    assert "amx_bf16" in refused.features and not refused.amx and "refused by the OS" in refused.amx_status
+    assert refused.isa(torch.bfloat16, gguf=True) == {"products": "avx512-bf16 panels", "attention": "avx512-bf16",
+                                                       "gguf": "avx512-vnni int8"}
+    granted = cpu_isa.plan_from(_FakeBuild(0))
+    assert granted.amx and granted.tiles_take("bf16", granted.tile_min_rows["bf16"])
