@@ -80,7 +80,8 @@ CELLS: dict[str, Cell] = {c.name: c for c in [
     Cell("c16-sampled", "c16 sampled: temperature 1.0, top_p 0.95", _STANDARD + _SAMPLED + ("--max-concurrency", "16"),
          64),
     Cell("c16-vllm-client", "c16 sent by vLLM's own `vllm bench serve` with its default payload (no temperature: "
-         "the server's default, 1.0; repetition_penalty 1.0)",
+         "each server's default, the model's generation_config.json: for the default model temperature 0.2, "
+         "top_p 0.9, in both since 2026-11-29; 1.0 before)",
          ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128", "--ignore-eos",
           "--max-concurrency", "16"), 64, client="vllm"),
 ]}

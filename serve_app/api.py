@@ -128,7 +128,7 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
             "parent": None,
             "max_model_len": card.max_model_len,
             "backend": {**card.backend, "reasoning_parser": card.reasoning_parser,
-                        "tool_call_parser": card.tool_call_parser},
+                        "tool_call_parser": card.tool_call_parser, "sampling_defaults": card.sampling_defaults},
         }
         return {"object": "list", "data": [model]}
 

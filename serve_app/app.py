@@ -50,6 +50,7 @@ from serve_app.engine_client_ray import RayEngineClient
 from serve_app.health import HealthConfig, HealthMonitor
 from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
 from serve_app.model_card import ModelCard
+from serve_app.sampling_defaults import read_sampling_defaults
 from serve_app.observability import Observability
 from serve_app.reasoning import THINK_CLOSE, THINK_OPEN, choose_reasoning_parser
 from serve_app.resume import ResumingEngineClient
@@ -249,6 +250,7 @@ class OpenAIIngress:
             reasoning_parser=choose_reasoning_parser(tokenizer.chat_template, self._args.reasoning_parser,
                                                      tokenizer.keeps_text(THINK_OPEN + "x" + THINK_CLOSE)),
             tool_call_parser=choose_tool_call_parser(tokenizer.chat_template, self._args.tool_call_parser),
+            sampling_defaults=read_sampling_defaults(model_dir) if self._args.generation_config == "auto" else {},
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,

@@ -246,6 +246,11 @@ class AppArgs(BaseModel):
         "writes <|python_tag|> (or an ipython role with \"parameters\"), else hermes (<tool_call> tags). "
         "Reported in /v1/models.",
     )
+    generation_config: Literal["auto", "off"] = Field(
+        "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out "
+        "gets the model's value from its generation_config.json, as vLLM does (serve_app/sampling_defaults.py); "
+        "off: OpenAI's defaults (temperature 1, top_p 1) for every model. Reported in /v1/models.",
+    )
     ingress_replicas: Annotated[int, Field(ge=1, le=64)] | IngressAutoscaling = Field(
         1, description="Replicas of the HTTP ingress deployment: a number (fixed), or a range Serve autoscales in: "
         "'MIN-MAX' (e.g. '1-4') or a mapping of Serve's autoscaling_config keys (min_replicas, max_replicas, "

@@ -22,6 +22,9 @@ class ModelCard:
     backend: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None  # serve_app/reasoning.py's parser for this template; None: none
     tool_call_parser: str = "hermes"  # serve_app/tool_parsers.py's parser for this template's tool calls
+    # the model's generation_config.json sampling values that a request leaving the field out gets
+    # (serve_app/sampling_defaults.py); {}: OpenAI's defaults (generation_config: off, or none set)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def check_model(self, requested: str | None) -> None:
         """404 unless the request names this model (or none, or its root path)."""

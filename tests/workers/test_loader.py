@@ -108,6 +108,20 @@ def test_converted_smollm2_is_the_expected_checkpoint(smollm2_dir):
     assert "<|im_start|>" in tokenizer_config["chat_template"]
     assert (smollm2_dir / "tokenizer.json").is_file()
     assert resolve_model_path("SmolLM2-135M-Instruct", smollm2_dir.parent) == smollm2_dir  # cached: no reconversion
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2 and generation["temperature"] == 0.2 and generation["top_p"] == 0.9
+
+
+def test_generation_values_are_added_where_missing_and_never_overwrite(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.7}))
+    loader.add_generation_values(tmp_path, {"temperature": 0.2, "top_p": 0.9})
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 2, "temperature": 0.7,
+                                                                              "top_p": 0.9}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    loader.add_generation_values(bare, loader.DEFAULT_MODEL_SAMPLING)
+    assert json.loads((bare / "generation_config.json").read_text()) == loader.DEFAULT_MODEL_SAMPLING
+    assert sorted(path.name for path in bare.iterdir()) == ["generation_config.json"]  # no temporary left
 
 
 def test_sharded_checkpoint_loads_like_the_single_file(tiny_model_dir, tmp_path):
