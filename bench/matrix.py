@@ -146,6 +146,8 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=1024",)),
     Server("ours-steps512", "ours with 512-token steps (max_num_batched_tokens=512; the shipped YAML otherwise)",
            "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=512",)),
+    Server("ours-steps2048", "ours with 2048-token steps pinned (the budget before it followed step costs; the "
+           "shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("max_num_batched_tokens=2048",)),
     Server("ours-chunk512", "ours with the previous 512-token steps (max_num_batched_tokens=512, no per-prompt "
            "threshold; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("max_num_batched_tokens=512", "long_prefill_token_threshold=null")),
@@ -163,13 +165,22 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     # llama-server on the file itself. ours.sh otherwise points model at the converted safetensors,
     # which are served dense whatever the quantization (the "ours" server of the fp32 matrix).
     Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively, the default deployment (model=default, "
-           "quantization=auto, dtype auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16"),
+           "quantization=auto, dtype auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("model=default", "quantization=auto"), dtype="auto"),
+    Server("ours-gguf-steps2048", "ours-gguf with 2048-token steps pinned (the budget before it followed step "
+           "costs)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
+           ("model=default", "quantization=auto", "max_num_batched_tokens=2048"), dtype="auto"),
     Server("ours-gguf-kv32", "ours-gguf with an fp32 KV pool (kv_cache_dtype=float32; the default under fp32 "
            "activations is fp16)", "ours.sh", 8000, ("c1", "c16"),
            ("model=default", "quantization=auto", "kv_cache_dtype=float32"), dtype="auto"),
     Server("llama-gguf", "llama.cpp llama-server on the shipped Q4_1 GGUF itself, -t 2 -tb 2 --poll 0 -np 16 -cb",
            "llama_server.sh", 8300, ("c1", "c16"), needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
+           install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh", dtype="gguf"),
+    # On some AMX Xeons llama-server's load-time weight repacking (its AMX/AVX-512 layouts) dies
+    # with a segfault before the server answers; there it runs with the weights as the file has them.
+    Server("llama-gguf-norepack", "llama-gguf with --no-repack (the weights as the file lays them out)",
+           "llama_server.sh", 8300, ("c1", "c16"), ("--no-repack",),
+           needs=str(PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
            install="INSTALL_ONLY=1 bash bench/peers/llama_server.sh", dtype="gguf"),
     Server("hf", "Hugging Face baseline (bench/hf_server.py: one generate per request), 2 threads",
            "hf_baseline.sh", 8100, ("c1", "c16"), max_prompts=16),

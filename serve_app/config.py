@@ -137,7 +137,10 @@ class AppArgs(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Tokens per sequence (prompt + output); null: the model's own limit."
     )
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one engine step. Left out: from the workers' step costs "
+        "(scheduler/step_costs.py: 512 where prompts are cheap, 2048 where they are dear), 2048 without them.",
+    )
     long_prefill_token_threshold: int | None = Field(
         None, ge=1,
         description="Prompt tokens one request may take per step (vLLM's knob of the same name): a long prompt is "
@@ -415,7 +418,7 @@ class AppArgs(BaseModel):
         they measured them) their step costs: the prompt-batching knobs not set in the config follow
         from those (scheduler/step_costs.py), the app's defaults where there are none."""
         rules = self.prefill_rules(step_costs, block_size)
-        budget = self.max_num_batched_tokens
+        budget = rules["max_num_batched_tokens"]
         if not self.enable_chunked_prefill:
             budget = max(budget, max_model_len)  # a whole prompt must fit one step, as in vLLM
         return SchedulerConfig(

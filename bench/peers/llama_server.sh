@@ -6,6 +6,7 @@
 # batching, and waits until it is healthy.
 #   PORT=8300 MODEL=DIR DTYPE=bfloat16 bash bench/peers/llama_server.sh   # DTYPE: float32 (default) or bfloat16
 #   DTYPE=gguf bash bench/peers/llama_server.sh   # the default model's shipped Q4_1 GGUF, served as it is
+#   DTYPE=gguf bash bench/peers/llama_server.sh --no-repack   # where its load-time weight repacking crashes
 # Stop it with: kill "$(cat ~/.cache/rayllm-peers/llama_server.pid)"
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8300}
@@ -56,5 +57,5 @@ fi
 if [ "${INSTALL_ONLY:-0}" = 1 ]; then echo "[peer] installed; INSTALL_ONLY=1, not starting"; exit 0; fi
 
 start_bg llama_server "$SERVER" -m "$GGUF" --alias llama-server --host 127.0.0.1 --port "$PORT" \
-    -t 2 -tb 2 --poll 0 -np "$PARALLEL" -cb -c "$CTX"
+    -t 2 -tb 2 --poll 0 -np "$PARALLEL" -cb -c "$CTX" "$@"  # "$@": more llama-server flags (--no-repack)
 wait_healthy llama_server "$(cat "$PEERS_DIR/llama_server.pid")" "http://127.0.0.1:$PORT/health" 300

@@ -403,8 +403,10 @@ def test_server_info_lists_workers_with_node_state_and_kv(server) -> None:
     assert worker["kv_blocks_total"] == 511 and 0.0 <= worker["kv_usage"] <= 1.0
     assert body["ready"] is True and body["model"] == "tiny"
     assert body["fast_data_plane"] == {"enabled": True, "missing": []}  # tests/conftest.py exports deploy/serve.env
-    # the shared app leaves the prompt-batching knobs out: they follow the worker's step costs
+    # the shared app leaves the prompt-batching knobs out, but for its step budget: they follow the worker's
+    # step costs
     rules = body["prefill_rules"]
+    assert rules.pop("max_num_batched_tokens") == {"value": 1024, "from": "config"}  # tests/integration/conftest.py
     assert set(rules) == {"waiting_served_ratio", "hold_while_finishing_steps", "long_prefill_tokens_while_decoding"}
     assert {rule["from"] for rule in rules.values()} == {"step costs"}
     assert rules["long_prefill_tokens_while_decoding"]["value"] % 16 == 0

@@ -3,8 +3,9 @@ the app config's precedence over them (serve_app/config.py)."""
 
 from __future__ import annotations
 
-from scheduler.step_costs import (ADMIT_AT_ONCE_STALL_STEPS, HELD_LONG_CHUNK, HOLD_FINISHING_STEPS, HOLD_RATIO,
-                                  MIN_LONG_CHUNK, TYPICAL_PROMPT_TOKENS, StepCosts, prefill_rules)
+from scheduler.step_costs import (ADMIT_AT_ONCE_STALL_STEPS, CHEAP_STEP_BUDGET, HELD_LONG_CHUNK, HELD_STEP_BUDGET,
+                                  HOLD_FINISHING_STEPS, HOLD_RATIO, MIN_LONG_CHUNK, TYPICAL_PROMPT_TOKENS, StepCosts,
+                                  prefill_rules)
 from serve_app.config import AppArgs
 
 SIZES = dict(block_size=16, num_blocks=600, max_model_len=8192)
@@ -28,6 +29,9 @@ def test_cheap_prompts_are_admitted_at_once_and_dear_ones_held():
     dear = prefill_rules(costs_with_stall(ADMIT_AT_ONCE_STALL_STEPS * 1.1), block_size=16)
     assert (dear.waiting_served_ratio, dear.hold_while_finishing_steps) == (HOLD_RATIO, HOLD_FINISHING_STEPS)
     assert dear.long_prefill_tokens_while_decoding == HELD_LONG_CHUNK  # the tuned rules, whole
+    # cheap prompts come in shorter steps; dear ones keep the budget tuned with holding
+    assert (cheap.max_num_batched_tokens, dear.max_num_batched_tokens) == (CHEAP_STEP_BUDGET, HELD_STEP_BUDGET)
+    assert CHEAP_STEP_BUDGET < HELD_STEP_BUDGET
 
 
 def test_a_long_prompts_chunk_costs_about_one_decode_step_in_whole_blocks():
@@ -51,6 +55,11 @@ def test_the_config_wins_over_the_costs_and_the_costs_over_the_defaults():
     sources = pinned.prefill_rule_sources(cheap, 16)
     assert sources["waiting_served_ratio"] == (0.5, "config")
     assert sources["hold_while_finishing_steps"] == (0, "step costs")
+    assert AppArgs().scheduler_config(**SIZES, step_costs=cheap).max_num_batched_tokens == CHEAP_STEP_BUDGET
+    budget = AppArgs.model_validate({"max_num_batched_tokens": 4096})
+    assert budget.scheduler_config(**SIZES, step_costs=cheap).max_num_batched_tokens == 4096
+    assert budget.prefill_rule_sources(cheap, 16)["max_num_batched_tokens"] == (4096, "config")
     defaults = AppArgs().scheduler_config(**SIZES)  # no costs measured: the fields' defaults
     assert (defaults.waiting_served_ratio, defaults.hold_while_finishing_steps) == (0.3, 4)
+    assert defaults.max_num_batched_tokens == 2048
     assert AppArgs().prefill_rule_sources(None, 16)["waiting_served_ratio"] == (0.3, "default")
