@@ -115,6 +115,12 @@ def amx_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = No
              out_dtype: torch.dtype | None = None, library=None) -> torch.Tensor:
     """x [rows, in] @ weight.T (+ bias) on AMX tiles (csrc/amx.c): x and the weights rounded to bf16,
     fp32 sums. The caller has checked tiles_take."""
+    return _tile_product("rayllm_amx_gguf_gemm", x, weight, bias, out_dtype, library)
+
+
+def _tile_product(entry: str, x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype | None, library) -> torch.Tensor:
+    """A tile entry point's product: rayllm_amx_gguf_gemm and rayllm_amx_gguf_int8_gemm take the same arguments."""
     library = library or native_library()
     out_dtype = out_dtype or x.dtype
     x = x.contiguous()
@@ -126,11 +132,11 @@ def amx_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = No
         return out
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    check_status(library.rayllm_amx_gguf_gemm(
+    check_status(getattr(library, entry)(
         x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
         weight.out_features, width, type_code(weight), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
         torch.get_num_threads(),
-    ), "rayllm_amx_gguf_gemm")
+    ), entry)
     return out
 
 
@@ -165,21 +171,7 @@ def amx_int8_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None
                   out_dtype: torch.dtype | None = None, library=None) -> torch.Tensor:
     """The int8 mode's product (gguf_gemm(mode="int8")) of a packed Q4_0 or Q4_1 weight, bit for bit,
     on AMX int8 tiles (csrc/gguf_amx.c). The caller has checked int8_tiles_take."""
-    library = library or native_library()
-    out_dtype = out_dtype or x.dtype
-    x = x.contiguous()
-    num_rows, width = x.shape
-    out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
-    if num_rows == 0:
-        return out
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
-    check_status(library.rayllm_amx_gguf_int8_gemm(
-        x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
-        weight.out_features, width, type_code(weight), DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype],
-        torch.get_num_threads(),
-    ), "rayllm_amx_gguf_int8_gemm")
-    return out
+    return _tile_product("rayllm_amx_gguf_int8_gemm", x, weight, bias, out_dtype, library)
 
 
 def int8_tiles_take(weight: GgufWeight, num_rows: int, mode: str | None = None) -> bool:

@@ -47,6 +47,7 @@
 #include <string.h>
 
 #include "entry_points.h"
+#include "amx_tiles.h"
 #include "simd.h"
 
 #if defined(__x86_64__)
@@ -145,23 +146,8 @@ int rayllm_amx_enable(void) {
 #define MAX_SPAN_ROWS 1024
 #define CHUNK_BYTES (4 << 20) /* a GGUF weight's bf16 panels dequantized at a time, at most */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* Every tile 16 rows of 64 bytes: TMM0-3 the sums (fp32), TMM4-5 x, TMM6-7 the weights. */
-static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = TILE_ROWS_AMX;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
+static void configure_tiles(void) { load_full_tiles(); }
 
 typedef struct {
     const uint16_t *x;       /* [x_rows, K] bf16: the caller's x, or its bf16 copy */

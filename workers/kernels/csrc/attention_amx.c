@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "entry_points.h"
+#include "amx_tiles.h"
 #include "simd.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -42,22 +43,7 @@
 #define MAX_TILE_HEAD_DIM 128
 #define NEG_INF (-INFINITY)
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
+static void configure_tiles(void) { load_full_tiles(); }
 
 /* Whether the tile path takes this call's shapes (the caller checked the dtypes). */
 int rayllm_tile_attention_fits(const AttentionArgs *a) {

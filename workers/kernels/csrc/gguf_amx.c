@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "entry_points.h"
 #include "simd.h"
 
@@ -39,21 +40,11 @@ enum { Q4_0 = 2, Q4_1 = 3 };
 #define BLOCK_K 32      /* weights of a block: one tile product */
 #define MAX_ROWS 512    /* rows of a call on these tiles (more: the bf16 tiles, amx.c) */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* TMM0-1: sums (16 x 16 int32); TMM2-3: x (16 rows x 32 int8); TMM4-5: weights (8 rows x 64). */
 static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 2; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    for (int t = 2; t < 4; t++) config.rows[t] = 16, config.colsb[t] = 32;
-    for (int t = 4; t < 6; t++) config.rows[t] = 8, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
+    static const uint8_t rows[6] = {16, 16, 16, 16, 8, 8};
+    static const uint16_t colsb[6] = {64, 64, 32, 32, 64, 64};
+    load_tile_config(6, rows, colsb);
 }
 
 typedef struct {
