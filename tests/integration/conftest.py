@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,23 @@ class Server:
     @property
     def openai_base_url(self) -> str:
         return f"{self.url}/v1"
+
+    @contextmanager
+    def second_app(self, name: str, args: dict[str, Any]) -> Iterator[Any]:
+        """An app of build_app(args) beside the session's, at route /name, as an openai client of its
+        own ingress; deleted after the block (a module fixture's second model)."""
+        import openai
+        from ray import serve
+
+        from serve_app.app import build_app
+
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        try:
+            yield openai.OpenAI(base_url=f"{self.direct_url_of(name)}/{name}/v1", api_key="unused", max_retries=0,
+                                timeout=300)
+        finally:
+            if name in serve.status().applications:
+                serve.delete(name)
 
     def scheduler_call(self, method: str) -> Any:
         """The answer of one of the scheduler actor's methods (e.g. "status"), called now."""

@@ -23,21 +23,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of Germany?"}]  # t
 
 @pytest.fixture(scope="module")
 def client(server) -> Iterator[openai.OpenAI]:
-    from ray import serve
-
-    from serve_app.app import build_app
-
     # deploy/serve.yaml's model, quantization and dtype; resources sized for the test cluster
-    app = build_app({"model": "default", "quantization": "auto", "dtype": "auto", "name": "rayllm-shipped",
-                     "worker_num_cpus": 1, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
-                     "num_kv_blocks": 128, "block_size": 16, "max_model_len": 1024})
-    serve.run(app, name=APP, route_prefix=f"/{APP}")
-    try:
-        yield openai.OpenAI(base_url=f"{server.direct_url_of(APP)}/{APP}/v1", api_key="unused", max_retries=0,
-                            timeout=300)
-    finally:
-        if APP in serve.status().applications:
-            serve.delete(APP)
+    with server.second_app(APP, {"model": "default", "quantization": "auto", "dtype": "auto", "name": "rayllm-shipped",
+                                 "worker_num_cpus": 1, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
+                                 "num_kv_blocks": 128, "block_size": 16, "max_model_len": 1024}) as client:
+        yield client
 
 
 def test_the_shipped_deployment_serves_the_gguf_weights(client: openai.OpenAI) -> None:

@@ -32,20 +32,11 @@ PROMPTS = ["The three laws of thermodynamics are", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def client(server, smollm2_dir) -> Iterator[openai.OpenAI]:
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    app = build_app({"model": str(smollm2_dir), "served_model_name": "smollm2", "name": "rayllm-hfcheck",
-                     "dtype": "float32", "worker_num_cpus": 1, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
-                     "num_kv_blocks": 256, "block_size": 16, "max_model_len": 1024})
-    serve.run(app, name=APP, route_prefix=f"/{APP}")
-    try:
-        yield openai.OpenAI(base_url=f"{server.direct_url_of(APP)}/{APP}/v1", api_key="unused", max_retries=0,
-                            timeout=300)
-    finally:
-        if APP in serve.status().applications:
-            serve.delete(APP)
+    with server.second_app(APP, {"model": str(smollm2_dir), "served_model_name": "smollm2", "name": "rayllm-hfcheck",
+                                 "dtype": "float32", "worker_num_cpus": 1, "ingress_num_cpus": 0.1,
+                                 "scheduler_num_cpus": 0.1, "num_kv_blocks": 256, "block_size": 16,
+                                 "max_model_len": 1024}) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
