@@ -50,10 +50,10 @@ from serve_app.engine_client_ray import RayEngineClient
 from serve_app.health import HealthConfig, HealthMonitor
 from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
 from serve_app.model_card import ModelCard
-from serve_app.sampling_defaults import read_sampling_defaults
 from serve_app.observability import Observability
 from serve_app.reasoning import THINK_CLOSE, THINK_OPEN, choose_reasoning_parser
 from serve_app.resume import ResumingEngineClient
+from serve_app.sampling_defaults import read_sampling_defaults
 from serve_app.sharding import ShardedEngineClient
 from serve_app.tokenizer import TokenizerService
 from serve_app.tool_parsers import choose_tool_call_parser

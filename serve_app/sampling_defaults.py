@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
+
+from pydantic import ValidationError
+
+from serve_app.protocol import CompletionRequest
 
 logger = logging.getLogger(__name__)
 
-# generation_config.json's key -> the bounds a request's field has (serve_app/protocol.py)
-SAMPLING_KEYS: dict[str, tuple[float, float]] = {
-    "temperature": (0.0, 2.0),
-    "top_p": (0.0, 1.0),  # (0, 1]: 0 is refused below
-    "top_k": (-1, 1 << 20),
-    "min_p": (0.0, 1.0),
-    "repetition_penalty": (0.0, 10.0),  # (0, 10]
-}
-_OPEN_BELOW = ("top_p", "repetition_penalty")  # 0 is out of range for these
+# generation_config.json's keys that are request fields, checked by the request's own validation
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
@@ -48,17 +44,17 @@ def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
 
 
 def checked_sampling_defaults(raw: dict, source: str) -> dict[str, float | int]:
+    """Each key a request could set to this value, with the request's bounds and types (protocol.py)."""
     defaults: dict[str, float | int] = {}
-    for key, (low, high) in SAMPLING_KEYS.items():
+    for key in SAMPLING_KEYS:
         value = raw.get(key)
         if value is None:
             continue
-        valid = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        valid = valid and low <= value <= high and not (key in _OPEN_BELOW and value <= 0)
-        if key == "top_k":
-            valid = valid and float(value).is_integer()
-        if not valid:
-            logger.warning("%s: %s=%r is out of range [%s, %s]; not used as a default", source, key, value, low, high)
-            continue
-        defaults[key] = int(value) if key == "top_k" else float(value)
+        if key == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # a whole number written as 20.0
+        try:
+            defaults[key] = getattr(CompletionRequest.model_validate({"prompt": "x", key: value}), key)
+        except ValidationError as error:
+            logger.warning("%s: %s=%r is not a value a request could set (%s); not used as a default", source, key,
+                           value, error.errors()[0]["msg"])
     return defaults

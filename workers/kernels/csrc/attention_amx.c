@@ -43,8 +43,6 @@
 #define MAX_TILE_HEAD_DIM 128
 #define NEG_INF (-INFINITY)
 
-static void configure_tiles(void) { load_full_tiles(); }
-
 /* Whether the tile path takes this call's shapes (the caller checked the dtypes). */
 int rayllm_tile_attention_fits(const AttentionArgs *a) {
     const int pools = (a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_BF16) ||
@@ -265,7 +263,7 @@ static void tile_task(void *context, int64_t index) {
     }
     float o[QUERIES * 64] __attribute__((aligned(64)));
     float sums[QUERIES];
-    configure_tiles();
+    load_full_tiles();
     for (int64_t b = 0; b < num_queries; b += QUERIES) {
         const int64_t rows = num_queries - b < QUERIES ? num_queries - b : QUERIES;
         const int64_t last_key = position0 + b + rows - 1; /* the block's last query sees up to it */
