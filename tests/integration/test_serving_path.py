@@ -10,7 +10,7 @@ import json
 import httpx
 
 NUM_STREAMS = 16
-NUM_TOKENS = 24
+NUM_TOKENS = 64  # long enough that streams arriving over ~100 steps (a loaded 2-core machine) still overlap
 
 
 def channel_totals(server) -> tuple[int, int]:
@@ -50,9 +50,9 @@ def test_one_ray_message_per_step_carries_every_streams_delta(server) -> None:
     num_steps = server.scheduler_status().num_steps - steps_before
     assert sum(chunks) > NUM_STREAMS * NUM_TOKENS // 2  # text chunks (a few tokens decode to nothing)
     assert num_deltas >= NUM_STREAMS * NUM_TOKENS
-    # the streams shared steps (they need not all join the first one: on a loaded 2-core machine
-    # they arrive over a few steps), so a message per request would outnumber the steps
-    assert num_deltas / num_steps >= NUM_STREAMS / 4, (num_deltas, num_batches, num_steps)
+    # the streams shared steps. They need not all join the first one: on a loaded 2-core machine
+    # they arrive over up to ~100 steps, so 16 x 64 deltas over 100 + 64 steps is about 6 a step
+    assert num_deltas / num_steps >= 3, (num_deltas, num_batches, num_steps)
     # one message per engine step with deltas (never one per request); a step landing while the
     # replica is still reading the previous message merges into the next one
     assert num_batches <= num_steps, (num_deltas, num_batches, num_steps)
