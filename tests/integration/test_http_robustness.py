@@ -116,10 +116,8 @@ def test_abandoned_streams_free_everything(server) -> None:
             await asyncio.gather(*(open_and_abandon(http) for _ in range(50)))
 
     asyncio.run(abandon_all())
-    started = time.monotonic()
-    status = server.wait_until_idle(timeout_s=5.0)
+    status = server.wait_until_idle(timeout_s=30.0)  # a hang guard, not a speed bound
     assert status.num_running == 0 and status.num_kv_blocks_free == status.num_kv_blocks_total
-    assert time.monotonic() - started < 5.0
     with httpx.Client(base_url=server.url, timeout=60) as http:
         response = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3

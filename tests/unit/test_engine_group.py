@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
-import time
 
 import pytest
 
@@ -214,17 +213,14 @@ def test_a_slow_worker_never_stalls_the_other_workers_steps() -> None:
         slow = group.add_request(request(1))
         fast = group.add_request(request(2))
         assert (group.owner_of("r1"), group.owner_of("r2")) == (0, 1)
-        start = time.monotonic()
         fast_outputs = await drain(fast)
-        fast_s = time.monotonic() - start
         slow_steps_meanwhile = group.runners[0].num_steps
         slow_outputs = await drain(slow)
-        return fast_s, slow_steps_meanwhile, fast_outputs, slow_outputs, group
+        return slow_steps_meanwhile, fast_outputs, slow_outputs, group
 
-    fast_s, slow_steps, fast_outputs, slow_outputs, group = asyncio.run(main())
+    slow_steps, fast_outputs, slow_outputs, group = asyncio.run(main())
     assert sum(len(o.new_token_ids) for o in fast_outputs) == 8
     assert sum(len(o.new_token_ids) for o in slow_outputs) == 8
     assert group.runners[1].num_steps >= 8
-    assert slow_steps <= 1, slow_steps
-    assert fast_s < 2 * slow_s, fast_s
+    assert slow_steps <= 1, slow_steps  # worker 1's 9 steps ran while worker 0 took at most one
     group.close()
