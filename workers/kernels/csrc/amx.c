@@ -139,6 +139,9 @@ int rayllm_amx_enable(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#ifndef INTERLEAVE
+#define INTERLEAVE 1
+#endif
 #define TILE_ROWS_AMX 16 /* rows of an x tile and of a sums tile */
 #define TILE_K 32        /* bf16 k of an x tile: 64 bytes a row */
 #define GROUP_COLUMNS 32 /* output columns of a group: two panels, two weight tiles */
@@ -186,15 +189,15 @@ static inline __m512 load_bias(const AmxJob *job, int64_t n, int width) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-/* sums [32][32] of rows [m, m + rows) and columns [n, n + columns) (+ bias) into out. A block of
- * 32 columns stores a row's 32 outputs in one 64-byte write (bf16) or two (fp32). */
-static void store_block(const AmxJob *job, const float *sums, int64_t m, int rows, int64_t n, int columns) {
+/* Rows [r0, r1) of sums [32][32], the block of rows from m and columns [n, n + columns) (+ bias),
+ * into out. A block of 32 columns stores a row's 32 outputs in one 64-byte write (bf16) or two (fp32). */
+static void store_block(const AmxJob *job, const float *sums, int64_t m, int r0, int r1, int64_t n, int columns) {
     const int64_t out_elem = job->out_dtype == DTYPE_F32 ? 4 : 2;
     if (columns == GROUP_COLUMNS) {
         const __m512 bias0 = load_bias(job, n, 16), bias1 = load_bias(job, n + 16, 16);
-        char *o = (char *)job->out + (m * job->N + n) * out_elem;
         const int64_t row_bytes = job->N * out_elem;
-        for (int r = 0; r < rows; r++, o += row_bytes) {
+        char *o = (char *)job->out + ((m + r0) * job->N + n) * out_elem;
+        for (int r = r0; r < r1; r++, o += row_bytes) {
             const __m512 lo = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS), bias0);
             const __m512 hi = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS + 16), bias1);
             if (job->out_dtype == DTYPE_F32) {
@@ -218,7 +221,7 @@ static void store_block(const AmxJob *job, const float *sums, int64_t m, int row
                                                 : _mm512_castsi512_ps(_mm512_slli_epi32(
                                                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b)), 16));
         }
-        for (int r = 0; r < rows; r++) {
+        for (int r = r0; r < r1; r++) {
             const __m512 value = _mm512_add_ps(_mm512_loadu_ps(sums + r * GROUP_COLUMNS + half * 16), bias);
             char *o = (char *)job->out + ((m + r) * job->N + column) * out_elem;
             if (job->out_dtype == DTYPE_F32)
@@ -284,11 +287,11 @@ static uint16_t *thread_buffer(uint16_t **buffer, int64_t *elems, int64_t needed
 /* A gated block's sums [32][32] (16 gates, then 16 ups, a row) into out columns [n, n + 16):
  * gate and up (+ bias) rounded to bf16 as a gate_up product's output is, then act(gate) * up,
  * with rayllm_gated_mul's own arithmetic (simd.h's gated16): the unfused path's bits. */
-static void store_gated_block(const AmxJob *job, const float *sums, int64_t m, int rows, int64_t n) {
+static void store_gated_block(const AmxJob *job, const float *sums, int64_t m, int r0, int r1, int64_t n) {
     const __m512 gate_bias = load_bias(job, n, 16), up_bias = load_bias(job, n + job->N, 16); /* ups after N gates */
     const int bf16 = job->out_dtype == DTYPE_BF16; /* fp32: the product's fp32 output, as it is */
     const int64_t elem = bf16 ? 2 : 4;
-    for (int r = 0; r < rows; r++) {
+    for (int r = r0; r < r1; r++) {
         __m512 g = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS), gate_bias);
         __m512 u = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS + 16), up_bias);
         if (bf16) g = round_bf16(g), u = round_bf16(u);
@@ -297,9 +300,45 @@ static void store_gated_block(const AmxJob *job, const float *sums, int64_t m, i
     }
 }
 
+/* Rows [r0, r1) of a block's sums into out: the epilogue, a few rows at a time or whole. */
+static inline void finish_rows(const AmxJob *job, const float *sums, Block block, int r0, int r1) {
+    if (job->activation >= 0) store_gated_block(job, sums, block.m, r0, r1, block.n);
+    else store_block(job, sums, block.m, r0, r1, block.n, block.columns);
+}
+
 static inline void finish_block(const AmxJob *job, const float *sums, Block block) {
-    if (job->activation >= 0) store_gated_block(job, sums, block.m, block.rows, block.n);
-    else store_block(job, sums, block.m, block.rows, block.n, block.columns);
+    finish_rows(job, sums, block, 0, block.rows);
+}
+
+/* tile_product_2x2 with the epilogue of the block before (done, its sums in `before`) spread
+ * over the k steps, a row or two after each step's four products: the vector work then waits in
+ * the core's window beside tile instructions that take 16 cycles each, where after the k loop
+ * (its 1000+ instructions for a gated block) most of it would wait for the tiles to finish. */
+static inline void tile_product_2x2_finishing(const AmxJob *job, const uint16_t *x0, const uint16_t *x1,
+                                              int64_t x_stride, const uint16_t *b0, const uint16_t *b1,
+                                              int64_t k_tiles, const float *before, Block done) {
+    const int per_step = (int)((done.rows + k_tiles - 1) / k_tiles);
+    int r = 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = 0; t < k_tiles; t++) {
+        _tile_loadd(4, x0 + t * TILE_K, x_stride);
+        _tile_loadd(6, b0 + t * TILE_K * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b1 + t * TILE_K * 16, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, x1 + t * TILE_K, x_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        if (r < done.rows) {
+            const int r1 = r + per_step < done.rows ? r + per_step : done.rows;
+            finish_rows(job, before, done, r, r1);
+            r = r1;
+        }
+    }
+    if (r < done.rows) finish_rows(job, before, done, r, done.rows);
 }
 
 /* One item: rows [span * span_rows, ...) times groups [g0, g1) of the job's group range. Each
@@ -326,11 +365,15 @@ static void amx_item(void *context, int64_t item) {
         for (int64_t m = m0; m < m1; m += 32) {
             const int rows = m1 - m < 32 ? (int)(m1 - m) : 32;
             const uint16_t *x0 = x_tile(job, m), *x1 = rows > 16 ? x_tile(job, m + 16) : NULL;
-            if (x1 && columns > 16) tile_product_2x2(x0, x1, x_stride, b0, b1, k_tiles);
-            else if (x1) tile_product_2x1(x0, x1, x_stride, b0, b1, k_tiles);
-            else if (columns > 16) tile_product_1x2(x0, x1, x_stride, b0, b1, k_tiles);
-            else tile_product_1x1(x0, x1, x_stride, b0, b1, k_tiles);
-            if (done.rows) finish_block(job, sums[buffer ^ 1], done);
+            if (x1 && columns > 16 && done.rows && INTERLEAVE) {
+                tile_product_2x2_finishing(job, x0, x1, x_stride, b0, b1, k_tiles, sums[buffer ^ 1], done);
+            } else {
+                if (x1 && columns > 16) tile_product_2x2(x0, x1, x_stride, b0, b1, k_tiles);
+                else if (x1) tile_product_2x1(x0, x1, x_stride, b0, b1, k_tiles);
+                else if (columns > 16) tile_product_1x2(x0, x1, x_stride, b0, b1, k_tiles);
+                else tile_product_1x1(x0, x1, x_stride, b0, b1, k_tiles);
+                if (done.rows) finish_block(job, sums[buffer ^ 1], done);
+            }
             store_tiles(rows, columns, sums[buffer]);
             done = (Block){m, n, rows, columns};
             buffer ^= 1;

@@ -151,18 +151,36 @@ typedef struct {
     int32_t dtype;
 } RopeJob;
 
+/* One rotated value: x cos + swapped sin, the product by sin rounded first and the rest one fma,
+ * in the vector body and the scalar one alike (so a head's result does not depend on which ran). */
+static inline float rotate(float x, float swapped, float c, float s) { return fmaf(x, c, swapped * s); }
+
 static void rope_row(const void *context, int64_t t) {
     const RopeJob *j = context;
     const int64_t D = j->head_dim, R = j->rotary_dim, row_width = (j->num_heads + 2 * j->num_kv_heads) * D, half = R / 2;
     const float *c = j->cos + j->positions[t] * R, *s = j->sin + j->positions[t] * R;
+    const int bf16 = j->dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4;
     for (int64_t h = 0; h < j->num_heads + j->num_kv_heads; h++) { /* q heads, then k heads */
         const int64_t at = t * row_width + h * D;
+#ifdef __AVX512F__
+        if (half % 16 == 0) { /* 16 dims of each half at a time, read before either is written */
+            char *head = (char *)j->qkv + at * elem;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m512 lo = load16(head + i * elem, bf16), hi = load16(head + (i + half) * elem, bf16);
+                const __m512 lo_out = _mm512_fmadd_ps(lo, _mm512_loadu_ps(c + i), _mm512_mul_ps(hi, _mm512_loadu_ps(s + i)));
+                const __m512 hi_out =
+                    _mm512_fmadd_ps(hi, _mm512_loadu_ps(c + half + i), _mm512_mul_ps(lo, _mm512_loadu_ps(s + half + i)));
+                store16(head + i * elem, lo_out, bf16);
+                store16(head + (i + half) * elem, hi_out, bf16);
+            }
+            continue;
+        }
+#endif
         float x[1024];
         for (int64_t i = 0; i < R; i++) x[i] = load_element(j->qkv, at + i, j->dtype);
-        for (int64_t i = 0; i < R; i++) {
-            const float swapped = i < half ? x[i + half] : x[i - half];
-            store_element(j->qkv, at + i, x[i] * c[i] + swapped * s[i], j->dtype);
-        }
+        for (int64_t i = 0; i < R; i++)
+            store_element(j->qkv, at + i, rotate(x[i], i < half ? x[i + half] : x[i - half], c[i], s[i]), j->dtype);
     }
 }
 
