@@ -1,4 +1,4 @@
-"""The in-process engine vs Hugging Face generate, and n=8 forking vs 8 requests (issue 3).
+"""The in-process engine vs Hugging Face generate, and n=8 forking vs 8 requests.
 
     .venv/bin/python -m bench.bench_engine                       # SmolLM2, both parts, 1 repeat
     .venv/bin/python -m bench.bench_engine --repeats 2 --parts throughput

@@ -1,6 +1,6 @@
 """The served product on a GPU against the same engine in-process: what the serving path costs
-where the model step is fast (issue 14: "on a GPU node this same per-step overhead is what
-leaves the GPU idle between steps").
+where the model step is fast: on a GPU node the per-step overhead of the serving path is what
+leaves the GPU idle between steps.
 
     python -m bench.bench_gpu_served --tokenizer-dir <dir with SmolLM2's tokenizer.json>
 

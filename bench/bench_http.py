@@ -1,4 +1,4 @@
-"""The served product over HTTP vs the in-process engine, same workload, same run (issues 4, 14).
+"""The served product over HTTP vs the in-process engine, same workload, same run.
 
     .venv/bin/python -m bench.bench_http                   # deploy/serve.yaml + deploy/serve.env as shipped
     .venv/bin/python -m bench.bench_http --repeats 2 --variant previous:env-file=none
@@ -25,7 +25,7 @@
    most max-concurrency / num_workers in flight each, after the same untimed first request.
 
 Reported per run: output tokens/s, TTFT p50/p99, TPOT p50, ITL p99 of each side, the ratio
-HTTP / in-process output tokens/s (issue 14's target: >= 0.9), and the CPU seconds of every
+HTTP / in-process output tokens/s (target: >= 0.9), and the CPU seconds of every
 process of the app during the run from /proc, with the share taken by everything but the
 worker processes (target: <= 8%). Run r uses prompts seeded seed + r on both sides.
 """
@@ -298,7 +298,7 @@ def print_table(http: dict[str, list[dict]], engine: list[dict]) -> None:
         print(f"{'in-process':>14} | {run['repeat']:>3} | {'':>10} | {run['output_throughput']:>13.1f} | {'':>5} | "
               f"{run['median_ttft_ms']:>7.0f} / {run['p99_ttft_ms']:<7.0f} | {run['median_tpot_ms']:>8.1f} | "
               f"{run['p99_itl_ms']:>7.0f} | {'':>11} | {run['other_cpu_s']:>11.1f}")
-    print("targets (issue 14): HTTP / in-process output tok/s >= 0.9; serving CPU (all but the workers) <= 8%")
+    print("targets: HTTP / in-process output tok/s >= 0.9; serving CPU (all but the workers) <= 8%")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

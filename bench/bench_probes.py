@@ -1,4 +1,4 @@
-"""/health, /live and /metrics latency under load, and /metrics on a fresh server (issue 14).
+"""/health, /live and /metrics latency under load, and /metrics on a fresh server.
 
     .venv/bin/python -m bench.bench_probes              # deploy/serve.yaml + deploy/serve.env as shipped
     .venv/bin/python -m bench.bench_probes --variant previous:env-file=none
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         for path, stats in report.items():
             print(f"  {path}: {stats['num']} probes, p50 {stats['p50_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, "
                   f"p99 {stats['p99_ms']:.1f} ms, max {stats['max_ms']:.1f} ms, not 200: {stats['num_not_200']}")
-        print("target (issue 14): p99 < 100 ms")
+        print("target: p99 < 100 ms")
     finally:
         stop_app(app)
     if args.result_json:

@@ -1,4 +1,4 @@
-"""Routing policies compared on a shared-prefix workload, same run, same workers (issue 5).
+"""Routing policies compared on a shared-prefix workload, same run, same workers.
 
     .venv/bin/python -m bench.bench_routing                           # SmolLM2, 2 workers
     .venv/bin/python -m bench.bench_routing --model tests-tiny-dir --families 8 --system-len 1024

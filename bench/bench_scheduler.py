@@ -7,7 +7,7 @@ the run), then times steady-state decode steps: schedule() + runner + update_fro
 Each step every request gets one token; every block_size steps every request also allocates
 a block and hashes the block it filled. Reports ms per step (median and mean over the timed
 steps, best of `--repeats` runs) for prefix caching on and off, and the load average, since
-the machine is shared. Target (issue 3): under 2 ms per step at 256 running requests.
+the machine is shared. Target: under 2 ms per step at 256 running requests.
 """
 
 from __future__ import annotations

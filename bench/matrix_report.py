@@ -146,7 +146,7 @@ class Target:
     at_least: bool  # ours / peer >= bound, else <= bound
 
 
-TARGETS = [  # issues 13, 14 and 33 (the same dtype on both sides)
+TARGETS = [  # the same dtype on both sides
     Target("concurrency 16: output tok/s >= 1.33x vLLM-CPU", "c16", "vllm", TOK_S, 1.33, True),
     Target("concurrency 16: TTFT p99 <= 0.5x vLLM-CPU", "c16", "vllm", TTFT_P99, 0.5, False),
     Target("concurrency 16: ITL p99 no worse than llama.cpp", "c16", "llama", ITL_P99, 1.0, False),
@@ -260,7 +260,7 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
     lines += _table(["server", "what", "launcher"], rows) + ["", "Workloads (streaming /v1/completions; greedy unless the cell says sampled):", ""]
     rows = [[c.name, c.what, str(c.num_prompts)] for c in CELLS.values()]
     lines += _table(["cell", "what", "requests (hf: at most 16)"], rows) + [""]
-    lines += ["### Targets (issues 13, 14 and 33), means of the runs", ""]
+    lines += ["### Targets, means of the runs", ""]
     lines += _table(["target", "ours / peer", ""], target_rows(data)) + [""]
     for cell in CELLS:
         by_server = {s: cells[cell] for s, cells in data.items() if cell in cells and not s.startswith("ours-")}

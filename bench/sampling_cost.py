@@ -6,7 +6,7 @@
 For each dtype and batch size, in one process: rounds of decode steps (ModelRunner.execute,
 everything included), greedy and then sampled (temperature 1.0, top_p 0.95, what chat clients
 send), alternating so both see the same machine. Reported: the median step of each, their
-ratio (the issue-33 target is <= 1.1 at batch 1 and 16), and the sampler's own median time
+ratio (the target is <= 1.1 at batch 1 and 16), and the sampler's own median time
 inside the greedy steps (an argmax) and the sampled ones. The sequences decode from random prompts of --prompt-len tokens.
 """
 

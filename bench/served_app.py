@@ -1,6 +1,6 @@
 """Our server as a user starts it, for benchmarks: `serve run` of a deploy YAML in its own session,
 with the serving environment of deploy/serve.env, plus the /proc bookkeeping of every process
-of the app (the CPU table of issue 14).
+of the app (the serving path's CPU table, docs/serving.md).
 
     app = start_app(AppLaunch(config=Path("deploy/serve.yaml"), port=8040, model_dir=...))
     before = cpu_by_process(app.pid)

@@ -11,7 +11,7 @@ context of --prompt-len tokens), all in one process and one run:
 - GEMM-only: the same step's matrix products alone, with the model's own packed weights
   and the step's shapes (per layer qkv, o, gate_up, down at M = batch, then the lm_head as
   the model computes it), timed back to back in the same run;
-- step / GEMM: the issue-13 target is <= 1.3 at batch 16;
+- step / GEMM: the target is <= 1.3 at batch 16;
 - attention: the time inside the attention kernel and the rotary + KV-cache write of
   as many steps right after (measured by timing those calls in place, on the Python layer
   loop: the shipped C loop has no Python between its kernels to time), and its share of

@@ -100,7 +100,7 @@ def is_actor_death(error: BaseException) -> bool:
 
 def is_worker_lost(error: BaseException) -> bool:
     """A step failed because the worker died (its Ray actor, or its step socket: the process
-    went away), or restarted and lost its state (issue 7)."""
+    went away), or restarted and lost its state."""
     cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
     return is_actor_death(error) or isinstance(cause, (WorkerStateLostError, StepChannelClosed))
 

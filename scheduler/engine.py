@@ -17,7 +17,7 @@ otherwise cancel the worker step of every request in the batch.
 If the runner raises, the scheduler's state is reset (the worker's state is unknown) and,
 by default, every unfinished request's stream gets the exception; the engine stays usable.
 With `on_runner_error`, the caller decides instead: e.g. `take_for_migration()` here and
-`adopt()` on an engine whose worker is alive, and the streams go on there (issue 7).
+`adopt()` on an engine whose worker is alive, and the streams go on there.
 """
 
 from __future__ import annotations

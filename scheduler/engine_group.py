@@ -290,7 +290,7 @@ class EngineGroup:
             return
         self.engines[index].abort(request_id)
 
-    # --- worker death: migrate (issue 7) ---------------------------------------------------
+    # --- worker death: migrate -------------------------------------------------------------
     def _on_runner_error(self, index: int, engine: Engine, error: Exception) -> None:
         """A step failed. If the worker died, its requests go on on live workers: each is
         recomputed from prompt + tokens generated so far, so its stream has no gap and no

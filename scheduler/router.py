@@ -34,7 +34,7 @@ Algorithm (policy `prefix_aware`, the default), for one request of `num_prompt_t
    admitted hold no blocks yet, and comparing free blocks alone sent a whole burst of new
    prompts to one worker while the other idled.
 
-The other policies, for comparison (issue 5's benchmark):
+The other policies, for comparison (bench/bench_routing.py):
 - `round_robin`: the live worker with the next id after the last one chosen (wrapping);
   dead workers are skipped and a worker that comes back rejoins the cycle. ROUND_ROBIN.
 - `least_loaded`: the live worker with the least load as in 2 (ties: lowest id). LEAST_LOADED.

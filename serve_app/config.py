@@ -281,7 +281,7 @@ class AppArgs(BaseModel):
         "latest copy, never waiting on the engine)."
     )
     seed: int = Field(0, description="Seed of the workers' generator for unseeded requests.")
-    # --- reliability and security (issue 7) ---
+    # --- reliability and security ---
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Keys clients send as 'Authorization: Bearer <key>'; empty: build_app reads the "

@@ -1,4 +1,4 @@
-"""Scale-out on a local 2-node Ray cluster (issue 5): workers on different nodes with requests
+"""Scale-out on a local 2-node Ray cluster: workers on different nodes with requests
 through both, and 2 scheduler shards. The cluster runs in a subprocess (cluster_check.py) so
 it never meets tests/integration's session cluster, whatever the test order."""
 

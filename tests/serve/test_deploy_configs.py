@@ -1,5 +1,5 @@
 """deploy/*.yaml against Ray's own Serve schema and our AppArgs, and the KubeRay RayService
-manifest's embedded serveConfigV2 (issue 5). No cluster: schema and resource checks only."""
+manifest's embedded serveConfigV2. No cluster: schema and resource checks only."""
 
 from __future__ import annotations
 

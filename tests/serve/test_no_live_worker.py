@@ -1,4 +1,4 @@
-"""No live worker in the scheduler is a 503 at the ingress (issue 5)."""
+"""No live worker in the scheduler is a 503 at the ingress."""
 
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def test_every_metric_has_the_prefix_help_and_a_unique_name() -> None:
 
 
 def test_declared_series_exist_at_zero_for_every_family_and_label_value() -> None:
-    """A fresh server lists every family with its label values before any traffic (issue 14)."""
+    """A fresh server lists every family with its label values before any traffic."""
     from scheduler.metrics import FINISH_REASONS
     from scheduler.router import RouteOutcome
     from serve_app.metrics import TOKENIZER_OPS

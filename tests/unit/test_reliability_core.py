@@ -1,4 +1,4 @@
-"""Issue 7 in the pure core: admission (bounded queue, drain), a dead worker's requests
+"""Reliability in the pure core: admission (bounded queue, drain), a dead worker's requests
 migrating to a live one with identical streams, parking while no worker lives, and requests
 resumed with their streamed tokens (what the ingress sends after a scheduler restart)."""
 

@@ -266,7 +266,7 @@ def test_min_match_fraction_falls_back_to_most_free_cache():
 
 def test_a_burst_of_new_prompts_spreads_before_any_of_them_is_admitted():
     """Requests routed in one go hold no blocks until admitted: free blocks alone sent every one
-    of them to the worker that happened to hold one block less (issue 14's c16 runs)."""
+    of them to the worker that happened to hold one block less (the served c16 runs)."""
     schedulers = make_schedulers(2)
     schedulers[0].add_request(req("holder", range(4000, 4012)))
     step(schedulers[0], num_steps=1)  # worker 0 holds 3 blocks, decoding

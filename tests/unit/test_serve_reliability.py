@@ -1,4 +1,4 @@
-"""Issue 7 at the HTTP edge, in-process (no Ray): API keys, body and input limits, timeouts,
+"""Reliability and security at the HTTP edge, in-process (no Ray): API keys, body and input limits, timeouts,
 429 / 503 mapping before any response byte, drain, and resuming after a scheduler restart."""
 
 from __future__ import annotations

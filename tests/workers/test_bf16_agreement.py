@@ -4,7 +4,7 @@ Teacher-forced top-1 agreement on real text (the Python language reference shipp
 CPython, pydoc_data.topics, about 2,500 positions in sequences of 512 tokens): at each
 position, does the bf16 model's most likely next token equal the fp32 reference's? Hugging
 Face's own bf16 model is measured the same way, and ours must agree at least as well, minus
-half a point (issue 13). Measured on this machine: printed by the test (-s).
+half a point. Measured on this machine: printed by the test (-s).
 """
 
 from __future__ import annotations
