@@ -124,9 +124,24 @@ def test_abandoned_streams_free_everything(server) -> None:
 
 
 def test_abandoned_non_streaming_request_is_aborted(server) -> None:
+    """The client leaves once the scheduler holds its request (a fixed client timeout could fire
+    before a loaded machine had even admitted it: the engine looked idle, then ran it for the
+    next test); then the request is aborted and everything freed."""
     body = {"model": "tiny", "prompt": "A very long answer please", "max_tokens": 900, "ignore_eos": True}
-    try:
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
-    except httpx.TimeoutException:
-        pass
-    server.wait_until_idle(timeout_s=5.0)
+    steps_before = server.wait_until_idle().num_steps
+
+    async def leave_mid_generation() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            request = asyncio.create_task(http.post("/v1/completions", json=body))
+            for _ in range(600):  # a hang guard: 30 s
+                if server.scheduler_status().num_unfinished_requests > 0 or request.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert not request.done(), "the 900-token request ended before the client could leave"
+            request.cancel()  # closes the connection mid-request
+            await asyncio.gather(request, return_exceptions=True)
+
+    asyncio.run(leave_mid_generation())
+    status = server.wait_until_idle(timeout_s=30.0)
+    assert status.num_unfinished_requests == 0 and status.num_kv_blocks_free == status.num_kv_blocks_total
+    assert status.num_steps - steps_before < 900  # aborted: its 900 tokens were never all computed
