@@ -97,6 +97,7 @@ class Generator:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.lock = asyncio.Lock()
+        self.num_cut = 0  # generates stopped before their end because the client left (GET /stats)
 
     def prompt_ids(self, body: CompletionBody) -> list[int]:
         if body.messages is not None:
@@ -148,13 +149,16 @@ class Generator:
         async with self.lock:
             thread = threading.Thread(target=run, daemon=True)
             thread.start()
+            ended = False
             try:
                 while (step := await queue.get()) is not None:
                     if isinstance(step, Exception):
                         raise step
                     yield step
+                ended = True
             finally:
                 cancel.set()  # client gone or done: stop generate at the next step
+                self.num_cut += not ended  # before the await: a cancelled task may not come back from it
                 await asyncio.to_thread(thread.join)
 
 
@@ -186,6 +190,10 @@ def build_app(gen: Generator) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return {"num_cut": gen.num_cut}
 
     @app.get("/v1/models")
     async def models() -> dict:

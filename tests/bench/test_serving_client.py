@@ -114,21 +114,24 @@ def test_long_prompt_groups(hf_server):
 
 def test_max_duration_bounds_the_run_and_frees_the_server(hf_server):
     base_url, model_dir = hf_server
-    start = time.monotonic()
+    cut_before = httpx.get(base_url + "/stats", timeout=10).json()["num_cut"]
     result = run_client(base_url, model_dir, [
         "--num-prompts", "20", "--input-len", "16", "--output-len", "1000", "--ignore-eos",
         "--max-concurrency", "2", "--skip-initial-test", "--max-duration", "0.3",
     ])
-    assert time.monotonic() - start < 20
     assert result["failed"] == 20 and result["completed"] == 0
     assert all("max-duration" in e for e in result["errors"])
-    # the dropped streams stopped their generate (~1 s of work each on a quiet machine):
-    # the lock is free again and a short request is served at once
+    # the dropped stream that was generating stopped its generate before its 1000 tokens (the
+    # server counts generates cut short), so the lock is free again and a short request is served
+    for _ in range(300):  # a hang guard: 30 s
+        if httpx.get(base_url + "/stats", timeout=10).json()["num_cut"] > cut_before:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the dropped stream's generate ran on: the server counted no generate cut short")
     body = {"prompt": "hello", "max_tokens": 2, "ignore_eos": True}
-    start = time.monotonic()
-    response = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
-    assert time.monotonic() - start < 1.0
 
 
 def test_models_endpoint_has_root(hf_server):
