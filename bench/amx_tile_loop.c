@@ -14,19 +14,14 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "../workers/kernels/csrc/amx_tiles.h" /* TileConfig, load_full_tiles: the kernels' own */
+
 #define MAX_K 576
 #define PEAK_TFLOPS 3.4
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 static uint16_t x[32 * MAX_K] __attribute__((aligned(64)));
 static uint16_t w[32 * MAX_K] __attribute__((aligned(64)));
@@ -74,11 +69,7 @@ int main(void) {
         fprintf(stderr, "the OS refused tile data (Linux 5.16 or later, a CPU with AMX)\n");
         return 1;
     }
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
+    load_full_tiles();
     for (int i = 0; i < 32 * MAX_K; i++) x[i] = w[i] = 0x3f80; /* bf16 1.0 */
     static const char *modes[3] = {"x in place", "x packed", "no loads"};
     const int ks[3] = {128, 256, 576};

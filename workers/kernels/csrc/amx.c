@@ -139,9 +139,6 @@ int rayllm_amx_enable(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#ifndef INTERLEAVE
-#define INTERLEAVE 1
-#endif
 #define TILE_ROWS_AMX 16 /* rows of an x tile and of a sums tile */
 #define TILE_K 32        /* bf16 k of an x tile: 64 bytes a row */
 #define GROUP_COLUMNS 32 /* output columns of a group: two panels, two weight tiles */
@@ -260,7 +257,6 @@ static void store_block(const AmxJob *job, const float *sums, int64_t m, int r0,
 TILE_PRODUCT(tile_product_1x1, 0, 0)
 TILE_PRODUCT(tile_product_1x2, 0, 1)
 TILE_PRODUCT(tile_product_2x1, 1, 0)
-TILE_PRODUCT(tile_product_2x2, 1, 1)
 
 /* The sums tiles of a block of rows x columns into sums [32][32]. */
 static inline void store_tiles(int rows, int columns, float *sums) {
@@ -310,10 +306,11 @@ static inline void finish_block(const AmxJob *job, const float *sums, Block bloc
     finish_rows(job, sums, block, 0, block.rows);
 }
 
-/* tile_product_2x2 with the epilogue of the block before (done, its sums in `before`) spread
- * over the k steps, a row or two after each step's four products: the vector work then waits in
- * the core's window beside tile instructions that take 16 cycles each, where after the k loop
- * (its 1000+ instructions for a gated block) most of it would wait for the tiles to finish. */
+/* The 2 x 2 block (TILE_PRODUCT's shape with both x tiles and both weight tiles), with the
+ * epilogue of the block before (done, its sums in `before`; none when done.rows is 0) spread over
+ * the k steps, a row or two after each step's four products: the vector work then waits in the
+ * core's window beside tile instructions that take 16 cycles each, where after the k loop (its
+ * 1000+ instructions for a gated block) most of it would wait for the tiles to finish. */
 static inline void tile_product_2x2_finishing(const AmxJob *job, const uint16_t *x0, const uint16_t *x1,
                                               int64_t x_stride, const uint16_t *b0, const uint16_t *b1,
                                               int64_t k_tiles, const float *before, Block done) {
@@ -365,11 +362,10 @@ static void amx_item(void *context, int64_t item) {
         for (int64_t m = m0; m < m1; m += 32) {
             const int rows = m1 - m < 32 ? (int)(m1 - m) : 32;
             const uint16_t *x0 = x_tile(job, m), *x1 = rows > 16 ? x_tile(job, m + 16) : NULL;
-            if (x1 && columns > 16 && done.rows && INTERLEAVE) {
+            if (x1 && columns > 16) {
                 tile_product_2x2_finishing(job, x0, x1, x_stride, b0, b1, k_tiles, sums[buffer ^ 1], done);
             } else {
-                if (x1 && columns > 16) tile_product_2x2(x0, x1, x_stride, b0, b1, k_tiles);
-                else if (x1) tile_product_2x1(x0, x1, x_stride, b0, b1, k_tiles);
+                if (x1) tile_product_2x1(x0, x1, x_stride, b0, b1, k_tiles);
                 else if (columns > 16) tile_product_1x2(x0, x1, x_stride, b0, b1, k_tiles);
                 else tile_product_1x1(x0, x1, x_stride, b0, b1, k_tiles);
                 if (done.rows) finish_block(job, sums[buffer ^ 1], done);
