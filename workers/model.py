@@ -39,6 +39,7 @@ runs alone and the branch reads the residual stream; each branch's output is nor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from workers.config import ModelConfig, RopeScaling
 from workers.gguf_weight import GgufWeight, concat_rows, dequantize, dequantize_rows, pack_for_kernels
 from workers.kernels import bind_attention
+from workers.kernels.cpu_isa import cpu_plan, using_plan
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
@@ -74,6 +76,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
+    # some row is a prompt token: a GGUF model's products then take the bf16 tiles where the CPU has
+    # them (workers/kernels/cpu_isa.py, gguf_prompt)
+    computes_prompt: bool = False
 
 
 @dataclass(slots=True)
@@ -143,6 +148,18 @@ class PagedLlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+        with self.products_plan(metadata):
+            return self._forward(input_ids, positions, metadata, kv_caches)
+
+    def products_plan(self, metadata: AttentionMetadata) -> contextlib.AbstractContextManager:
+        """The kernels a step's products take: a GGUF model's steps that compute prompt tokens
+        round x to bf16 for the tiles, not to int8 (workers/kernels/cpu_isa.py, gguf_prompt)."""
+        if metadata.computes_prompt and self.quantization.startswith("gguf"):
+            return using_plan(cpu_plan().for_prompt_step())
+        return contextlib.nullcontext()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 kv_caches: list[KVCache]) -> torch.Tensor:
         native = self.native_forward
         if native is not None and native.takes(input_ids.shape[0]):
             return native(input_ids, positions, metadata, kv_caches)  # the loop below, in C

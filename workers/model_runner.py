@@ -425,6 +425,7 @@ class ModelRunner:
         token_seqs: list[int] = []  # per token: index of its sequence in the batch
         logits_rows: list[int] = []
         sampling_states: list[RequestState] = []
+        computes_prompt = False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(request_id)
             if state is None:
@@ -432,6 +433,7 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + num_scheduled
             self._check_request(state, end)
+            computes_prompt = computes_prompt or start < state.num_prompt_tokens
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             token_seqs.extend([len(block_rows)] * num_scheduled)
@@ -444,7 +446,7 @@ class ModelRunner:
         width = max(len(row) for row in block_rows)
         if self.device.type == "cpu" and len(positions) <= PACKED_STEP_MAX_TOKENS:
             return self._packed_batch(input_ids, positions, block_rows, width, query_start_loc, seq_lens, logits_rows,
-                                      sampling_states)
+                                      sampling_states, computes_prompt)
         block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         positions_tensor = torch.tensor(positions, dtype=torch.long)
         slot_mapping = (
@@ -457,6 +459,7 @@ class ModelRunner:
             block_tables=block_tables.to(device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            computes_prompt=computes_prompt,
         )
         return _StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -468,7 +471,7 @@ class ModelRunner:
 
     def _packed_batch(self, input_ids: list[int], positions: list[int], block_rows: list[list[int]], width: int,
                       query_start_loc: list[int], seq_lens: list[int], logits_rows: list[int],
-                      sampling_states: list[RequestState]) -> _StepBatch:
+                      sampling_states: list[RequestState], computes_prompt: bool) -> _StepBatch:
         """_prepare_batch's tensors for a small CPU step (decodes): the slots computed here, and every
         index tensor a view of one of two buffers, so a step builds 2 tensors instead of about 15.
         Between two decode steps the 100 MB of weights a step streams have evicted the interpreter's
@@ -488,6 +491,7 @@ class ModelRunner:
             block_tables=ints[:s * width].view(s, width),
             query_start_loc=ints[s * width:s * width + s + 1],
             seq_lens=ints[s * width + s + 1:],
+            computes_prompt=computes_prompt,
         )
         return _StepBatch(input_ids=longs[:n], positions=longs[n:2 * n], metadata=metadata, logits_rows=longs[3 * n:],
                           sampling_states=sampling_states)

@@ -167,6 +167,45 @@ def test_the_c_loop_on_tiles_equals_the_python_loop(tiny_model_dir, gguf_model_d
     assert min(compared) < first <= max(compared), compared
 
 
+def one_prompt_step(num_tokens: int, block_size: int, computes_prompt: bool):
+    """Positions and metadata of a step computing one sequence's first num_tokens tokens."""
+    from workers.model import AttentionMetadata
+
+    blocks = torch.arange(1, -(-num_tokens // block_size) + 1, dtype=torch.int32)
+    positions = torch.arange(num_tokens)
+    return positions, AttentionMetadata(
+        slot_mapping=blocks.long()[positions // block_size] * block_size + positions % block_size,
+        block_tables=blocks[None, :], query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32), computes_prompt=computes_prompt)
+
+
+@needs_tiles
+def test_a_gguf_models_prompt_step_takes_the_bf16_tiles_at_any_rows(gguf_model_dir):
+    """Five prompt rows run the GGUF products on the bf16 tiles (x rounded to bf16, cpu_isa's
+    gguf_prompt), the same five rows of a step that computes no prompt on the int8 kernel."""
+    runner = make_runner(gguf_model_dir, attention_backend="cpu", num_threads=2)
+    quantize_layers(runner.model, [(GGMLType.Q4_1,) * 4] * runner.model.config.num_layers)
+    model, plan = runner.model, cpu_isa.detected_plan()
+    assert model.quantization.startswith("gguf") and 5 < plan.tile_min_rows["gguf_int8"]
+    ids = torch.randint(0, runner.model_info.vocab_size, (5,), generator=torch.Generator().manual_seed(3))
+    hidden = {}
+    for computes_prompt in (True, False):
+        positions, metadata = one_prompt_step(5, runner.block_size, computes_prompt)
+        hidden[computes_prompt] = model.forward(ids, positions, metadata, runner.kv_caches)
+    with using_plan(dataclasses.replace(plan, tile_min_rows={**plan.tile_min_rows, "gguf": 1})):
+        tiles = model.forward(ids, *one_prompt_step(5, runner.block_size, False), runner.kv_caches)
+    assert torch.equal(hidden[True], tiles) and not torch.equal(hidden[False], tiles)
+
+
+def test_a_prompt_steps_plan_takes_the_gguf_tiles_from_gguf_prompts_rows():
+    plan = CpuPlan(frozenset({"amx_bf16", "amx_int8"}), 16, True, "granted")
+    prompt = plan.for_prompt_step()
+    assert prompt.tiles_take("gguf", plan.tile_min_rows["gguf_prompt"]) and not plan.tiles_take("gguf", 1)
+    assert {path: rows for path, rows in prompt.tile_min_rows.items() if path != "gguf"} == \
+        {path: rows for path, rows in plan.tile_min_rows.items() if path != "gguf"}
+    assert not without_tiles(plan).for_prompt_step().tiles_take("gguf", 10**6)
+
+
 # ---------------------------------------------------------------- the dispatch and the builds
 
 

@@ -435,6 +435,7 @@ def quantize_layers(model, layer_types=LAYER_TYPES) -> None:
         replaced = {name: pack_for_kernels(random_gguf_weight(t, *shapes[name], seed=10 * index + i, std=0.08))
                     for i, (name, t) in enumerate(zip(shapes, types))}
         model.layers[index] = dataclasses.replace(model.layers[index], **replaced)
+    model.quantization = "gguf:" + ",".join(sorted({t.name for types in layer_types for t in types}))
     model.native_forward = NativeForward.for_model(model)
 
 

@@ -208,3 +208,23 @@ def test_a_small_steps_packed_index_tensors_equal_the_general_ones(tiny_model_di
     runner._prepare_batch = both_ways
     run_requests(runner, prompts, greedy(6), token_budget=24)
     assert len(compared) > 5 and max(compared) == len(prompts)
+
+
+def test_a_step_says_whether_it_computes_prompt_tokens(tiny_model_dir) -> None:
+    """metadata.computes_prompt (a GGUF model's prompt steps take other kernels, workers/model.py):
+    true for every step with a prompt's rows, a one-token prompt's too, false once only decodes run."""
+    runner = make_runner(tiny_model_dir)
+    forward, steps = runner.model.forward, []
+
+    def recorded(input_ids, positions, metadata, kv_caches):
+        steps.append((input_ids.shape[0], metadata.query_start_loc.shape[0] - 1, metadata.computes_prompt))
+        return forward(input_ids, positions, metadata, kv_caches)
+
+    runner.model.forward = recorded
+    run_requests(runner, prompts_of_lengths([1, 6, 20], runner.model_info.vocab_size), greedy(6), token_budget=8)
+    assert steps[0] == (8, 3, True)  # the 1-token prompt, the 6-token one and a chunk of the 20
+    assert all(computes for rows, sequences, computes in steps if rows > sequences)
+    assert [computes for _, _, computes in steps[-4:]] == [False] * 4  # the prompts are done: decodes only
+    steps.clear()
+    run_requests(runner, prompts_of_lengths([1], runner.model_info.vocab_size), greedy(2))
+    assert steps == [(1, 1, True), (1, 1, False)]  # one row either way: only the runner knows which

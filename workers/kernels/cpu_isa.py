@@ -57,7 +57,16 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   stays in vectors, and a tile product covers one 32-weight block;
 # - attention (csrc/attention_amx.c against paged_attention.c's vector body, a bf16 pool under bf16
 #   queries or an fp16 pool under fp32 ones): the queries a sequence computes in the step.
-TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 32, "attention": 16}
+# - gguf_prompt: a step that computes prompt tokens runs its GGUF products on the bf16 tiles from
+#   this many rows, chosen for what its rows decide, not for speed: a prompt's last row picks the
+#   answer's first token, and its rows fill the KV every later token reads. bf16 rounds each value
+#   of x to 8 bits of its own; int8 rounds it to 1/127 of its 32-block's largest, and the normed
+#   inputs of SmolLM2's q/k/v and gate/up products have outlier channels 10-30x the median. On the
+#   default model, "What is the capital of France?" after a cached system prompt: int8 gives
+#   "The" 0.126 and "L" 0.146 (answered "L'Étoile, la Marseillaise..."), the bf16 tiles 0.154 and
+#   0.138, the dequantized fp32 model 0.152 and 0.140. The tiles cost 1.3-1.9x the int8 product
+#   at 16-32 rows and the same from 48 (`bench.bench_gguf --tiles`), once per prompt chunk.
+TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 32, "attention": 16, "gguf_prompt": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +84,12 @@ class CpuPlan:
 
     def tiles_take(self, path: str, num_rows: int) -> bool:
         return self.amx and num_rows >= self.tile_min_rows[path]
+
+    def for_prompt_step(self) -> CpuPlan:
+        """The plan of a step that computes prompt tokens: its GGUF products take the bf16 tiles
+        from gguf_prompt's rows."""
+        rows = self.tile_min_rows
+        return dataclasses.replace(self, tile_min_rows={**rows, "gguf": min(rows["gguf"], rows["gguf_prompt"])})
 
     def min_rows(self, path: str) -> int:
         """The C layer loop's form of tiles_take: rows from which the path runs on tiles, 0: never."""
@@ -98,7 +113,7 @@ class CpuPlan:
         isa = {"products": dense, "attention": attention}
         if gguf:
             integer = "avx512-vnni" if "avx512_vnni" in self.features and self.vector_width == 16 else vectors
-            isa["gguf"] = (f"amx-bf16 from {self.tile_min_rows['gguf']} rows, amx-int8 from "
+            isa["gguf"] = (f"amx-bf16 for prompt steps and from {self.tile_min_rows['gguf']} rows, amx-int8 from "
                            f"{self.tile_min_rows['gguf_int8']} (packed Q4_0/Q4_1), {integer} int8 below" if self.amx
                            else f"{integer} int8")
         return isa
