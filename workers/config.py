@@ -31,15 +31,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.families import FAMILIES, FamilyError, MoeTraits
+from workers.families import (
+    FAMILIES,
+    MULTIMODAL_TEXT_MODELS,
+    MXFP4_FAMILIES,
+    SUPPORTED_MODEL_TYPES,
+    FamilyError,
+    MoeTraits,
+    rope_type_of,
+)
 
 if TYPE_CHECKING:
     from workers.quant_formats import QuantSpec
 
-SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
-# multimodal model_types whose text model we serve -> that text model's model_type (the vision
-# tower's tensors are skipped at load)
-MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
 # config.json's activation names -> ours (gated MLPs: act(gate) * up)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
@@ -245,7 +249,7 @@ def _quantization(raw: dict) -> QuantSpec | None:
         spec = parse_quantization(raw.get("quantization_config"))
     except QuantConfigError as error:
         raise ModelConfigError(str(error)) from None
-    if spec is not None and spec.method == "mxfp4" and raw["model_type"] != "gpt_oss":
+    if spec is not None and spec.method == "mxfp4" and raw["model_type"] not in MXFP4_FAMILIES:
         raise ModelConfigError(f"quantization 'mxfp4' is served for gpt_oss's experts only, not for "
                                f"model_type {raw['model_type']!r}")
     return spec
@@ -280,8 +284,7 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
     if not 0.0 < partial <= 1.0:
         raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("su", "yarn") and raw.get("model_type") == "phi3":
-        rope_type = "longrope"  # Phi-3's older names for it (transformers renames them the same way)
+    rope_type = rope_type_of(raw.get("model_type"), rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope scaling {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"

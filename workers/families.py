@@ -269,3 +269,18 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "qwen3_moe": _qwen3_moe,
     "gpt_oss": _gpt_oss,
 }
+
+# Multimodal model_types whose text model we serve -> that text model's model_type (the vision
+# tower's tensors are skipped at load).
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
+SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
+# RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
+ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+MXFP4_FAMILIES = frozenset({"gpt_oss"})  # MXFP4 checkpoints: its experts only
+GGUF_NATIVE_FAMILIES = frozenset({"llama"})  # GGUF files whose blocks the CPU kernels serve as they ship
+
+
+def rope_type_of(model_type: str | None, rope_type: str) -> str:
+    """A config's RoPE scaling name in ours."""
+    return ROPE_TYPE_ALIASES.get(model_type or "", {}).get(rope_type, rope_type)
+

@@ -46,6 +46,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from workers.config import ModelConfig
+from workers.families import GGUF_NATIVE_FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ def read_gguf_tensors(gguf_path: Path, config: ModelConfig, dtype: torch.dtype) 
     """The GGUF file's tensors under Hugging Face names, and its quantization label ("gguf:Q4_1")."""
     from workers.gguf_checkpoint import GgufCheckpointError, read_gguf_checkpoint
 
-    if config.model_type != "llama":
+    if config.model_type not in GGUF_NATIVE_FAMILIES:
         raise ModelPathError(f"{gguf_path}: GGUF checkpoints are served natively for model_type 'llama' only, "
                              f"not {config.model_type!r}; serve it with quantization: none")
     try:
