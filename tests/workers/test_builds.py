@@ -31,3 +31,37 @@ def test_every_cpu_kinds_build_compiles(march):
         result = subprocess.run([cc, *flags, "-c", "-o", "/dev/null", str(SOURCE_DIR / name)], capture_output=True,
                                 text=True, check=False)
         assert result.returncode == 0, f"{name} with -march={march}:\n{result.stderr[-2000:]}"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_the_ctypes_mirrors_have_the_c_structs_layouts():
+    """native.py's argument structs are checked against csrc's own names, sizeof and offsetof when
+    the library loads; a mirror with two same-typed fields swapped (the same offsets) or a field
+    short is refused, naming the struct."""
+    import ctypes
+
+    from workers.kernels.native import (
+        LAYOUT_MIRRORS,
+        AttentionArgs,
+        NativeBuildError,
+        check_layouts,
+        native_library,
+        struct_layout,
+    )
+
+    library = native_library()
+    check_layouts(library)
+    assert set(LAYOUT_MIRRORS.values()) >= {AttentionArgs}
+    fields = list(AttentionArgs._fields_)
+    fields[7], fields[8] = fields[8], fields[7]  # num_seqs and num_heads: both int64, so the same offsets
+
+    class Swapped(ctypes.Structure):
+        _fields_ = fields
+
+    class Short(ctypes.Structure):
+        _fields_ = fields[:-1]
+
+    assert struct_layout(Swapped) == struct_layout(AttentionArgs)
+    for wrong in (Swapped, Short):
+        with pytest.raises(NativeBuildError, match=wrong.__name__):
+            check_layouts(library, {"rayllm_layout_attention_args": wrong})

@@ -124,6 +124,7 @@ def load(path: Path) -> ctypes.CDLL:
     except OSError as error:
         raise NativeBuildError(f"loading the CPU kernels from {path} failed: {error}") from error
     _declare(library)
+    check_layouts(library)
     return library
 
 
@@ -242,7 +243,10 @@ class SampleArgs(ctypes.Structure):
 
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+LAYOUT_MIRRORS = {"rayllm_layout_attention_args": AttentionArgs, "rayllm_layout_layer_args": LayerArgs,
+                  "rayllm_layout_forward_args": ForwardArgs, "rayllm_layout_sample_args": SampleArgs}
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
+    **{entry_point: [_P, _P, _I64] for entry_point in LAYOUT_MIRRORS},  # offsets, names, capacity -> count
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
     # k, v, k_stride, v_stride, k_cache, v_cache, block_stride, slot_mapping, num_tokens, num_kv_heads,
     # head_dim, block_size, dtype, kv_dtype, num_threads
@@ -288,6 +292,25 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
 }
+
+
+def struct_layout(structure: type[ctypes.Structure]) -> list[int]:
+    """A ctypes struct's layout as the C side reports its own: sizeof, then the fields' offsets."""
+    return [ctypes.sizeof(structure), *(getattr(structure, name).offset for name, *_ in structure._fields_)]
+
+
+def check_layouts(library: ctypes.CDLL, mirrors: dict[str, type[ctypes.Structure]] | None = None) -> None:
+    """Each ctypes mirror has its C struct's size and field offsets (rayllm_layout_*), else
+    NativeBuildError: a field added, dropped or retyped on one side only would pass wrong values."""
+    for entry_point, structure in (mirrors or LAYOUT_MIRRORS).items():
+        offsets, names = (ctypes.c_int64 * 128)(), ctypes.create_string_buffer(4096)
+        count = getattr(library, entry_point)(offsets, names, len(names))
+        c_layout = (names.value.decode().split(), list(offsets[:count]))
+        mirror = ([name for name, *_ in structure._fields_], struct_layout(structure))
+        if c_layout != mirror:
+            raise NativeBuildError(
+                f"{structure.__name__} in workers/kernels/native.py does not match the C struct ({entry_point}: "
+                f"fields, sizeof and offsets {c_layout}; the mirror's {mirror}): change both together")
 
 
 def _declare(library: ctypes.CDLL) -> None:

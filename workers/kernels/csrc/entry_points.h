@@ -2,7 +2,9 @@
  * structs, for the sources that call each other: every one returns 0, or an error code. */
 #ifndef RAYLLM_ENTRY_POINTS_H
 #define RAYLLM_ENTRY_POINTS_H
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* paged_attention.c: one varlen call per layer and step (the layout and contract are there). */
 typedef struct {
@@ -119,4 +121,24 @@ int rayllm_tile_attention(const AttentionArgs *a, int64_t min_queries, uint8_t *
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx);
+/* Each argument struct's layout: sizeof, then its fields' offsets in declaration order, and their
+ * names space-separated in names; returns the count of numbers (workers/kernels/native.py checks
+ * its ctypes mirrors against these at load). */
+int rayllm_layout_attention_args(int64_t *offsets, char *names, int64_t capacity);
+int rayllm_layout_layer_args(int64_t *offsets, char *names, int64_t capacity);
+int rayllm_layout_forward_args(int64_t *offsets, char *names, int64_t capacity);
+int rayllm_layout_sample_args(int64_t *offsets, char *names, int64_t capacity);
+
+/* One field of a layout: its offset, and its name after the ones before (dropped past capacity,
+ * which the check then reports as a mismatch). */
+static inline void layout_field(int64_t *offsets, int *n, char *names, int64_t capacity, const char *name,
+                                size_t offset) {
+    offsets[(*n)++] = (int64_t)offset;
+    const size_t used = strlen(names);
+    if (used + strlen(name) + 2 > (size_t)capacity) return;
+    if (used) strcat(names, " ");
+    strcat(names, name);
+}
+#define LAYOUT_FIELD(T, f) layout_field(offsets, &n, names, capacity, #f, offsetof(T, f));
+
 #endif

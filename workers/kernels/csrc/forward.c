@@ -21,6 +21,7 @@
  * (workers/native_forward.py) calls this only for steps whose every product one of them
  * takes, and runs its own loop otherwise (oneDNN's products).
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "entry_points.h"
@@ -169,4 +170,32 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
     }
     return rayllm_add_rms_norm(a->residual, a->num_layers ? a->delta : NULL, a->final_norm, a->out, T, hidden, a->eps,
                                a->dtype, a->num_threads);
+}
+
+/* LayerArgs' and ForwardArgs' layouts, as rayllm_layout_attention_args gives AttentionArgs'. */
+int rayllm_layout_layer_args(int64_t *offsets, char *names, int64_t capacity) {
+    int n = 0;
+    names[0] = 0;
+    offsets[n++] = (int64_t)sizeof(LayerArgs);
+#define FIELD(f) LAYOUT_FIELD(LayerArgs, f)
+    FIELD(input_norm) FIELD(post_norm) FIELD(qkv) FIELD(o) FIELD(gate_up) FIELD(down) FIELD(qkv_bias) FIELD(o_bias)
+    FIELD(gate_up_bias) FIELD(down_bias) FIELD(q_norm) FIELD(k_norm) FIELD(attn_out_norm) FIELD(mlp_out_norm)
+    FIELD(k_cache) FIELD(v_cache) FIELD(use_rope) FIELD(qk_norm_whole) FIELD(softcap) FIELD(window) FIELD(sinks)
+    FIELD(cos) FIELD(sin) FIELD(qkv_type) FIELD(o_type) FIELD(gate_up_type) FIELD(down_type)
+#undef FIELD
+    return n;
+}
+
+int rayllm_layout_forward_args(int64_t *offsets, char *names, int64_t capacity) {
+    int n = 0;
+    names[0] = 0;
+    offsets[n++] = (int64_t)sizeof(ForwardArgs);
+#define FIELD(f) LAYOUT_FIELD(ForwardArgs, f)
+    FIELD(layers) FIELD(final_norm) FIELD(residual) FIELD(out) FIELD(x) FIELD(qkv) FIELD(attended) FIELD(delta)
+    FIELD(gate_up) FIELD(act) FIELD(positions) FIELD(slot_mapping) FIELD(cos) FIELD(sin) FIELD(attention)
+    FIELD(num_tokens) FIELD(num_layers) FIELD(hidden) FIELD(intermediate) FIELD(rotary_dim) FIELD(eps) FIELD(dtype)
+    FIELD(linear) FIELD(num_threads) FIELD(activation) FIELD(gguf_mode) FIELD(tile_min_rows_bf16)
+    FIELD(tile_min_rows_gguf) FIELD(tile_min_rows_gguf_int8)
+#undef FIELD
+    return n;
 }

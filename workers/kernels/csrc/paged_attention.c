@@ -60,6 +60,7 @@
  */
 #include <math.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -859,4 +860,21 @@ int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_st
     const int64_t items = (num_tokens + WRITE_TOKENS_PER_ITEM - 1) / WRITE_TOKENS_PER_ITEM;
     rayllm_parallel_for(items, items > 1 ? num_threads : 1, write_tokens, &job);
     return 0;
+}
+
+/* AttentionArgs' layout: sizeof, then each field's offset in declaration order, and the
+ * fields' names (workers/kernels/native.py checks its ctypes mirror against these when it loads
+ * the library). Returns the count of numbers written. */
+int rayllm_layout_attention_args(int64_t *offsets, char *names, int64_t capacity) {
+    int n = 0;
+    names[0] = 0;
+    offsets[n++] = (int64_t)sizeof(AttentionArgs);
+#define FIELD(f) LAYOUT_FIELD(AttentionArgs, f)
+    FIELD(q) FIELD(out) FIELD(k_cache) FIELD(v_cache) FIELD(block_tables) FIELD(query_start_loc) FIELD(seq_lens)
+    FIELD(num_seqs) FIELD(num_heads) FIELD(num_kv_heads) FIELD(head_dim) FIELD(block_size) FIELD(max_blocks_per_seq)
+    FIELD(q_stride_token) FIELD(q_stride_head) FIELD(out_stride_token) FIELD(out_stride_head) FIELD(block_stride)
+    FIELD(scale) FIELD(dtype) FIELD(kv_dtype) FIELD(num_threads) FIELD(window) FIELD(softcap) FIELD(sinks)
+    FIELD(tile_min_queries)
+#undef FIELD
+    return n;
 }

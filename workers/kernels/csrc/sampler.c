@@ -28,6 +28,7 @@
  * token on every worker of a build.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -470,4 +471,16 @@ int rayllm_sample(SampleArgs *a) {
     a->status = 0;
     rayllm_parallel_for(a->num_rows, a->num_rows > 1 && a->num_threads > 1 ? a->num_threads : 1, sample_row, a);
     return a->status;
+}
+
+/* SampleArgs' layout, as rayllm_layout_attention_args gives AttentionArgs'. */
+int rayllm_layout_sample_args(int64_t *offsets, char *names, int64_t capacity) {
+    int n = 0;
+    names[0] = 0;
+    offsets[n++] = (int64_t)sizeof(SampleArgs);
+#define FIELD(f) LAYOUT_FIELD(SampleArgs, f)
+    FIELD(logits) FIELD(workspace) FIELD(params) FIELD(bitmask) FIELD(history) FIELD(history_spans) FIELD(out)
+    FIELD(num_rows) FIELD(vocab) FIELD(logits_stride) FIELD(bitmask_words) FIELD(num_threads) FIELD(status)
+#undef FIELD
+    return n;
 }
