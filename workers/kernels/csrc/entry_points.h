@@ -139,6 +139,10 @@ static inline void layout_field(int64_t *offsets, int *n, char *names, int64_t c
     if (used) strcat(names, " ");
     strcat(names, name);
 }
+#define LAYOUT_BEGIN(T)                                                                                  \
+    int n = 0;                                                                                           \
+    names[0] = 0;                                                                                        \
+    offsets[n++] = (int64_t)sizeof(T);
 #define LAYOUT_FIELD(T, f) layout_field(offsets, &n, names, capacity, #f, offsetof(T, f));
 
 #endif

@@ -174,9 +174,7 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
 
 /* LayerArgs' and ForwardArgs' layouts, as rayllm_layout_attention_args gives AttentionArgs'. */
 int rayllm_layout_layer_args(int64_t *offsets, char *names, int64_t capacity) {
-    int n = 0;
-    names[0] = 0;
-    offsets[n++] = (int64_t)sizeof(LayerArgs);
+    LAYOUT_BEGIN(LayerArgs)
 #define FIELD(f) LAYOUT_FIELD(LayerArgs, f)
     FIELD(input_norm) FIELD(post_norm) FIELD(qkv) FIELD(o) FIELD(gate_up) FIELD(down) FIELD(qkv_bias) FIELD(o_bias)
     FIELD(gate_up_bias) FIELD(down_bias) FIELD(q_norm) FIELD(k_norm) FIELD(attn_out_norm) FIELD(mlp_out_norm)
@@ -187,9 +185,7 @@ int rayllm_layout_layer_args(int64_t *offsets, char *names, int64_t capacity) {
 }
 
 int rayllm_layout_forward_args(int64_t *offsets, char *names, int64_t capacity) {
-    int n = 0;
-    names[0] = 0;
-    offsets[n++] = (int64_t)sizeof(ForwardArgs);
+    LAYOUT_BEGIN(ForwardArgs)
 #define FIELD(f) LAYOUT_FIELD(ForwardArgs, f)
     FIELD(layers) FIELD(final_norm) FIELD(residual) FIELD(out) FIELD(x) FIELD(qkv) FIELD(attended) FIELD(delta)
     FIELD(gate_up) FIELD(act) FIELD(positions) FIELD(slot_mapping) FIELD(cos) FIELD(sin) FIELD(attention)

@@ -866,9 +866,7 @@ int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_st
  * fields' names (workers/kernels/native.py checks its ctypes mirror against these when it loads
  * the library). Returns the count of numbers written. */
 int rayllm_layout_attention_args(int64_t *offsets, char *names, int64_t capacity) {
-    int n = 0;
-    names[0] = 0;
-    offsets[n++] = (int64_t)sizeof(AttentionArgs);
+    LAYOUT_BEGIN(AttentionArgs)
 #define FIELD(f) LAYOUT_FIELD(AttentionArgs, f)
     FIELD(q) FIELD(out) FIELD(k_cache) FIELD(v_cache) FIELD(block_tables) FIELD(query_start_loc) FIELD(seq_lens)
     FIELD(num_seqs) FIELD(num_heads) FIELD(num_kv_heads) FIELD(head_dim) FIELD(block_size) FIELD(max_blocks_per_seq)

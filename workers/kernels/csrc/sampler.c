@@ -475,9 +475,7 @@ int rayllm_sample(SampleArgs *a) {
 
 /* SampleArgs' layout, as rayllm_layout_attention_args gives AttentionArgs'. */
 int rayllm_layout_sample_args(int64_t *offsets, char *names, int64_t capacity) {
-    int n = 0;
-    names[0] = 0;
-    offsets[n++] = (int64_t)sizeof(SampleArgs);
+    LAYOUT_BEGIN(SampleArgs)
 #define FIELD(f) LAYOUT_FIELD(SampleArgs, f)
     FIELD(logits) FIELD(workspace) FIELD(params) FIELD(bitmask) FIELD(history) FIELD(history_spans) FIELD(out)
     FIELD(num_rows) FIELD(vocab) FIELD(logits_stride) FIELD(bitmask_words) FIELD(num_threads) FIELD(status)
