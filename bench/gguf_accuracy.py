@@ -87,15 +87,7 @@ def top1(runner, token_ids: list[int]) -> list[int]:
 
     from workers.model import AttentionMetadata
 
-    num_tokens = len(token_ids)
-    blocks = torch.arange(1, -(-num_tokens // BLOCK_SIZE) + 1, dtype=torch.int32)  # block 0 is the null block
-    positions = torch.arange(num_tokens)
-    metadata = AttentionMetadata(
-        slot_mapping=blocks.long()[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
-        block_tables=blocks[None, :],
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-    )
+    positions, metadata = AttentionMetadata.one_sequence(len(token_ids), BLOCK_SIZE)
     with torch.inference_mode():
         hidden = runner.model.forward(torch.tensor(token_ids), positions, metadata, runner.kv_caches)
         return [token for rows in hidden.split(LOGITS_ROWS)

@@ -283,4 +283,3 @@ GGUF_NATIVE_FAMILIES = frozenset({"llama"})  # GGUF files whose blocks the CPU k
 def rope_type_of(model_type: str | None, rope_type: str) -> str:
     """A config's RoPE scaling name in ours."""
     return ROPE_TYPE_ALIASES.get(model_type or "", {}).get(rope_type, rope_type)
-

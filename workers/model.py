@@ -80,6 +80,22 @@ class AttentionMetadata:
     # them (workers/kernels/cpu_isa.py, gguf_prompt)
     computes_prompt: bool = False
 
+    @classmethod
+    def one_sequence(cls, num_tokens: int, block_size: int,
+                     computes_prompt: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions and metadata of a step that computes one sequence's first num_tokens tokens
+        into blocks 1, 2, ... of the pool (block 0 is the null block): a whole prefill, for tests
+        and tools that drive the model without a runner."""
+        blocks = torch.arange(1, -(-num_tokens // block_size) + 1, dtype=torch.int32)
+        positions = torch.arange(num_tokens)
+        return positions, cls(
+            slot_mapping=blocks.long()[positions // block_size] * block_size + positions % block_size,
+            block_tables=blocks[None, :],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+            computes_prompt=computes_prompt,
+        )
+
 
 @dataclass(slots=True)
 class LayerWeights:

@@ -26,6 +26,7 @@ from workers.kernels import cpu_isa, gguf
 from workers.kernels.cpu_isa import CpuPlan, using_plan, without_tiles
 from workers.kernels.native import native_available, native_library
 from workers.linear import NativeLinear, PanelWeight
+from workers.model import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
 
@@ -167,18 +168,6 @@ def test_the_c_loop_on_tiles_equals_the_python_loop(tiny_model_dir, gguf_model_d
     assert min(compared) < first <= max(compared), compared
 
 
-def one_prompt_step(num_tokens: int, block_size: int, computes_prompt: bool):
-    """Positions and metadata of a step computing one sequence's first num_tokens tokens."""
-    from workers.model import AttentionMetadata
-
-    blocks = torch.arange(1, -(-num_tokens // block_size) + 1, dtype=torch.int32)
-    positions = torch.arange(num_tokens)
-    return positions, AttentionMetadata(
-        slot_mapping=blocks.long()[positions // block_size] * block_size + positions % block_size,
-        block_tables=blocks[None, :], query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32), computes_prompt=computes_prompt)
-
-
 @needs_tiles
 def test_a_gguf_models_prompt_step_takes_the_bf16_tiles_at_any_rows(gguf_model_dir):
     """Five prompt rows run the GGUF products on the bf16 tiles (x rounded to bf16, cpu_isa's
@@ -190,10 +179,10 @@ def test_a_gguf_models_prompt_step_takes_the_bf16_tiles_at_any_rows(gguf_model_d
     ids = torch.randint(0, runner.model_info.vocab_size, (5,), generator=torch.Generator().manual_seed(3))
     hidden = {}
     for computes_prompt in (True, False):
-        positions, metadata = one_prompt_step(5, runner.block_size, computes_prompt)
+        positions, metadata = AttentionMetadata.one_sequence(5, runner.block_size, computes_prompt)
         hidden[computes_prompt] = model.forward(ids, positions, metadata, runner.kv_caches)
     with using_plan(dataclasses.replace(plan, tile_min_rows={**plan.tile_min_rows, "gguf": 1})):
-        tiles = model.forward(ids, *one_prompt_step(5, runner.block_size, False), runner.kv_caches)
+        tiles = model.forward(ids, *AttentionMetadata.one_sequence(5, runner.block_size), runner.kv_caches)
     assert torch.equal(hidden[True], tiles) and not torch.equal(hidden[False], tiles)
 
 

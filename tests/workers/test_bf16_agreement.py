@@ -31,16 +31,7 @@ def real_text_sequences(tokenizer) -> list[list[int]]:
 @torch.inference_mode()
 def our_top1(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
     """Our model's argmax next token at every position of one sequence (a single prefill)."""
-    num_tokens, block_size = len(token_ids), runner.block_size
-    num_blocks = -(-num_tokens // block_size)
-    blocks = torch.arange(1, num_blocks + 1, dtype=torch.int32)  # block 0 is the null block
-    positions = torch.arange(num_tokens)
-    metadata = AttentionMetadata(
-        slot_mapping=blocks.long()[positions // block_size] * block_size + positions % block_size,
-        block_tables=blocks[None, :],
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-    )
+    positions, metadata = AttentionMetadata.one_sequence(len(token_ids), runner.block_size)
     hidden = runner.model.forward(torch.tensor(token_ids), positions, metadata, runner.kv_caches)
     return runner.model.compute_logits(hidden).argmax(dim=-1)
 

@@ -9,7 +9,13 @@ import subprocess
 
 import pytest
 
-from workers.kernels.native import CFLAGS, SOURCE_DIR, SOURCES, compiler
+from workers.kernels.native import (
+    CFLAGS,
+    SOURCE_DIR,
+    SOURCES,
+    compiler,
+    native_available,
+)
 
 # Every body our sources have, built: AVX2 (Zen 2/3, Haswell), AVX-512 without BF16 (Skylake-SP,
 # Cascade Lake, Ice Lake), with BF16 and VNNI (Cooper Lake; Zen 4 has these), and AMX (Sapphire
@@ -33,7 +39,7 @@ def test_every_cpu_kinds_build_compiles(march):
         assert result.returncode == 0, f"{name} with -march={march}:\n{result.stderr[-2000:]}"
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
 def test_the_ctypes_mirrors_have_the_c_structs_layouts():
     """native.py's argument structs are checked against csrc's own names, sizeof and offsetof when
     the library loads; a mirror with two same-typed fields swapped (the same offsets) or a field

@@ -124,14 +124,7 @@ def top1_of_one_prefill(model: PagedLlamaModel, token_ids: list[int]) -> torch.T
     num_blocks = -(-num_tokens // block_size) + 1
     kv_caches = [model.attention.allocate_kv_cache(num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
                                                    model.device) for _ in range(c.num_layers)]
-    blocks = torch.arange(1, num_blocks, dtype=torch.int32)  # block 0 is the null block
-    positions = torch.arange(num_tokens)
-    metadata = AttentionMetadata(
-        slot_mapping=blocks.long()[positions // block_size] * block_size + positions % block_size,
-        block_tables=blocks[None, :],
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-    )
+    positions, metadata = AttentionMetadata.one_sequence(num_tokens, block_size)
     hidden = model.forward(torch.tensor(token_ids), positions, metadata, kv_caches)
     return model.compute_logits(hidden).argmax(dim=-1)
 
