@@ -37,6 +37,7 @@ from pydantic import SecretStr
 from serve_app.api import create_api
 from serve_app.auth import api_keys_from_env
 from serve_app.config import (
+    LAUNCH_DEFAULTS,
     AppArgs,
     ResourceError,
     ResourcePlan,
@@ -317,7 +318,7 @@ def check_local_model(model: str | None) -> None:
 def build_app(args: dict[str, Any]) -> Application:
     """The application from validated args; checks the model's config and, when Ray is up, the
     resources now."""
-    app_args = AppArgs.model_validate(args or {})
+    app_args = AppArgs.model_validate({**LAUNCH_DEFAULTS, **(args or {})})
     check_local_model(app_args.model)
     if not app_args.api_keys:  # the one environment read: keys travel on as SecretStr args
         app_args.api_keys = [SecretStr(key) for key in api_keys_from_env()]

@@ -18,7 +18,7 @@ import yaml
 from pydantic import SecretStr
 from pydantic_core import PydanticUndefined
 
-from serve_app.config import AppArgs
+from serve_app.config import LAUNCH_DEFAULTS, AppArgs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "app-args.md"
@@ -31,10 +31,9 @@ Every argument `serve_app.app:build_app` takes: the `args:` of a Serve YAML file
 after `serve run serve_app.app:build_app`. The app checks them all at start and refuses an unknown
 one with a message that names it.
 
-The last column is what `deploy/serve.yaml`, the shipped deployment, sets; a blank there means it
-takes the default. The same app started without that file (`serve run serve_app.app:build_app
-model=...`) gets the defaults, so `num_workers: auto` and the other values of that column only
-apply where you set them.
+The default is what a launch gets where its args leave the argument out, the same for the YAML
+file, `serve run serve_app.app:build_app model=...` and `scripts/serve.sh`. The last column is
+what `deploy/serve.yaml`, the shipped deployment, sets; a blank there means the default.
 
 This page is written from the fields themselves (`python -m serve_app.app_args_doc`).
 
@@ -69,7 +68,9 @@ def render() -> str:
     shipped = shipped_args()
     rows = []
     for name, field in AppArgs.model_fields.items():
-        if field.default is not PydanticUndefined:
+        if name in LAUNCH_DEFAULTS:
+            default = literal(LAUNCH_DEFAULTS[name])
+        elif field.default is not PydanticUndefined:
             default = literal(field.default)
         elif field.default_factory is not None:
             default = literal(field.default_factory())

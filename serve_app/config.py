@@ -31,6 +31,10 @@ _ROUTER_DEFAULTS = RouterConfig()
 
 # The app args that follow the workers' step costs when the config leaves them out.
 PREFILL_RULE_FIELDS = tuple(field.name for field in dataclasses.fields(PrefillRules))
+# What every launch (the shipped YAML, `serve run serve_app.app:build_app ...`, scripts/serve.sh) gets
+# where its args leave a field out; AppArgs itself keeps plain defaults, so that tests and tools that
+# build it get no layout from the host's CPU count.
+LAUNCH_DEFAULTS: dict[str, Any] = {"num_workers": "auto"}
 
 
 class AppArgs(BaseModel):
@@ -55,9 +59,9 @@ class AppArgs(BaseModel):
     )
     num_workers: int = Field(
         1, ge=1, le=64,
-        description="Worker actors, each a full model replica. 'auto' (the shipped YAML): from this node's CPU, "
-        "one worker per core on CPUs with native bf16, else one worker with a thread per core; worker_num_cpus and "
-        "worker_num_threads follow unless given (serve_app/worker_layout.py).",
+        description="Worker actors, each a full model replica. 'auto' (what every launch gets when the args leave "
+        "it out): from this node's CPU, one worker per core on CPUs with native bf16, else one worker with a thread "
+        "per core; worker_num_cpus and worker_num_threads follow unless given (serve_app/worker_layout.py).",
     )
     min_workers: int | None = Field(
         None, ge=0, le=64,
@@ -142,7 +146,7 @@ class AppArgs(BaseModel):
         "(scheduler/step_costs.py: 512 where prompts are cheap, 2048 where they are dear), 2048 without them.",
     )
     long_prefill_token_threshold: int | None = Field(
-        None, ge=1,
+        512, ge=1,
         description="Prompt tokens one request may take per step (vLLM's knob of the same name): a long prompt is "
         "chunked to this, so running streams wait for one chunk at most, while many short prompts arriving "
         "together still share one step up to max_num_batched_tokens; null: the step budget.",

@@ -137,6 +137,7 @@ def server(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Server]:
         "block_size": BLOCK_SIZE,
         "max_num_batched_tokens": 1024,
         "max_num_seqs": 64,
+        "num_workers": 1,
         "worker_num_cpus": 1,
         # fp32: several tests compare texts across batch shapes (concurrent vs solo, failover
         # replays). In bf16 a different batch shape takes another GEMM path whose rounding can

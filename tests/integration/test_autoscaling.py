@@ -70,7 +70,7 @@ def apps(server, tiny_model_dir: Path) -> Iterator[tuple[App, App]]:
     # scale-down delay leaves it time to serve before a quiet spell would cancel it.
     elastic = build_app(app_args(
         tiny_model_dir, ELASTIC_PREFIX, min_workers=1, max_workers=2, scale_up_delay_s=0.5, scale_down_delay_s=15.0,
-        scale_target_waiting_tokens=32, drain_timeout_s=0.5, router_policy="round_robin"))
+        scale_target_waiting_tokens=32, drain_timeout_s=0.0, router_policy="round_robin"))
     zero = build_app(app_args(tiny_model_dir, ZERO_PREFIX, min_workers=0, max_workers=1, scale_down_delay_s=2.0))
     serve.run(elastic, name=ELASTIC_APP, route_prefix=f"/{ELASTIC_APP}")
     serve.run(zero, name=ZERO_APP, route_prefix=f"/{ZERO_APP}")
@@ -106,7 +106,9 @@ def prompt(i: int) -> str:
 def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_token(apps) -> None:
     """16 clients streaming back to back on 2 slots queue prompts: a second worker starts and serves. Then
     two clients keep one stream each open, back to back, with nothing queued: the load is under
-    target and a worker retires while they stream (drain 0.5 s, then migration). Every text
+    target and a worker retires while they stream. Round robin keeps the two equal streams on
+    different workers, and the drain timeout is 0, so the retiring worker's open stream migrates:
+    it is recomputed on the other worker from its prompt and the tokens it had sent. Every text
     equals the same prompt's text in the fixed one-worker run, and none fails."""
     elastic, _ = apps
     burst, trickle = list(range(16)), [100, 101, 102, 103]
@@ -163,7 +165,7 @@ def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_
     assert all(text == expected[i] for i, _, text in results), [i for i, _, text in results if text != expected[i]]
     assert len(results) > len(burst) and grown.num_live_workers == 2
     assert open_at_retire == 2  # streams were open when the worker went
-    print(f"scale-down mid-stream: {shrunk.num_migrated_requests} requests migrated; {len(results)} streams")
+    assert shrunk.num_migrated_requests >= 1, shrunk  # the stream open on the retiring worker moved
     final = elastic.wait_for(lambda s: s.num_unfinished_requests == 0, 60, "idle")
     assert final.num_kv_blocks_free == final.num_kv_blocks_total
 

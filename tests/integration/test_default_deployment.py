@@ -36,7 +36,7 @@ ASKS = ["Explain how a hash table works.", "Write a short poem about the sea.", 
 def client(server) -> Iterator[openai.OpenAI]:
     # deploy/serve.yaml's model, quantization and dtype; resources sized for the test cluster
     with server.second_app(APP, {"model": "default", "quantization": "auto", "dtype": "auto", "name": "rayllm-shipped",
-                                 "worker_num_cpus": 1, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
+                                 "num_workers": 1, "worker_num_cpus": 1, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
                                  "num_kv_blocks": 128, "block_size": 16, "max_model_len": 1024}) as client:
         yield client
 

@@ -41,8 +41,8 @@ MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
-APP_ARGS = {"dtype": "float32", "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05, "scheduler_num_cpus": 0.05,
-            "num_kv_blocks": 16, "block_size": 16, "max_model_len": 128, "startup_timeout_s": 300.0}
+APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
+            "scheduler_num_cpus": 0.05, "num_kv_blocks": 16, "block_size": 16, "max_model_len": 128, "startup_timeout_s": 300.0}
 WAVE_SIZE = 6  # apps that start together (memory: four processes each)
 START_TIMEOUT_S = 400.0
 

@@ -33,7 +33,7 @@ PROMPTS = ["The three laws of thermodynamics are", "def fibonacci(n):"]
 @pytest.fixture(scope="module")
 def client(server, smollm2_dir) -> Iterator[openai.OpenAI]:
     with server.second_app(APP, {"model": str(smollm2_dir), "served_model_name": "smollm2", "name": "rayllm-hfcheck",
-                                 "dtype": "float32", "worker_num_cpus": 1, "ingress_num_cpus": 0.1,
+                                 "dtype": "float32", "num_workers": 1, "worker_num_cpus": 1, "ingress_num_cpus": 0.1,
                                  "scheduler_num_cpus": 0.1, "num_kv_blocks": 256, "block_size": 16,
                                  "max_model_len": 1024}) as client:
         yield client

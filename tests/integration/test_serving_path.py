@@ -137,8 +137,8 @@ def test_stream_interval_sends_chunks_of_that_many_tokens_with_the_same_text(ser
         "model": str(server.model_dir), "served_model_name": "tiny", "name": "rayllm-interval",
         # the shared app's engine settings (conftest.py), so the greedy texts can be compared exactly
         "num_kv_blocks": 512, "block_size": 16, "max_num_batched_tokens": 1024, "max_num_seqs": 64,
-        "worker_num_cpus": 0.5, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1, "worker_placement": "none",
-        "dtype": "float32", "stream_interval": STREAM_INTERVAL,
+        "num_workers": 1, "worker_num_cpus": 0.5, "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
+        "worker_placement": "none", "dtype": "float32", "stream_interval": STREAM_INTERVAL,
     }), name=INTERVAL_APP, route_prefix=f"/{INTERVAL_APP}")
     try:
         kwargs = dict(model="tiny", prompt="The interval app says", max_tokens=NUM_TOKENS + 1, temperature=0,

@@ -95,7 +95,8 @@ def smollm2_url(server) -> Iterator[str]:
     from serve_app.app import build_app
 
     app = build_app({"name": "rayllm-structured", "served_model_name": "smollm2", "num_kv_blocks": 1024,
-                     "block_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 32, "worker_num_cpus": 1})
+                     "block_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 32, "num_workers": 1,
+                     "worker_num_cpus": 1})
     serve.run(app, name=APP_NAME, route_prefix=ROUTE)
     try:
         yield f"{server.direct_url_of(APP_NAME)}{ROUTE}"

@@ -158,3 +158,17 @@ def test_the_grafana_dashboard_is_well_formed_and_has_the_scaling_panels() -> No
     assert "ray_rayllm_workers_desired" in workers
     [events] = [target["expr"] for target in by_title["Scale events"]["targets"]]
     assert "rate(ray_rayllm_scale_events_total[5m])" in events and "by (direction, reason)" in events
+
+
+def test_a_launch_without_the_yaml_gets_what_the_yaml_sets() -> None:
+    """`serve run serve_app.app:build_app model=...` and deploy/serve.yaml start the same app: every
+    value the shipped file sets is what build_app gives an argument left out."""
+    from serve_app.app import build_app
+
+    shipped_args = yaml.safe_load((DEPLOY / "serve.yaml").read_text())["applications"][0]["args"]
+    shipped = AppArgs.model_validate(shipped_args)
+    launched = AppArgs.model_validate(build_app({})._bound_deployment.init_args[1])
+    # every field, the ones num_workers: auto resolves (worker_num_cpus, worker_num_threads) among them
+    differing = {name: (getattr(shipped, name), getattr(launched, name)) for name in AppArgs.model_fields
+                 if getattr(shipped, name) != getattr(launched, name) and name != "model"}
+    assert differing == {}, "deploy/serve.yaml sets values a launch without it does not get (LAUNCH_DEFAULTS)"

@@ -17,5 +17,5 @@ def test_every_argument_says_what_it_does() -> None:
 def test_the_shipped_yaml_column_shows_what_the_file_sets() -> None:
     rows = {line.split("|")[1].strip(" `"): line for line in render().splitlines() if line.startswith("| `")}
     assert set(rows) == set(AppArgs.model_fields)
-    assert rows["num_workers"].rstrip(" |").endswith("`auto`")  # set by deploy/serve.yaml, default 1
+    assert rows["num_workers"].rstrip(" |").endswith("`auto`")  # the launch default, which deploy/serve.yaml also sets
     assert rows["served_model_name"].endswith("|  |")  # not set there

@@ -128,10 +128,12 @@ def test_scheduler_config_carries_the_knobs_and_unchunked_budget_holds_a_whole_p
 
 
 def test_long_prefill_threshold_reaches_the_scheduler() -> None:
-    assert AppArgs().scheduler_config(block_size=16, num_blocks=600, max_model_len=8192).long_prefill_token_threshold is None
-    capped = AppArgs.model_validate({"max_num_batched_tokens": 2048, "long_prefill_token_threshold": 512})
+    assert AppArgs().scheduler_config(block_size=16, num_blocks=600, max_model_len=8192).long_prefill_token_threshold == 512
+    capped = AppArgs.model_validate({"max_num_batched_tokens": 2048, "long_prefill_token_threshold": 256})
     config = capped.scheduler_config(block_size=16, num_blocks=600, max_model_len=8192)
-    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (2048, 512)
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (2048, 256)
+    unchunked = AppArgs.model_validate({"long_prefill_token_threshold": None})
+    assert unchunked.scheduler_config(block_size=16, num_blocks=600, max_model_len=8192).long_prefill_token_threshold is None
     with pytest.raises(pydantic.ValidationError):
         AppArgs.model_validate({"long_prefill_token_threshold": 0})
 
