@@ -5,7 +5,7 @@
 
 Why: a Ray actor call costs about 2 ms of CPU (1 ms in the caller, 0.9 in the callee) and
 1.8 ms of wall time on a 2-core VM, every engine step; a pickled frame over a Unix socket
-costs about 0.15 ms (bench/bench_transport.py). On a CPU node that CPU comes out of the
+costs about 0.15 ms (measured with a one-off benchmark, since retired). On a CPU node that CPU comes out of the
 cores the model runs on.
 
 The frame: 4 bytes little-endian length, then a pickle. A request is one object (a

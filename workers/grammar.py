@@ -17,7 +17,7 @@ scheduler ends the choice with "stop" as for any EOS. A matcher that enters an e
 (a token it rejects: only possible if the mask was bypassed) also allows only EOS.
 
 Cost on SmolLM2's 49,152-token vocabulary: a mask row takes about 15-30 us on object schemas
-(p99 about 0.1 ms; bench/bench_grammar_libs.py) and about 0.28 ms on bench_structured's
+(p99 about 0.1 ms; docs/structured-outputs.md) and about 0.28 ms on bench_structured's
 array-of-64-strings schema; a template compile about 1-2 ms, a copy 13 us.
 The tokenizer view takes about 0.5 s; it is built on the first constrained request, so
 workers that never see one never pay it.

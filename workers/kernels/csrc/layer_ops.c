@@ -739,7 +739,7 @@ int rayllm_panel_gemm(const float *x, const float *panels, const float *bias, fl
      * (rayllm_parallel_for), rather than a fixed half each: a thread the OS takes away for a
      * while (the ingress or the scheduler running on its core) leaves its ranges to the other
      * instead of making it wait. SmolLM2 fp32 decode steps, 2 threads, beside a busy loop
-     * taking 25% of one core (bench.bench_interference), fixed halves -> ranges claimed in an
+     * taking 25% of one core (a one-off benchmark, since retired), fixed halves -> ranges claimed in an
      * OpenMP dynamic loop: batch 1 36.0 -> 32.0 ms, batch 16 103.9 -> 99.3 (alone 30.1 -> 29.5
      * and 79.9 -> 74.0); the thread pool then also spares the wait at the region's end. */
     const int64_t wide = num_tiles == 1 ? panel_group(num_rows) : 1;
