@@ -190,6 +190,14 @@ def cpu_by_process(session_id: int) -> dict[int, tuple[str, float]]:
     return found
 
 
+CLIENT = "client (this process)"
+
+
+def cpu_with_client(session_id: int) -> dict[int, tuple[str, float]]:
+    """cpu_by_process of a server's session, plus this process (the client driving it) as CLIENT."""
+    return {**cpu_by_process(session_id), os.getpid(): (CLIENT, process_cpu_s(os.getpid()))}
+
+
 def machine_busy_s() -> float:
     """CPU seconds every core of the machine spent not idle (user, nice, system, irq...) so far."""
     fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]

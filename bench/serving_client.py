@@ -9,6 +9,16 @@ all at once, seeded), at most `--max-concurrency` in flight (a semaphore; a requ
 starts when it gets a slot, as in vLLM). Metrics: see bench/metrics.py. Bounded: at most
 MAX_NUM_PROMPTS requests, each cut at `--request-timeout`, the whole run at
 `--max-duration`. Only loopback servers are accepted.
+
+With `--server-pid PID` (Linux; PID: the `serve run` process of a server started in its own
+session, as bench/peers/ours.sh and bench.matrix start ours and write its PID to
+~/.cache/rayllm-peers/ours.pid): where a served token's CPU goes. Every process of that session
+(bench/served_app.py) and this client are read from /proc around the timed run, and
+bench.served_app's CPU table is printed with a column of CPU ms per output token. On a machine
+with as few cores as the worker has threads, the ingress, the scheduler, Serve's proxy, Ray's
+background processes and the client share the worker's cores: their CPU per token comes out of
+its step. Use distinct --seed values for runs on the same server: a repeated prompt is a
+prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -295,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--save-text", action="store_true", help="keep generated texts in the JSON")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="also the CPU of this server's session and of this client over the run (Linux)")
     args = p.parse_args(argv)
     if not 0 < args.num_prompts <= MAX_NUM_PROMPTS:
         p.error(f"--num-prompts must be in [1, {MAX_NUM_PROMPTS}]")
@@ -327,14 +339,35 @@ async def benchmark(args: argparse.Namespace) -> dict:
     )
     requests = build_requests(args)
     load_start = list(os.getloadavg())
+    cpu_before = cpu_now(args.server_pid)
     results, duration = await run_requests(cfg, requests)
-    return build_result(args, cfg, results, duration, models, load_start)
+    result = build_result(args, cfg, results, duration, models, load_start)
+    if args.server_pid is not None:
+        from bench.served_app import cpu_rows, format_cpu_table
+
+        rows = cpu_rows(cpu_before, cpu_now(args.server_pid))
+        result["cpu_s"] = {f"{row.name} ({row.pid})": round(row.cpu_s, 2) for row in rows}
+        result["cpu_table"] = format_cpu_table(rows, output_tokens=result["total_output_tokens"])
+        result["cpu_cores_used"] = sum(row.cpu_s for row in rows) / duration
+    return result
+
+
+def cpu_now(server_pid: int | None) -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds so far) of the server's session and this client ({} without one)."""
+    if server_pid is None:
+        return {}
+    from bench.served_app import cpu_with_client
+
+    return cpu_with_client(server_pid)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = asyncio.run(benchmark(args))
     print(report.format_summary(result))
+    if "cpu_table" in result:
+        print(result["cpu_table"])
+        print(f"these processes used {result['cpu_cores_used']:.0%} of one core over the run")
     if result["failed"]:
         errors = [e for e in result["errors"] if e][:5]
         print(f"{result['failed']} failed requests; first errors:", *errors, sep="\n  ", file=sys.stderr)

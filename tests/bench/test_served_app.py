@@ -8,12 +8,15 @@ import socket
 
 from bench.bench_http import parse_variant
 from bench.served_app import (
+    CLIENT,
     WORKER_PROCESS,
     _address,
     cpu_rows,
+    cpu_with_client,
     format_cpu_table,
     is_loopback,
     listening_ports,
+    process_cpu_s,
     read_env_file,
     serving_share,
 )
@@ -52,6 +55,24 @@ def test_cpu_rows_share_and_table() -> None:
     assert abs(serving_share(rows) - 0.1) < 1e-9
     table = format_cpu_table(rows)
     assert "| ray::SchedulerActor | 2 | 5.0 | 5.0% |" in table and "**10.0%**" in table
+
+
+def test_this_process_is_counted_as_the_client() -> None:
+    now = cpu_with_client(session_id=os.getpid())  # no server: whatever the session holds, and us
+    name, cpu_s = now[os.getpid()]
+    assert name == CLIENT and 0 < cpu_s <= process_cpu_s(os.getpid())
+
+
+def test_the_table_gives_cpu_per_output_token() -> None:
+    before = {1: (WORKER_PROCESS, 10.0), 2: ("ray::SchedulerActor", 1.0), 3: (CLIENT, 2.0)}
+    after = {1: (WORKER_PROCESS, 38.0), 2: ("ray::SchedulerActor", 2.2), 3: (CLIENT, 2.8)}
+    table = format_cpu_table(cpu_rows(before, after), output_tokens=1000)
+    lines = table.splitlines()
+    assert lines[0].endswith("| CPU ms per output token |") and lines[1] == "|---|---|---|---|---|"
+    assert "| ray::SchedulerActor | 2 | 1.2 | 4.0% | 1.20 |" in lines
+    assert "| client (this process) | 3 | 0.8 | 2.7% | 0.80 |" in lines
+    assert lines[-2].endswith("| **30.0** | 100% | **30.00** |") and lines[-1].endswith("| **2.00** |")
+    assert "per output token" not in format_cpu_table(cpu_rows(before, after))
 
 
 def test_variants() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -55,10 +56,13 @@ def test_random_completions_metrics_match_usage(hf_server, tmp_path):
         "--num-prompts", "6", "--input-len", "32", "--range-ratio", "0.5",
         "--output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", "2",
         "--goodput", "ttft:600000", "tpot:600000", "--result-json", str(out), "--disable-tqdm",
+        "--server-pid", str(os.getsid(0)),  # no `serve run` here: this session's processes stand in
     ])
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert_sane_aggregates(result, 6)
+    assert "| CPU ms per output token |" in result["cpu_table"]
+    assert f"client (this process) ({os.getpid()})" in result["cpu_s"]
     assert result["max_concurrent_requests"] <= 2
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     # the same seeded workload, rebuilt here: what was asked of the server
