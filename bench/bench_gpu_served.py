@@ -34,8 +34,8 @@ from pathlib import Path
 
 from bench import datasets
 from bench.bench_gpu import SMOLLM2_135M, write_random_model
-from bench.bench_http import engine_request, print_run, summarize
-from bench.served_app import free_port, read_env_file
+from bench.bench_http import build_engine, engine_request, engine_requests, print_run, summarize
+from bench.served_app import read_env_file, serve_here
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -53,25 +53,12 @@ def in_process(settings: dict, device: str, workloads: list[list[list[int]]], ou
                results) -> None:
     """multiprocessing target: the workload through an in-process Engine, `repeats` times; puts
     (results, duration) of each."""
-    from scheduler.engine import Engine
-    from serve_app.config import AppArgs
-    from workers.model_runner import ModelRunner, RunnerConfig
-
-    args = AppArgs.model_validate(settings)
-    runner = ModelRunner(RunnerConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
-                                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=0))
-    info = runner.model_info
-    config = args.scheduler_config(block_size=info.block_size, num_blocks=info.num_blocks,
-                                   max_model_len=info.max_model_len)
-    engine = Engine(config, runner, eos_token_ids=info.eos_token_ids)
+    engine = build_engine(settings, device=device)
 
     async def run(repeat: int, prompts: list[list[int]]) -> tuple[list, float]:
         await engine_request(engine, asyncio.Semaphore(1), f"{repeat}-initial", prompts[0], output_len)
-        sem = asyncio.Semaphore(concurrency)
-        start = time.perf_counter()
-        done = await asyncio.gather(*(engine_request(engine, sem, f"{repeat}-{i}", p, output_len)
-                                      for i, p in enumerate(prompts)))
-        return list(done), time.perf_counter() - start
+        done, start, end = await engine_requests(engine, prompts, output_len, concurrency, str(repeat))
+        return done, end - start
 
     for repeat, prompts in enumerate(workloads):
         results.put(asyncio.run(run(repeat, prompts)))
@@ -110,9 +97,6 @@ def main() -> None:
         parser.error("--repeats must be at least 1")
     for key, value in read_env_file().items():  # the serving environment, before Ray starts
         os.environ.setdefault(key, value)
-    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
-                       ("RAY_USAGE_STATS_ENABLED", "0")):
-        os.environ.setdefault(key, value)
 
     model_dir = Path(tempfile.mkdtemp(prefix="bench-gpu-served-"))
     write_random_model(model_dir, SMOLLM2_135M)
@@ -145,34 +129,23 @@ def main() -> None:
             print_run(engine_rows[c])
         child.join()
 
-    import ray
-    from ray import serve
-
     from bench.serving_client import RunConfig, run_requests
-    from serve_app.app import build_app
 
-    ray.init(address="local", num_cpus=4, num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False,
-             log_to_driver=False)
     try:
-        port = free_port()
         started = time.perf_counter()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(settings), name="bench", route_prefix="/")
-        print(f"served in {time.perf_counter() - started:.0f} s on 127.0.0.1:{port}", flush=True)
-        for c, runs in workloads.items():
-            for repeat, requests in enumerate(runs):
-                cfg = RunConfig(base_url=f"http://127.0.0.1:{port}", model="bench", ignore_eos=True, temperature=0.0,
-                                max_concurrency=c, seed=1000 * c + repeat, disable_tqdm=True)
-                results, duration = asyncio.run(run_requests(cfg, requests))
-                row = summarize(f"HTTP c{c}", repeat, results, duration, "-")
-                print_run(row)
-            print(f"concurrency {c}: HTTP / in-process output tok/s = "
-                  f"{row['output_throughput'] / engine_rows[c]['output_throughput']:.2f}", flush=True)
+        with serve_here(settings, name="bench", num_gpus=1 if args.device == "cuda" else 0) as base_url:
+            print(f"served in {time.perf_counter() - started:.0f} s at {base_url}", flush=True)
+            for c, runs in workloads.items():
+                for repeat, requests in enumerate(runs):
+                    cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, temperature=0.0,
+                                    max_concurrency=c, seed=1000 * c + repeat, disable_tqdm=True)
+                    results, duration = asyncio.run(run_requests(cfg, requests))
+                    row = summarize(f"HTTP c{c}", repeat, results, duration, "-")
+                    print_run(row)
+                print(f"concurrency {c}: HTTP / in-process output tok/s = "
+                      f"{row['output_throughput'] / engine_rows[c]['output_throughput']:.2f}", flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
         shutil.rmtree(model_dir, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

@@ -159,11 +159,26 @@ def engine_settings(config: Path, model_dir: Path) -> dict:
     raw = yaml.safe_load(config.read_text())["applications"][0]["args"]
     args = AppArgs.model_validate({**raw, "model": str(model_dir)})
     threads = args.worker_num_threads or max(1, math.floor(args.worker_num_cpus))
-    return {"model": str(model_dir), "num_workers": args.num_workers, "threads": threads,
-            "block_size": args.block_size, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-            "num_kv_blocks": args.num_kv_blocks, "dtype": args.dtype or "float32",
-            "max_model_len": args.max_model_len, "attention_backend": args.attention_backend,
-            "app_args": args.model_dump(mode="json")}
+    return {"num_workers": args.num_workers, "threads": threads, "app_args": args.model_dump(mode="json")}
+
+
+def build_engine(app_args: dict, device: str = "cpu", num_threads: int | None = None):
+    """Our Engine (scheduler/engine.py) over a ModelRunner, both configured from the app's args
+    as the server configures a worker and its scheduler: the in-process side of a served bench."""
+    from scheduler.engine import Engine
+    from serve_app.config import AppArgs
+    from workers.model_runner import ModelRunner, RunnerConfig
+
+    args = AppArgs.model_validate(app_args)
+    runner = ModelRunner(RunnerConfig(
+        model=args.model, device=device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend, num_threads=num_threads, seed=0,
+    ))
+    info = runner.model_info
+    config = args.scheduler_config(block_size=info.block_size, num_blocks=info.num_blocks,
+                                   max_model_len=info.max_model_len)
+    return Engine(config, runner, eos_token_ids=info.eos_token_ids)
 
 
 def engine_shard(settings: dict, initial: list[int], prompts: list[list[int]], output_len: int, concurrency: int,
@@ -172,29 +187,12 @@ def engine_shard(settings: dict, initial: list[int], prompts: list[list[int]], o
     untimed first request (the workload's first prompt, as the HTTP client sends it)."""
     os.environ["OMP_NUM_THREADS"] = str(settings["threads"])
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker actors get it
-    from scheduler.engine import Engine
-    from serve_app.config import AppArgs
-    from workers.model_runner import ModelRunner, RunnerConfig
-
-    runner = ModelRunner(RunnerConfig(
-        model=settings["model"], block_size=settings["block_size"], num_blocks=settings["num_kv_blocks"],
-        kv_cache_memory_bytes=settings["kv_cache_memory_bytes"], num_threads=settings["threads"],
-        dtype=settings["dtype"], max_model_len=settings["max_model_len"],
-        attention_backend=settings["attention_backend"], seed=0,
-    ))
-    info = runner.model_info
-    config = AppArgs.model_validate(settings["app_args"]).scheduler_config(
-        block_size=info.block_size, num_blocks=info.num_blocks, max_model_len=info.max_model_len)
-    engine = Engine(config, runner, eos_token_ids=info.eos_token_ids)
-    sem = asyncio.Semaphore(concurrency)
+    engine = build_engine(settings["app_args"], num_threads=settings["threads"])
 
     async def run() -> tuple[list[RequestResult], float, float]:
-        await engine_request(engine, sem, f"{tag}-initial", initial, output_len)
+        await engine_request(engine, asyncio.Semaphore(1), f"{tag}-initial", initial, output_len)
         barrier.wait()  # every shard starts timing together
-        start = time.perf_counter()
-        done = await asyncio.gather(*(engine_request(engine, sem, f"{tag}-{i}", p, output_len)
-                                      for i, p in enumerate(prompts)))
-        return list(done), start, time.perf_counter()
+        return await engine_requests(engine, prompts, output_len, concurrency, tag)
 
     cpu_before = sum(os.times()[:2])
     done, start, end = asyncio.run(run())
@@ -202,8 +200,20 @@ def engine_shard(settings: dict, initial: list[int], prompts: list[list[int]], o
     engine.close()
 
 
+async def engine_requests(engine, prompts: list[list[int]], output_len: int, concurrency: int,
+                          tag: str) -> tuple[list[RequestResult], float, float]:
+    """The prompts through the engine, at most `concurrency` in flight, greedy, ignore_eos:
+    (results in prompt order, start, end) on the perf_counter clock."""
+    sem = asyncio.Semaphore(concurrency)
+    start = time.perf_counter()
+    done = await asyncio.gather(*(engine_request(engine, sem, f"{tag}-{i}", p, output_len)
+                                  for i, p in enumerate(prompts)))
+    return list(done), start, time.perf_counter()
+
+
 async def engine_request(engine, sem: asyncio.Semaphore, request_id: str, prompt: list[int],
                          max_tokens: int) -> RequestResult:
+    """One request, timed chunk by chunk as bench/request_func.py times one over HTTP."""
     from scheduler.outputs import EngineRequest
     from scheduler.sampling_params import SamplingParams
 

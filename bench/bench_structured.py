@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-for _key, _value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                     ("RAY_AUTH_MODE", "disabled")):
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -41,8 +38,8 @@ import time  # noqa: E402
 
 from bench import datasets  # noqa: E402
 from bench.bench_http import load_avg  # noqa: E402
-from bench.matrix import port_free  # noqa: E402
 from bench.metrics import calculate_metrics  # noqa: E402
+from bench.served_app import serve_here  # noqa: E402
 from bench.serving_client import RunConfig, fetch_models, run_requests  # noqa: E402
 
 LONG_SCHEMA = {  # shortest document: 64 strings of at least 2 characters, well over 128 tokens
@@ -85,21 +82,10 @@ def run_side(base_url: str, model: str, requests, args, constrained: bool, seed:
 
 
 def http_phase(args: argparse.Namespace) -> list[dict]:
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    if not port_free(args.port):
-        raise SystemExit(f"127.0.0.1:{args.port} is in use; pick another --port")
-    base_url = f"http://127.0.0.1:{args.port}"
     tokenizer = datasets.PromptTokenizer(_tokenizer_path(args.model))
     runs = []
-    ray.init(address="local", num_cpus=args.ray_num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        app_args = {**SHIPPED_APP_ARGS, "name": APP_NAME} | ({"model": args.model} if args.model else {})
-        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+    app_args = {**SHIPPED_APP_ARGS, "name": APP_NAME} | ({"model": args.model} if args.model else {})
+    with serve_here(app_args, name=APP_NAME, port=args.port, num_cpus=args.ray_num_cpus) as base_url:
         model = asyncio.run(fetch_models(base_url))[0]["id"]
         for round_index in range(args.rounds):
             requests = datasets.random_requests(tokenizer, num_prompts=args.num_prompts, input_len=args.input_len,
@@ -114,9 +100,6 @@ def http_phase(args: argparse.Namespace) -> list[dict]:
                 print(json.dumps(run), flush=True)
             ratio = pair[True]["output_tok_s"] / pair[False]["output_tok_s"]
             print(f"round {round_index}: constrained / unconstrained output tok/s = {ratio:.3f}", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return runs
 
 

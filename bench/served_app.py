@@ -9,6 +9,9 @@ of the app (the serving path's CPU table, docs/serving.md).
     print_cpu_table(rows)
     stop_app(app)
 
+For a machine with no Ray CLI on the PATH (the GPU machines), or a bench that needs Serve in its
+own process, `serve_here(app_args, ...)` runs the app on a local Ray started by this process.
+
 `serve run` starts its own local Ray (GCS, raylet, dashboard, log monitor, Serve's controller
 and proxy, our replicas and actors). Started under setsid, every one of those processes keeps
 the `serve run` process's session id (Ray's actors leave its process group, not its session),
@@ -19,12 +22,14 @@ is read from /proc: the TCP socket the replica listens on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +135,32 @@ def start_app(launch: AppLaunch) -> ServedApp:
         time.sleep(1.0)
     stop_app(app)
     raise RuntimeError(f"not healthy after {launch.timeout_s:g} s; see {log_path}")
+
+
+@contextlib.contextmanager
+def serve_here(app_args: dict, *, name: str, port: int | None = None, num_cpus: int = 4,
+               num_gpus: int = 0) -> Iterator[str]:
+    """The app of serve_app.app on a local Ray started in this process, Serve's proxy on
+    127.0.0.1:`port` (a free one when None); yields its base URL, and shuts Serve and Ray down."""
+    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
+                       ("RAY_USAGE_STATS_ENABLED", "0")):
+        os.environ.setdefault(key, value)
+    port = free_port() if port is None else port
+    if not port_free(port):
+        raise SystemExit(f"127.0.0.1:{port} is in use; pick another port")
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args), name=name, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def health_status(base_url: str) -> int | None:
