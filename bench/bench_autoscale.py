@@ -5,7 +5,7 @@
 A discrete-event simulation: no model, no Ray, no wall clock. Each worker is the real pure
 `Scheduler` (scheduler/scheduler.py) stepped as the engine steps it (schedule ->
 ModelRunnerOutput -> update_from_output, one step at a time) with an `InstantRunner` for the
-tokens, and a step lasts a GPU-like `base + per_token * batched tokens + per_seq * sequences`
+tokens (the simulation core of bench/sim.py), and a step lasts a GPU-like `base + per_token * batched tokens + per_seq * sequences`
 of virtual time (defaults 12 ms, 0.02 ms, 0.1 ms: a 2048-token prefill step takes about 53 ms,
 a step of 16 decodes about 14 ms). A worker takes `--startup-s` (30 s: load weights, warm up)
 from its start to serving, and counts as live (it holds a GPU) from its start until it is gone.
@@ -59,12 +59,11 @@ import dataclasses
 import heapq
 import math
 import random
-import statistics
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+from bench.sim import StepCost, fast_block_hash, percentile
 from scheduler.autoscale import (
     AutoscaleConfig,
     AutoscalePolicy,
@@ -84,20 +83,8 @@ from scheduler.testing import InstantRunner
 DEFAULT_PLOT = "/tmp/bench_autoscale.png"
 
 
-def fast_block_hash(parent, token_ids):
-    """A cheap HashFn for the simulation: prompts are synthetic, collisions do not matter."""
-    return hash((parent, tuple(token_ids)))
-
-
-@dataclass(frozen=True)
-class StepTime:
-    base_s: float = 0.012  # per step
-    per_token_s: float = 0.00002  # per batched token (prompt or decode)
-    per_seq_s: float = 0.0001  # per sequence in the step
-
-    def of(self, step: SchedulerOutput) -> float:
-        return (self.base_s + self.per_token_s * step.total_num_scheduled_tokens
-                + self.per_seq_s * len(step.num_scheduled_tokens))
+# a GPU-like worker: per step, per batched token (prompt or decode alike), per sequence in the step
+GPU_STEP = StepCost(base_s=0.012, per_token_s=0.00002, per_prompt_token_s=None, per_seq_s=0.0001)
 
 
 @dataclass(frozen=True)
@@ -115,7 +102,7 @@ class Setup:
     seed: int = 0  # for the lengths
     worker: SchedulerConfig = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, block_size=16,
                                               num_blocks=3600, max_model_len=4096)
-    step_time: StepTime = StepTime()
+    step_time: StepCost = GPU_STEP
     startup_s: float = 30.0  # a worker's start to serving
     drain_timeout_s: float = 30.0  # a retired worker finishes what it holds up to this, then moves the rest
     decide_every_s: float = 1.0  # policy cadence
@@ -179,14 +166,6 @@ class RunResult:
     @property
     def output_tokens(self) -> int:
         return sum(r.num_tokens for r in self.records.values())
-
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The value at rank floor(q * n) of the sorted values (NaN for none)."""
-    if not sorted_values:
-        return math.nan
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 class Simulation:
@@ -469,7 +448,7 @@ def parse_phases(text: str) -> tuple[Phase, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d, w, st = Setup(), Setup().worker, StepTime()
+    d, w, st = Setup(), Setup().worker, GPU_STEP
     parser.add_argument("--phases", default="600:1,600:64,600:1", help="seconds:streams,...")
     parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
@@ -497,7 +476,8 @@ def main() -> None:
         length_spread=args.length_spread, seed=args.seed,
         worker=dataclasses.replace(w, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, max_model_len=max(
             w.max_model_len, math.ceil((args.prompt_tokens + args.output_tokens) * (1 + args.length_spread)) + 1)),
-        step_time=StepTime(args.step_base_ms / 1000, args.step_per_token_ms / 1000, args.step_per_seq_ms / 1000),
+        step_time=StepCost(base_s=args.step_base_ms / 1000, per_token_s=args.step_per_token_ms / 1000,
+                           per_prompt_token_s=None, per_seq_s=args.step_per_seq_ms / 1000),
         startup_s=args.startup_s, drain_timeout_s=args.drain_timeout_s, decide_every_s=args.decide_every_s,
         queue_window_s=args.queue_window_s,
     )

@@ -489,7 +489,7 @@ class Scheduler:
         behind the rest, end that far behind them, and their clients' next requests would then
         arrive alone beside the next batch, to be held and stall it, wave after wave. Admitted
         now, they end within hold_while_finishing_steps of the batch, and the finishing hold
-        keeps the next requests together (bench/sim_waves.py replays that loop)."""
+        keeps the next requests together (bench/sim.py replays that loop)."""
         return self._half_of_running(lambda request, steps: request.num_output_tokens < steps)
 
     def _running_mostly_finishing(self) -> bool:

@@ -14,7 +14,7 @@ WORKER = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=2, block_size=
 SMALL = ba.Setup(
     phases=(ba.Phase(10.0, 1), ba.Phase(60.0, 8), ba.Phase(60.0, 1)),
     prompt_tokens=256, output_tokens=32, worker=WORKER, startup_s=5.0, queue_window_s=5.0,
-    step_time=ba.StepTime(base_s=0.05),  # fewer steps per virtual second: a quicker test
+    step_time=dataclasses.replace(ba.GPU_STEP, base_s=0.05),  # fewer steps per virtual second: a quicker test
 )
 POLICY = AutoscaleConfig(1, 4, scale_up_delay_s=3.0, scale_down_delay_s=10.0, scale_down_step_s=5.0,
                          target_waiting_tokens_per_worker=512, max_running_per_worker=WORKER.max_num_seqs)

@@ -1,16 +1,22 @@
-"""The c16 benchmark's closed loop, simulated in virtual time with the real scheduler.
+"""The simulation core: the real scheduler in virtual time, and the c16 closed loop replayed on it.
 
-    .venv/bin/python -m bench.sim_waves [--seeds 40] [--variant NAME:KEY=VALUE,...]
+    .venv/bin/python -m bench.sim [--seeds 40] [--variant NAME:KEY=VALUE,...]
         [--cell c16|long-prompt|shared-prefix]
 
-A served c16 run (bench.matrix: 16 clients, 64 requests of 256 prompt and 128 output tokens,
-ignore_eos) is one sample of how the waves of requests line up, and whether they fall apart
-(docs/serving.md, "Keeping waves whole") depends on how the arrivals happen to spread. One real
-run takes minutes; this replays the same loop in virtual time, so scheduler rules can be
-compared over many arrival spreads in seconds:
+No model, no Ray, no wall clock: the real `Scheduler` (scheduler/scheduler.py) driven as the
+engine drives it, an `InstantRunner` (scheduler/testing.py) for the tokens, and a step that lasts
+`StepCost.of(step)` of virtual time. The shared pieces (StepCost, percentile, fast_block_hash)
+also serve bench.bench_autoscale, whose workers are this core's scheduler under a router and an
+autoscaling policy.
 
-- the real `Scheduler` (scheduler/scheduler.py) with the deploy/serve.yaml settings, driven as
-  the engine drives it with async scheduling: step N+1 is decided when step N starts;
+The CLI replays the c16 benchmark's closed loop. A served c16 run (bench.matrix: 16 clients, 64
+requests of 256 prompt and 128 output tokens, ignore_eos) is one sample of how the waves of
+requests line up, and whether they fall apart (docs/serving.md, "Keeping waves whole") depends
+on how the arrivals happen to spread. One real run takes minutes; this replays the same loop in
+virtual time, so scheduler rules can be compared over many arrival spreads in seconds:
+
+- the real `Scheduler` with the deploy/serve.yaml settings, driven as the engine drives it
+  with async scheduling: step N+1 is decided when step N starts;
 - a worker whose step takes `base + per_decode * decoding rows + per_prompt * prompt tokens`
   (defaults fitted to the served bf16 worker on the Zen 4 VM: 27 ms for 16 decodes, 1.2 s
   for a 2048-token prefill step);
@@ -31,8 +37,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import math
 import random
 import statistics
+from collections.abc import Sequence
 
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineRequest
@@ -86,14 +94,37 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
+    """A step's virtual duration: base + per_token * its tokens + per_seq * its rows, with prompt
+    tokens priced apart at per_prompt_token when that is set (a decoding row is one token at
+    per_token). The defaults: the served bf16 CPU worker of the c16 loop."""
     base_s: float = 0.006
-    per_decode_s: float = 0.0013
-    per_prompt_token_s: float = 0.00058
+    per_token_s: float = 0.0013
+    per_prompt_token_s: float | None = 0.00058  # None: at per_token_s, like any token
+    per_seq_s: float = 0.0
 
-    def of(self, scheduler_output, prompt_rows: dict[str, bool]) -> float:
-        decodes = sum(1 for rid in scheduler_output.num_scheduled_tokens if not prompt_rows.get(rid))
-        prompt_tokens = scheduler_output.total_num_scheduled_tokens - decodes
-        return self.base_s + self.per_decode_s * decodes + self.per_prompt_token_s * prompt_tokens
+    def of(self, scheduler_output, prompt_rows: dict[str, bool] | None = None) -> float:
+        """prompt_rows (request id -> still computing its prompt) is needed when prompt tokens are
+        priced apart."""
+        rows = scheduler_output.num_scheduled_tokens
+        if self.per_prompt_token_s is None:
+            cost = self.base_s + self.per_token_s * scheduler_output.total_num_scheduled_tokens
+        else:
+            decodes = sum(1 for rid in rows if not prompt_rows.get(rid))
+            prompt_tokens = scheduler_output.total_num_scheduled_tokens - decodes
+            cost = self.base_s + self.per_token_s * decodes + self.per_prompt_token_s * prompt_tokens
+        return cost + self.per_seq_s * len(rows) if self.per_seq_s else cost
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The value at rank floor(q * n) of the sorted values (NaN for none)."""
+    if not sorted_values:
+        return math.nan
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def fast_block_hash(parent, token_ids):
+    """A cheap HashFn for simulations: prompts are synthetic, collisions do not matter."""
+    return hash((parent, tuple(token_ids)))
 
 
 @dataclasses.dataclass
