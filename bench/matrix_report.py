@@ -1,8 +1,9 @@
-"""The results sections of docs/benchmarks.md, one per dtype, from the JSONs bench/matrix.py wrote.
+"""The results sections of a Markdown file (bench.matrix --doc, e.g. docs/benchmarks/matrix-zen4.md),
+one per dtype, from the JSONs bench/matrix.py wrote.
 
 Everything between a dtype's begin and end markers (markers(dtype)) in the doc is replaced
 (appended when the markers are missing); the rest of the doc, the other dtype's section
-included, is left as written. Plots go to docs/benchmarks/DTYPE/.
+included, is left as written. Plots go beside the file, in DTYPE/.
 Each number cell shows every run, "run 1 / run 2"; ratios ours/peer are per run (run r of
 ours over run r of the peer: same prompts, same matrix invocation) and of the means.
 """
@@ -136,45 +137,6 @@ def ratio_table(cell: str, data: dict[str, dict[str, list[dict]]]) -> list[str]:
     return _table(["ratio (per run, (of means))"] + [m.title for m in metrics], rows)
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    text: str
-    cell: str
-    peer: str
-    metric: Metric
-    bound: float
-    at_least: bool  # ours / peer >= bound, else <= bound
-
-
-TARGETS = [  # the same dtype on both sides
-    Target("concurrency 16: output tok/s >= 1.33x vLLM-CPU", "c16", "vllm", TOK_S, 1.33, True),
-    Target("concurrency 16: TTFT p99 <= 0.5x vLLM-CPU", "c16", "vllm", TTFT_P99, 0.5, False),
-    Target("concurrency 16: ITL p99 no worse than llama.cpp", "c16", "llama", ITL_P99, 1.0, False),
-    Target("concurrency 1: output tok/s >= 1.0x llama.cpp", "c1", "llama", TOK_S, 1.0, True),
-    Target("concurrency 16: output tok/s >= 5x the per-request HF server", "c16", "hf", TOK_S, 5.0, True),
-    Target("concurrency 16 sampled: output tok/s >= 1.33x vLLM-CPU", "c16-sampled", "vllm", TOK_S, 1.33, True),
-    Target("concurrency 1 sampled: output tok/s >= 1.0x vLLM-CPU", "c1-sampled", "vllm", TOK_S, 1.0, True),
-]
-
-
-def target_rows(data: dict[str, dict[str, list[dict]]]) -> list[list[str]]:
-    rows = []
-    for t in TARGETS:
-        ours, peer = data.get("ours", {}).get(t.cell), data.get(t.peer, {}).get(t.cell)
-        if not ours or not peer:
-            rows.append([t.text, "not measured", "-"])
-            continue
-        a, b = mean(ours, t.metric), mean(peer, t.metric)
-        if not a or not b:
-            rows.append([t.text, "no value", "-"])
-            continue
-        r = a / b
-        met = r >= t.bound if t.at_least else r <= t.bound
-        rows.append([t.text, f"{r:.2f}x ({t.metric.fmt.format(a)} vs {t.metric.fmt.format(b)})",
-                     "**met**" if met else "**missed**"])
-    return rows
-
-
 def knob_rows(data: dict[str, dict[str, list[dict]]]) -> list[list[str]]:
     rows = []
     for cell, on, off, what in KNOBS:
@@ -235,13 +197,12 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
     from bench.matrix import CELLS, SERVERS
 
     begin, end = markers(dtype)
-    dates = sorted(r["date"] for cells in data.values() for runs in cells.values() for r in runs)
     lines = [begin, "", f"## Results in {dtype} (side by side, one matrix run)", ""]
     if not data:
         lines += [f"No results yet: run `.venv/bin/python -m bench.matrix --dtype {dtype}`.", "", end]
         return "\n".join(lines)
     lines += [
-        f"- Measured {dates[0]} to {dates[-1]} (runs' start times, YYYYmmdd-HHMMSS) on {machine_text()}.",
+        f"- Measured on {machine_text()}.",
         f"- Model: SmolLM2-135M-Instruct, {dtype} weights and KV everywhere (llama.cpp: a "
         f"{GGUF_TYPES.get(dtype, dtype)} GGUF of the same weights).",
         f"- Command: `.venv/bin/python -m bench.matrix --dtype {dtype}` (servers one at a time, each started by its "
@@ -260,8 +221,6 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
     lines += _table(["server", "what", "launcher"], rows) + ["", "Workloads (streaming /v1/completions; greedy unless the cell says sampled):", ""]
     rows = [[c.name, c.what, str(c.num_prompts)] for c in CELLS.values()]
     lines += _table(["cell", "what", "requests (hf: at most 16)"], rows) + [""]
-    lines += ["### Targets, means of the runs", ""]
-    lines += _table(["target", "ours / peer", ""], target_rows(data)) + [""]
     for cell in CELLS:
         by_server = {s: cells[cell] for s, cells in data.items() if cell in cells and not s.startswith("ours-")}
         if not by_server:
@@ -278,7 +237,7 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
             if by_server:
                 lines += [f"Knob runs on {cell}:", ""] + cell_table(cell, by_server) + [""]
     if plot_names:
-        lines += ["### Plots", ""] + [f"![{n}](benchmarks/{dtype}/{n})" for n in plot_names] + [""]
+        lines += ["### Plots", ""] + [f"![{n}]({dtype}/{n})" for n in plot_names] + [""]
     lines.append(end)
     return "\n".join(lines)
 
@@ -286,7 +245,7 @@ def render(data: dict[str, dict[str, list[dict]]], plot_names: list[str], dtype:
 def write(out_dir: Path, doc: Path, dtype: str = "float32") -> None:
     """Rewrites dtype's section of doc from out_dir (bench/matrix.py's results for that dtype)."""
     data = load(out_dir)
-    names = plots(data, doc.parent / "benchmarks" / dtype) if data else []
+    names = plots(data, doc.parent / dtype) if data else []
     section = render(data, names, dtype)
     begin, end = markers(dtype)
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"

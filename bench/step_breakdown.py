@@ -23,8 +23,8 @@ context of --prompt-len tokens), all in one process and one run:
   layer, at the timed steps' mean context), its share of the step's bytes, and the byte floor
   (weights + KV) / weights: the step / GEMM-only of a step that moves all its bytes at the rate
   the products move the weights (their GB/s is printed beside the sum's). A step beats it only
-  by reading its KV faster than that, or while arithmetic runs (docs/benchmarks.md, "Where
-  each missed target stands").
+  by reading its KV faster than that, or while arithmetic runs (docs/cpu.md, "Where the time
+  goes on AMX").
 
 With `--prefill N` (`bench_runner --breakdown --prefill 8`), also a step that computes N
 prompts of --prompt-len tokens whole (8 x 256: the 2048-token steps of a c16 wave), against

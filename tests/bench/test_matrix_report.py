@@ -32,7 +32,7 @@ def write_runs(out: Path, server: str, cell: str, runs: list[dict]) -> None:
         (out / server / f"{cell}-run{r}.json").write_text(json.dumps(run))
 
 
-def test_report_ratios_targets_and_markers(tmp_path) -> None:
+def test_report_ratios_and_markers(tmp_path) -> None:
     out = tmp_path / "results"
     write_runs(out, "ours", "c16", [fake_run(120, 1000, 100), fake_run(140, 1200, 120)])
     write_runs(out, "vllm", "c16", [fake_run(100, 4000, 300), fake_run(100, 4000, 300)])
@@ -51,15 +51,9 @@ def test_report_ratios_targets_and_markers(tmp_path) -> None:
     assert text.count(begin) == 1 and "## Results in bfloat16" in text and "a bf16 GGUF" in text
     # per-run ratios, then the ratio of the means: (120+140)/2 / 100 = 1.30 < 1.33
     assert "| ours / vllm | 1.20 / 1.40 (1.30) |" in text
-    target = next(line for line in text.splitlines() if "1.33x vLLM" in line)
-    assert "1.30x" in target and "**missed**" in target
-    ttft = next(line for line in text.splitlines() if "TTFT p99 <= 0.5x" in line)
-    assert "0.28x" in ttft and "**met**" in ttft  # 1100 / 4000
-    itl = next(line for line in text.splitlines() if "no worse than llama.cpp" in line)
-    assert "**missed**" in itl  # 110 vs 90
-    assert "not measured" in next(line for line in text.splitlines() if "5x the per-request HF" in line)
+    assert "Target" not in text and "Measured on " in text  # figures and the machine, no goals or dates
     assert "| prefix caching | shared-prefix | out tok/s | ours-1worker: 50.0 | ours-no-prefix-cache: 30.0 |" in text
-    assert (tmp_path / "benchmarks" / "bfloat16" / "c16-latency-cdf.png").stat().st_size > 0
+    assert (tmp_path / "bfloat16" / "c16-latency-cdf.png").stat().st_size > 0  # beside the doc
     matrix_report.write(out, doc, "bfloat16")  # idempotent
     assert doc.read_text() == text
 

@@ -1,8 +1,7 @@
 """The Triton kernels compiled on CUDA, and the model runner end to end on CUDA.
 
 Skips as a whole where torch sees no CUDA device (every CI and development machine of this
-project). It ran on an H200 lent to the project on 2026-11-26 (all passed; docs/gpu.md and
-scripts/gpu_check.sh). The same kernel checks run on CPU in Triton's interpreter
+project). It passed on an H200 (docs/gpu.md and scripts/gpu_check.sh). The same kernel checks run on CPU in Triton's interpreter
 (tests/workers/test_triton_kernels.py).
 
 Run it on a GPU node, in its own process so nothing has flipped triton to the interpreter:

@@ -5,7 +5,7 @@ sm_89+, the Triton FP8 GEMM everywhere), loading onto CUDA, and capture in a CUD
 
 Also the loader's CUDA path on tiny checkpoints of every format: linears kept packed, greedy
 tokens (Triton attention, decode graphs) equal to the same packed weights on CPU times
-reference_quant_linear. Passed on an H200 (2026-11-27, docs/gpu.md). Skips as a whole without a
+reference_quant_linear. Passed on an H200 (docs/gpu.md). Skips as a whole without a
 CUDA device. Run it in its own process (nothing may have flipped triton to the interpreter):
 
     pytest tests/gpu/test_gpu_quant.py -m gpu -ra
