@@ -1,8 +1,10 @@
 """The FastAPI app: routes over a ServingContext. No Ray here, so tests run it in-process.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health, /version, and (serve_app/observability.py) /metrics, /live, /v1/server_info. Later layers (auth, metrics, body limits) add middleware or routes to
-the app that create_api returns.
+Routes: /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's Responses API,
+serve_app/responses.py), /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API,
+serve_app/messages.py), /v1/models, /tokenize, /detokenize, /health, /version, and
+(serve_app/observability.py) /metrics, /live, /v1/server_info. Later layers (auth, metrics,
+body limits) add middleware or routes to the app that create_api returns.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
-from serve_app import chat, completions
+from serve_app import chat, completions, messages, responses
 from serve_app.auth import ApiKeyMiddleware
 from serve_app.context import ServingContext
-from serve_app.errors import UNAVAILABLE_RETRY_AFTER_S, draining_error, error_response, install_error_handlers
+from serve_app.errors import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    OpenAIError,
+    anthropic_error_body,
+    draining_error,
+    error_response,
+    install_error_handlers,
+)
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.observability import install_observability
 from serve_app.protocol import (
@@ -32,7 +41,7 @@ from serve_app.protocol import (
     TokenizeChatRequest,
     TokenizePromptRequest,
 )
-from serve_app.sse import sse_stream
+from serve_app.sse import named_sse_stream, sse_stream
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 LARGE_BODY_BYTES = 1 << 18  # JSON bodies above this are parsed on the app's JSON thread
@@ -76,7 +85,7 @@ class DrainingMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.ctx.draining and scope.get("path") not in OPEN_WHILE_DRAINING:
-            await error_response(draining_error())(scope, receive, send)
+            await error_response(draining_error(), scope.get("path", ""))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -115,6 +124,28 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest) -> Any:
         return await generate(chat, body)
+
+    async def generate_events(endpoint: Any, body: Any, error_body: Callable[[OpenAIError], dict[str, Any]]) -> Any:
+        """endpoint: the messages or responses module, whose streams are named events."""
+        if ctx.draining:
+            raise draining_error()
+        if body.stream:
+            events = await endpoint.prepare_stream(body, ctx)
+            return StreamingResponse(named_sse_stream(events, error_body), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return JSONResponse(await endpoint.complete(body, ctx))
+
+    @app.post("/v1/messages", response_model=None)
+    async def create_message(body: messages.MessagesRequest) -> Any:
+        return await generate_events(messages, body, anthropic_error_body)
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(body: responses.ResponsesRequest) -> Any:
+        return await generate_events(responses, body, responses.error_event)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: messages.CountTokensRequest) -> dict[str, Any]:
+        return await messages.count_tokens(body, ctx)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -7,8 +7,11 @@
   and /metrics (Prometheus scrapes without credentials by default; it carries counts and
   latencies, never request text). Everything else, /v1/*, /tokenize, /version and the
   OpenAPI docs included, answers 401 without a valid key.
+- The key may also come as `x-api-key: <key>` (Anthropic's clients send it so); Authorization
+  wins where both are sent.
 - A missing header, another scheme than Bearer, an empty or a wrong key: 401 in OpenAI's
-  error shape with code "invalid_api_key" and `WWW-Authenticate: Bearer`.
+  error shape (Anthropic's on the Messages API's routes) with code "invalid_api_key" and
+  `WWW-Authenticate: Bearer`.
 - Keys are kept only as SHA-256 digests and compared with hmac.compare_digest against
   every configured key (no early exit), so neither timing nor the number of keys leaks
   which prefix matched. Nothing here logs a header or a key, and the message never echoes
@@ -85,7 +88,9 @@ class ApiKeyMiddleware:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
                 break
+            if name == b"x-api-key" and authorization is None:  # Anthropic's clients send the key so
+                authorization = "Bearer " + value.decode("latin-1")
         if not self.checker.is_valid(authorization):
-            await send_error(send, invalid_api_key())
+            await send_error(send, invalid_api_key(), scope_path(scope))
             return
         await self.app(scope, receive, send)

@@ -28,22 +28,31 @@ from serve_app.tools import render_for_template
 PROMPT_TAIL_TOKENS = 32  # prompt tokens decoded to see whether the template opened a thought
 
 
-async def prepare(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[GenerationRun, OutputPlan]:
+async def prepare(body: ChatCompletionRequest, ctx: ServingContext,
+                  id_prefix: str = "chatcmpl") -> tuple[GenerationRun, OutputPlan]:
+    """The run and what to parse out of its text; the Messages and Responses APIs
+    (serve_app/messages.py, serve_app/responses.py) come this way too, with ids of their own."""
     ctx.card.check_model(body.model)
     ctx.limits.check_choices(body.n, 1)
-    constraints = await chat_constraints(body, ctx)  # response_format, tools: 400s here
-    messages, tools = render_for_template([message.as_template_dict() for message in body.messages],
-                                          constraints.tools, ctx.tokenizer.chat_template_renders_tools)
-    token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len,
-                                                tools=tools)
+    constraints, token_ids = await prompt(body, ctx)
     params = with_grammar(to_sampling_params(body, len(token_ids), ctx.card, ctx.limits), constraints)
     plan = _output_plan(constraints, token_ids, ctx)
     keep_special = plan.reasoning_prompt_tail is not None and decodes_special_tokens(plan.reasoning_parser)
-    run = ctx.start_run(ctx.new_id("chatcmpl"), [token_ids], [params], body.stop_strings,
+    run = ctx.start_run(ctx.new_id(id_prefix), [token_ids], [params], body.stop_strings,
                         timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None,
                         skip_special_tokens=not keep_special)
     await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
     return run, plan
+
+
+async def prompt(body: ChatCompletionRequest, ctx: ServingContext) -> tuple[Constraints, list[int]]:
+    """The request's constraints (response_format, tools: 400s here) and its templated prompt's tokens."""
+    constraints = await chat_constraints(body, ctx)
+    messages, tools = render_for_template([message.as_template_dict() for message in body.messages],
+                                          constraints.tools, ctx.tokenizer.chat_template_renders_tools)
+    token_ids = await ctx.tokenizer.encode_chat(messages, body.add_generation_prompt, ctx.card.max_model_len,
+                                                tools=tools)
+    return constraints, token_ids
 
 
 def _output_plan(constraints: Constraints, token_ids: list[int], ctx: ServingContext) -> OutputPlan:

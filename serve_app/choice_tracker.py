@@ -49,6 +49,11 @@ class ChoiceTracker:
     def stopped_by_string(self) -> bool:
         return self._stop_matcher.stopped
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended this choice; None: none did."""
+        return self._stop_matcher.matched
+
     def update(self, output: RequestOutput) -> ChoiceDelta | None:
         if self.finished:
             return None

@@ -2,6 +2,10 @@
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}
 
+The Messages API's routes answer in Anthropic's shape instead (error_payload):
+
+    {"type": "error", "error": {"type": str, "message": str}}
+
 Malformed JSON, wrong types and out-of-range values are 400 (FastAPI's default is 422);
 an unknown route or model is 404; an engine that cannot be reached is 503; anything
 unexpected is a 500 in the same shape (and a bug to fix).
@@ -88,8 +92,33 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+# Anthropic's error types by status, for the Messages API's routes (serve_app/messages.py)
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_ROUTE = "/v1/messages"  # and /v1/messages/count_tokens
+
+
+def speaks_anthropic(path: str) -> bool:
+    """The route answers in Anthropic's shapes (a Serve route prefix may come before it)."""
+    return ANTHROPIC_ROUTE in path
+
+
+def anthropic_error_body(error: OpenAIError) -> dict[str, Any]:
+    """{"type": "error", "error": {"type": ..., "message": ...}}: Anthropic's error shape."""
+    error_type = _ANTHROPIC_TYPE_BY_STATUS.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": error.message}}
+
+
+def error_payload(error: OpenAIError, path: str = "") -> dict[str, Any]:
+    """The error's body in the shape of the API the path belongs to."""
+    return anthropic_error_body(error) if speaks_anthropic(path) else error.body()
+
+
+def error_response(error: OpenAIError, path: str = "") -> JSONResponse:
+    return JSONResponse(error_payload(error, path), status_code=error.status, headers=error.headers)
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -111,26 +140,26 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request.url.path)
 
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         message = exc.detail if isinstance(exc.detail, str) else phrase
         error = OpenAIError(message, exc.status_code, error_type=_TYPE_BY_STATUS.get(exc.status_code))
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(error_payload(error, request.url.path), status_code=exc.status_code, headers=exc.headers)
 
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         if getattr(getattr(request.app.state, "ctx", None), "draining", False):
             # a failure while the app shuts down (an executor closed, the engine gone) is the shutdown's
             logger.warning("error while draining, answered 503: %s", f"{type(exc).__name__}: {exc}"[:300])
-            return error_response(draining_error())
+            return error_response(draining_error(), request.url.path)
         logger.exception("unhandled error in a route")
         error = OpenAIError(f"internal error: {type(exc).__name__}", 500, error_type="server_error")
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     app.add_exception_handler(OpenAIError, on_openai_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

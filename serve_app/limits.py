@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, error_payload
 from serve_app.protocol import MAX_N
 
 Scope = dict[str, Any]
@@ -77,7 +77,7 @@ class BodySizeLimitMiddleware:
             return
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
-            await send_error(send, body_too_large(self.max_body_bytes))
+            await send_error(send, body_too_large(self.max_body_bytes), scope_path(scope))
             return
         received = 0
 
@@ -111,9 +111,9 @@ def scope_path(scope: Scope) -> str:
     return path or "/"
 
 
-async def send_error(send: Any, error: OpenAIError) -> None:
-    """An OpenAI error response sent straight from ASGI middleware."""
-    body = json.dumps(error.body()).encode()
+async def send_error(send: Any, error: OpenAIError, path: str = "") -> None:
+    """An error response sent straight from ASGI middleware, in the shape of the path's API."""
+    body = json.dumps(error_payload(error, path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 REQUEST_LOG = logging.getLogger("ray.serve.rayllm.requests")
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID_CHARS = 128
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+# the generating routes, by the API each speaks (/v1/server_info counts requests per API)
+API_OF_ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+                "/v1/responses": "responses", "/v1/messages": "messages"}
+GENERATION_ROUTES = frozenset(API_OF_ROUTE)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
 
@@ -56,6 +59,7 @@ class Observability:
     engine_stats: EngineStatsCache | None = None  # None: /metrics shows the ingress only
     echo_request_id: bool = True  # False under Serve: its proxy already echoes x-request-id
     clock: Callable[[], float] = time.perf_counter
+    requests_by_api: dict[str, int] = field(default_factory=lambda: dict.fromkeys(API_OF_ROUTE.values(), 0))
 
 
 @dataclass
@@ -174,6 +178,7 @@ class ObservabilityMiddleware:
             total_s = obs.clock() - record.started
             obs.metrics.observe_http(record.route, status["code"], total_s)
             if record.route in GENERATION_ROUTES:
+                obs.requests_by_api[API_OF_ROUTE[record.route]] += 1
                 REQUEST_LOG.info(record.log_line(status["code"], total_s))
 
 
@@ -250,5 +255,6 @@ def server_info_json(ctx: ServingContext, obs: Observability) -> dict[str, Any]:
         "engine_stats_error": None if cache is None else cache.last_error,
         "fast_data_plane": ctx.fast_data_plane,  # {"enabled", "missing"}: Serve's data plane in this replica
         "prefill_rules": ctx.prefill_rules,  # the prompt-batching knobs in effect, and where each came from
+        "requests_by_api": dict(obs.requests_by_api),  # answered by this replica since it started, any status
         "schedulers": shards,
     }

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 64  # sequences per prompt
 MAX_LOGPROBS = 20  # top logprobs per token
@@ -301,3 +301,18 @@ class DetokenizeRequest(_Body):
 
     model: str | None = Field(None, description="Served model id; may be omitted.")
     tokens: list[Annotated[int, Field(ge=0)]] = Field(description="Token ids to turn into text.")
+
+
+def chat_body(fields: dict[str, Any], api: str) -> ChatCompletionRequest:
+    """A chat request built from another API's (serve_app/messages.py, responses.py): the fields
+    set (None: left out, so the model's sampling defaults apply), checked; a 400 if they do not fit."""
+    from serve_app.errors import OpenAIError
+
+    try:
+        return ChatCompletionRequest.model_validate({name: value for name, value in fields.items()
+                                                     if value is not None})
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise OpenAIError(f"the {api} request does not map onto a chat request: {where}: {first.get('msg')}",
+                          code="invalid_value") from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,3 +64,28 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
         if close is not None:
             await close()
     yield DONE
+
+
+def named_sse_event(name: str, payload: dict[str, Any]) -> bytes:
+    return (b"event: " + name.encode() + b"\ndata: "
+            + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def named_sse_stream(events: AsyncIterator[tuple[str, dict[str, Any]]],
+                           error_body: Callable[[OpenAIError], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Named events (`event: <name>` then `data: <json>`), as the Messages and Responses APIs
+    stream them, no [DONE]; an error after the response has started is one `error` event,
+    error_body(error) in the API's own shape."""
+    try:
+        async for name, payload in events:
+            yield named_sse_event(name, payload)
+    except OpenAIError as error:
+        yield named_sse_event("error", error_body(error))
+    except Exception as error:  # the stream has started: report in-band, never drop silently
+        logger.exception("error while streaming")
+        failure = OpenAIError(f"internal error while streaming: {type(error).__name__}", 500)
+        yield named_sse_event("error", error_body(failure))
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()

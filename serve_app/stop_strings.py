@@ -30,6 +30,7 @@ class StopStringMatcher:
         self._stops = list(stop_strings)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the sequence
 
     def add(self, delta: str) -> StopResult:
         assert not self.stopped, "no text after a stop string"
@@ -40,6 +41,7 @@ class StopStringMatcher:
         if start is not None:
             self._held = ""
             self.stopped = True
+            self.matched = min((stop for stop in self._stops if pending.find(stop) == start), key=len)
             return StopResult(pending[:start], True)
         hold = self._longest_partial_suffix(pending)
         self._held = pending[len(pending) - hold :]

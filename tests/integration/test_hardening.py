@@ -72,7 +72,15 @@ def test_200_abandoned_requests_free_every_block_and_the_server_serves_at_once(s
 FUZZ_TIMEOUT_S = 1.0  # server-side deadline forced on every fuzzed body: bounds the run time
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+OK_BODIES = {  # a small request per route, answered 200 after the fuzzing
+    "/v1/completions": {"prompt": "ok", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 2},
+    "/v1/responses": {"input": "ok", "max_output_tokens": 2},
+    "/v1/messages": {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("path", list(OK_BODIES))
 def test_fuzzed_bodies_never_give_5xx_or_hang(server, path) -> None:
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
@@ -108,6 +116,5 @@ def test_fuzzed_bodies_never_give_5xx_or_hang(server, path) -> None:
     print(f"{path}: fuzzed statuses {sorted(Counter(seen).items())}")  # some 200s: real generations ran
     server.wait_until_idle(timeout_s=10.0)
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        response = http.post(path, json={"prompt": "ok", "max_tokens": 2} if "chat" not in path else
-                             {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 2})
+        response = http.post(path, json=OK_BODIES[path])
     assert response.status_code == 200, response.text
