@@ -1,71 +1,34 @@
 """Linear layers: plain F.linear, oneDNN with weights prepacked once at load, or that plus our
-C GEMV for the few-row products of decode steps (CPU).
-
-On CPU, torch's F.linear calls MKL sgemm, which re-packs the weight matrix on every call;
-for the small M of decode steps (one row per sequence) that packing, and the weight's trip
-through memory, dominate. oneDNN with a weight reordered once into its blocked layout
-(what torch.compile's CPU freezing uses) measured 2-3x faster here for every M from 1 to
-2048, for fp32 (true fp32 arithmetic: |error| vs float64 ~1e-4, like MKL's order of
-magnitude) and bf16.
-
-At one or two rows a step is bound by reading the weights, and oneDNN reads them at about
-half the machine's bandwidth. "native" keeps the plain row-major weight beside the packed
-one and sends products of at most GEMV_MAX_ROWS rows to rayllm_gemv (workers/kernels/csrc/
-layer_ops.c), which streams each weight once. Measured (SmolLM2's 30 layers of projections,
-1 thread, side by side in one run, ms per step): bf16 1 row 9.1 vs 17.2 oneDNN, 2 rows 12.2
-vs 22.5, 4 rows 15.1 vs 14.9 (even: the cutoff); fp32 1 row 16.5 vs 30.1. The lm_head at
-one row: bf16 2.6 vs 4.3 ms. The cost is memory: the plain weights stay (for SmolLM2 in
-bf16, +212 MB per worker); "onednn" does without them.
+C kernels for the products they run faster (CPU).
 
     backend = select_linear_backend(None, device, dtype)   # "native" on CPU when the C kernels build
     weight = backend.pack(weight)                          # [out, in] -> the backend's form
     y = backend.linear(x, weight, bias)                    # x: [rows, in] -> [rows, out]
     logits = backend.logits(hidden, weight)                # the same product, fp32 out
 
-On CPUs with AVX2 but no AVX-512 (Zen 2/3, Intel before Ice Lake), fp32 takes a third
-path: rayllm_panel_gemm over the weight packed once into panels of 16 output columns
-(layer_ops.c), for every product of at most PANEL_MAX_ROWS rows, in place of both the GEMV
-and oneDNN. Measured on an AVX2-only EPYC with `bench.bench_linear` (a decode step's products
-at SmolLM2's shapes, 30 layers and the lm_head, each weight its own tensor so it streams from
-memory; 1 thread, ms per step, side by side): 1 row 45.1 panels vs 53.4 GEMV, 4 rows 52.7 vs
-72.1 oneDNN, 16 rows 81.6 vs 109.2; 2 threads, 16 rows 65.0 vs 86.8. Since 1 to 3 rows read 4
-to 2 panels at once (layer_ops.c), one run on a slower day: 1 row 34.0 vs 52.6, 2 rows 39.4 vs
-57.6, 3 rows 50.7 vs 90.7 (1 thread); 1 row 30.7 vs 39.1 (2 threads). Prefill-sized steps (1
-thread): 512 rows 1571 vs 1799 ms, 1024 rows 3376 vs 3772, 2048 rows 7754 vs 7451 (2 threads:
-even at 512 and 2048, 2330 vs 2460 at 1024), so past PANEL_MAX_ROWS oneDNN keeps the work.
-
-On CPUs with AVX512_BF16 (Zen 4, Sapphire Rapids on), bf16 takes a panel GEMM of its own,
-rayllm_panel_gemm_bf16 (csrc/panel_avx512.c: vdpbf16ps over panels of 16 columns x k pairs), for
-every product of at most BF16_PANEL_MAX_ROWS rows, in place of both the GEMV and oneDNN: one
-summation order at every row count (a row's result is the same alone or in a batch), and our
-thread pool instead of OpenMP, whose sleeping thread each oneDNN call had to wake. SmolLM2's
-products (30 layers and the lm_head, weights streamed from memory, Zen 4, median of 7, ms per
-step): 2 threads 1 row 13.0 vs 20.2 GEMV, 16 rows 20.3 vs 30.4 oneDNN, 128 rows 131 vs 149,
-256 rows 199 vs 205, 512 rows 471 vs 491; 1 thread about even (16 rows 32.7 vs 33.7, 256 rows
-395 vs 376). A later run (`bench.bench_linear --dtype bfloat16 --threads 2`) had oneDNN ahead
-from 256 rows on (238 vs 227 ms, 512 rows 476 vs 429, 1024 rows 899 vs 861, 2048 rows 2046 vs
-1905), so bf16 panels stopped at 256 rows. In a whole prefill step, though (ninth session),
-the panels won once the norms, rope and silu ran on the same thread pool instead of OpenMP
-(layer_ops.c) and large row counts were split over the threads too (panel_avx512.c): 8
-prompts of 256 tokens, bf16, 2 threads, alternating, 1251-1325 ms through the C forward on
-panels vs 1341-1396 ms through oneDNN, and served at c16 (`bench.bench_http`, one run each in
-two rounds) 295.9 / 277.5 out tok/s vs 279.6 / 256.3 with the 256-row limit, TTFT p99 2803 /
-3031 vs 3111 / 3846 ms. Products alone still favour oneDNN by 2-4% at 256-2048 rows
-(`bench.bench_linear`), but the pool's dynamic split loses less when the serving processes
-take a core, and one kernel for every row count keeps one summation order. So bf16 panels
-take every product (BF16_PANEL_MAX_ROWS = None) and no oneDNN copy of a bf16 weight is kept
-(-269 MB per SmolLM2 worker). The
-same kernel runs fp32 on AVX-512 CPUs (FMAs over the AVX2 kernel's panel layout, the same
-sums bit for bit): 2 threads, 1 row 19.3 vs 26.6 GEMV, 16 rows 31.7 vs 39.2 oneDNN, 64 rows
-102 vs 110, but 256 rows 402 vs 386 and 1024 rows 1630 vs 1450, so fp32 panels stopped at 128
-rows. fp32 gained nothing from taking every row count after the pool changes (ninth session:
-served at c16 161.4 / 168.9 out tok/s vs 169.2 / 160.8 with the limit). With the panels'
-prefetch of the next k block (tenth session, panel_avx512.c) it does: an fp32 prefill of one
-256-token prompt, alternating, 301 / 330 ms through the C forward on panels vs 360 / 375 ms
-through oneDNN (8 prompts: 2388 / 2474 vs 2394 / 2552 ms), and served at c16 (`bench.bench_http
---skip-engine`, fp32, two rounds) 183.0 / 185.3 out tok/s vs 177.6 / 183.8, TTFT p99 5383 /
-5346 vs 6067 / 5994 ms. So on AVX-512 fp32 panels take every row count too, and no fp32 oneDNN
-copy is kept (-540 MB per SmolLM2 worker); AVX2 CPUs keep PANEL_MAX_ROWS.
+Why each path (SmolLM2's shapes, weights streamed from memory, `bench.bench_linear`):
+- F.linear calls MKL sgemm, which re-packs the weight on every call; oneDNN over a weight
+  reordered once into its blocked layout measured 2-3x faster for every M from 1 to 2048,
+  in fp32 (true fp32 arithmetic) and bf16.
+- At one or two rows a step is bound by reading the weights, and oneDNN reads them at about
+  half the machine's bandwidth. DualWeight keeps the plain row-major weight beside oneDNN's copy
+  and sends products of at most GEMV_MAX_ROWS rows to rayllm_gemv (csrc/layer_ops.c), which
+  streams each weight once: bf16, 1 thread, ms per step, 1 row 9.1 vs 17.2 oneDNN, 2 rows 12.2
+  vs 22.5, 4 rows even. The plain copy costs memory (+212 MB per bf16 SmolLM2 worker).
+- fp32 on AVX2 CPUs without AVX-512 (Zen 2/3, Intel before Ice Lake): PanelWeight, rayllm_panel_gemm
+  over the weight packed once into panels of 16 output columns (layer_ops.c), up to PANEL_MAX_ROWS
+  rows: 1 thread, 1 row 45.1 vs 53.4 GEMV, 16 rows 81.6 vs 109.2 oneDNN; from 2048 rows oneDNN
+  is ahead (7451 vs 7754 ms), so it keeps those.
+- bf16 on AVX512_BF16 CPUs (Zen 4, Sapphire Rapids on), and fp32 on AVX-512 CPUs: the panel GEMM
+  of csrc/panel_avx512.c at every row count (bf16: vdpbf16ps over panels of 16 columns x k pairs;
+  fp32: FMAs over the AVX2 layout, the same sums bit for bit). One summation order at every row
+  count (a row's result is the same alone or in a batch), and our thread pool instead of OpenMP's.
+  Products alone favour oneDNN from 256 rows on (bf16 by 2-4%, fp32 by up to 12%), but whole
+  prefill steps through the C forward favour the panels (bf16, 8 prompts of 256 tokens, 2
+  threads: 1251-1325 ms vs 1341-1396; fp32, one 256-token prompt: 301 / 330 ms vs 360 / 375),
+  so no oneDNN copy of such a weight is kept (-269 MB per bf16 SmolLM2 worker, -540 MB fp32).
+- bf16 products of many rows run on AMX tiles over the same panels (csrc/amx.c) where the CPU
+  has them, from the row counts of workers/kernels/cpu_isa.py's table.
 
 The packed tensor is opaque (not viewable, not picklable): keep the plain weight where it is
 needed for something else, e.g. the embedding that lm_head is tied to.
