@@ -31,7 +31,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from workers.kernels.cpu_isa import cpu_plan  # noqa: E402
-from workers.linear import GEMV_MAX_ROWS, NativeLinear, PanelWeight  # noqa: E402
+from workers.linear import GEMV_MAX_ROWS, NativeLinear, gemv  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 
@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     native = NativeLinear()
-    if not isinstance(native.pack(torch.zeros(16, 16, dtype=dtype)), PanelWeight):
+    if not (native.has_panels if dtype == torch.float32 else native.has_bf16_panels):
         print(f"this CPU's kernels have no {args.dtype} panel GEMM: nothing to compare")
         return
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
@@ -67,13 +67,13 @@ def main() -> None:
         for weight, panel, reordered in zip(plain, packed, onednn):
             x = inputs[weight.shape[1]]
             if path == "panels":
-                native._panel_gemm(x, panel, None, dtype)
+                panel.panel_gemm(x, None, dtype)
             elif path == "tiles":
-                native._tile_gemm(x, panel, None, dtype)
+                panel.tile_gemm(x, None, dtype)
             elif path == "onednn":
                 native.onednn.linear(x, reordered)
             else:
-                native._gemv(x, weight, None, dtype)
+                gemv(native.library, x, weight, None, dtype)
 
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {width: torch.randn(rows, width).to(dtype) for width in (HIDDEN, INTERMEDIATE)}

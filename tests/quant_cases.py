@@ -224,8 +224,20 @@ def use_packed_model_on_cpu(runner, model_dir, quant_linear) -> None:
     from workers.model import PagedLlamaModel
     from workers.quant_checkpoint import pack_checkpoint
 
+    class QuantLinear(TorchLinear):
+        """TorchLinear with every kernel-ready weight's product by quant_linear, not by the weight's own."""
+
+        def linear(self, x, weight, bias=None):
+            if isinstance(weight, torch.Tensor):
+                return super().linear(x, weight, bias)
+            out = quant_linear(x, weight)
+            return out if bias is None else out + bias
+
+        def logits(self, x, weight):
+            return self.linear(x, weight).float()
+
     model_config = ModelConfig.from_model_dir(model_dir)
     tensors = pack_checkpoint(model_config.quant_spec, read_safetensors(model_dir, None), torch.float32, "cpu")
     runner.model = PagedLlamaModel.from_hf_weights(
         model_config, tensors, "cpu", get_attention_backend("torch"), runner.max_model_len,
-        linear=TorchLinear(quant_linear=quant_linear), ops=TorchOps())
+        linear=QuantLinear(), ops=TorchOps())

@@ -15,12 +15,18 @@ else this file's reference (dequantize, then F.linear), which is exact and slow.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from workers.huge_pages import HugeArena
+    from workers.kernels.native import NativeOperand
 
 
 class GGMLType(enum.IntEnum):
@@ -78,6 +84,36 @@ class GgufWeight:
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
+
+    # The linear-weight interface (workers/linear.py, LinearWeight), the same on every backend.
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return gguf_linear(x, self, bias, out_dtype=out_dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_logits(x, self)
+
+    def gated_product(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+        return gguf_gated_product(x, self, bias, activation)
+
+    def native_operand(self) -> NativeOperand | None:
+        """The C layer loop's view of this weight (workers/kernels/native.py, NativeOperand): its
+        blocks in its own type, any dense kind beside it; None where our kernels lack the type. A
+        prompt step whose product goes dense (gguf.goes_dense) is the Python loop's, unless such
+        steps run on tiles."""
+        from workers.kernels import gguf
+        from workers.kernels.native import NativeOperand
+
+        if not gguf.native_has(self):
+            return None
+        dense_prompts = gguf.goes_dense(self, gguf.DENSE_MIN_ROWS) and not gguf.tiles_take(self, gguf.DENSE_MIN_ROWS)
+        max_rows = gguf.DENSE_MIN_ROWS - 1 if dense_prompts else None
+        return NativeOperand(self.blocks, gguf.type_code(self), None, max_rows)
+
+    def placed_in(self, arena: HugeArena) -> GgufWeight:
+        """The weight with its blocks copied into arena (a HugeArena: 2 MB pages, which the kernels stream)."""
+        return dataclasses.replace(self, blocks=arena.copy(self.blocks))
 
     def rows(self, index: torch.Tensor | slice) -> GgufWeight:
         """The weight of the chosen output rows (a permutation, a slice) in the same type, in the

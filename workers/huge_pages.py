@@ -88,3 +88,7 @@ class HugeArena:
             self._chunk, start = empty_huge((self.chunk_bytes,), torch.uint8), 0
         self._used = start + nbytes
         return self._chunk[start : start + nbytes].view(dtype).view(shape)
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of tensor (CPU, contiguous) in the arena."""
+        return self.empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)

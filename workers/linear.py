@@ -6,6 +6,12 @@ C kernels for the products they run faster (CPU).
     y = backend.linear(x, weight, bias)                    # x: [rows, in] -> [rows, out]
     logits = backend.logits(hidden, weight)                # the same product, fp32 out
 
+A backend packs a plain [out, in] tensor into its own form. Any other weight carries its
+products itself, through one interface (LinearWeight below): a GgufWeight (workers/gguf_weight.py),
+a quantized checkpoint's kernel-ready weight (workers/quant_formats.py), and NativeLinear's
+PanelWeight and DualWeight, which keep what their C kernels need. So the backends do not branch
+on weight kinds.
+
 Why each path (SmolLM2's shapes, weights streamed from memory, `bench.bench_linear`):
 - F.linear calls MKL sgemm, which re-packs the weight on every call; oneDNN over a weight
   reordered once into its blocked layout measured 2-3x faster for every M from 1 to 2048,
@@ -36,18 +42,20 @@ needed for something else, e.g. the embedding that lm_head is tied to.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import GgufWeight, gguf_gated_product, gguf_linear, gguf_logits
+from workers.gguf_weight import GgufWeight
 from workers.huge_pages import HugeArena
 from workers.kernels.cpu_isa import cpu_plan
-from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
+from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, LINEAR_GEMV, LINEAR_PANELS, NativeOperand,
+                                    check_status, native_available, native_library)
 from workers.layer_ops import SWIGLU_ALPHA, SWIGLU_LIMIT
-from workers.quant_formats import Fp8Weight, Int4Weight, QuantWeight
+from workers.quant_formats import QuantWeight
 
 LINEAR_BACKENDS = ("torch", "onednn", "native")
 GEMV_MAX_ROWS = 2  # rows at most that take the C GEMV (see the measurements above)
@@ -58,76 +66,215 @@ PANEL_WIDTH = 16  # output columns per panel (layer_ops.c, panel_avx512.c)
 TILE_K = 32  # input columns of an AMX tile (csrc/amx.c): a bf16 product on tiles needs a multiple of it
 
 
+class LinearWeight(Protocol):
+    """A weight that computes its own products: every weight kind but a plain tensor (GgufWeight,
+    Int4Weight, Fp8Weight, Mxfp4Weight, PanelWeight, DualWeight)."""
+
+    @property
+    def out_features(self) -> int: ...
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias) -> [rows, out] in out_dtype (None: x's dtype)."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product in fp32 (an lm_head's)."""
+
+    def gated_product(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+        """act(gate) * up of x's gate_up product in one pass (the same bits as the product, then
+        the ops' gated_mul); None where the weight has no such path."""
+
+    def native_operand(self) -> NativeOperand | None:
+        """How the C layer loop runs this weight's products; None where no C kernel takes it."""
+
+
+Weight = torch.Tensor | LinearWeight
+
+
 class TorchLinear:
-    """F.linear; a GgufWeight through gguf_linear; a quantized checkpoint's kernel-ready Int4Weight or
-    Fp8Weight (workers/quant_checkpoint.pack_checkpoint, on CUDA) through quant_linear, by default
-    workers/kernels/triton_quant.quant_linear (imported on first use; tests pass the interpreter's)."""
+    """F.linear over a plain tensor; any other weight (a GgufWeight, a quantized checkpoint's
+    kernel-ready weight on CUDA) by its own products."""
 
     name = "torch"
 
-    def __init__(self, quant_linear=None):
-        self._quant_linear = quant_linear  # (x, weight) -> x @ W.T; None: triton_quant's
+    def pack(self, weight: torch.Tensor | GgufWeight | QuantWeight) -> Weight:
+        return weight.contiguous() if isinstance(weight, torch.Tensor) else weight
 
-    def pack(self, weight: torch.Tensor | GgufWeight | QuantWeight) -> torch.Tensor | GgufWeight | QuantWeight:
-        return weight if isinstance(weight, (GgufWeight, Int4Weight, Fp8Weight)) else weight.contiguous()
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return weight.linear(x, bias)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight | QuantWeight,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, GgufWeight):
-            return gguf_linear(x, weight, bias)
-        if isinstance(weight, (Int4Weight, Fp8Weight)):
-            if self._quant_linear is None:
-                from workers.kernels.triton_quant import quant_linear
+    def logits(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return self.linear(x, weight).float()
+        return weight.logits(x)
 
-                self._quant_linear = quant_linear
-            out = self._quant_linear(x, weight)
-            return out if bias is None else out + bias
-        return F.linear(x, weight, bias)
+    def gated_product(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None,
+                      activation: str) -> torch.Tensor | None:
+        """act(gate) * up of x's gate_up product in one pass, where the weight has such a product
+        (LinearWeight.gated_product); None: compute the product, then the activation."""
+        if isinstance(weight, torch.Tensor):
+            return None
+        return weight.gated_product(x, bias, activation)
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight) -> torch.Tensor:
-        if isinstance(weight, GgufWeight):
-            return gguf_logits(x, weight)
-        return self.linear(x, weight).float()
 
-    def gated_product(self, x: torch.Tensor, weight, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
-        """act(gate) * up of x's gate_up product in one pass, where there is such a product (AMX
-        tiles: NativeLinear's panels, and a GGUF weight's blocks on any backend, as the C layer
-        loop runs them); None: compute the product, then the activation."""
-        if isinstance(weight, GgufWeight):
-            return gguf_gated_product(x, weight, bias, activation)
-        return None
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) over oneDNN's reordered copy of W."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class OneDnnLinear(TorchLinear):
     name = "onednn"
 
-    def pack(self, weight: torch.Tensor | GgufWeight) -> torch.Tensor | GgufWeight:
-        if isinstance(weight, GgufWeight):
+    def pack(self, weight: torch.Tensor | GgufWeight) -> Weight:
+        if not isinstance(weight, torch.Tensor):
             return weight
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | GgufWeight,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, GgufWeight):
-            return gguf_linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return onednn_linear(x, weight, bias)
+        return weight.linear(x, bias)
+
+
+def gemv(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         out_dtype: torch.dtype) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias) by rayllm_gemv over the plain row-major weight [out, in]."""
+    x = x.contiguous()
+    (num_rows, width), out_features = x.shape, weight.shape[0]
+    assert weight.shape[1] == width and x.dtype == weight.dtype
+    out = torch.empty(num_rows, out_features, dtype=out_dtype)
+    check_status(library.rayllm_gemv(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        num_rows, out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
+    ), "rayllm_gemv")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
 class DualWeight:
+    """NativeLinear's form of a weight no panel GEMM takes: the C GEMV for products of at most
+    GEMV_MAX_ROWS rows, oneDNN's GEMM above."""
+
     plain: torch.Tensor  # [out, in] row-major: the C GEMV's operand
     packed: torch.Tensor  # oneDNN's reordered copy of the same weight
+    library: ctypes.CDLL = field(repr=False, compare=False)  # the kernels (workers/kernels/native.py)
+
+    @property
+    def out_features(self) -> int:
+        return self.plain.shape[0]
+
+    @property
+    def nbytes(self) -> int:  # what a product of a few rows reads
+        return self.plain.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        rows = x.shape[0]
+        if rows == 0:
+            return x.new_empty(0, self.plain.shape[0], dtype=out_dtype)
+        if rows <= GEMV_MAX_ROWS:
+            return gemv(self.library, x, self.plain, bias, out_dtype)
+        return onednn_linear(x, self.packed, bias).to(out_dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, None, torch.float32)
+
+    def gated_product(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+        return None
+
+    def native_operand(self) -> NativeOperand:
+        return NativeOperand(self.plain, 0, LINEAR_GEMV, GEMV_MAX_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
+    """NativeLinear's form of a weight in panels of PANEL_WIDTH output columns: the panel GEMM for
+    products of at most max_rows rows (bf16: on AMX tiles where cpu_plan says so), oneDNN's above."""
+
     panels: torch.Tensor  # fp32 [ceil(out / 16), in, 16] (layer_ops.c) or bf16 [ceil(out / 16), in / 2, 16, 2] (panel_avx512.c)
     packed: torch.Tensor | None  # oneDNN's reordered copy, for products of more rows than max_rows
     out_features: int
     max_rows: int | None  # rows at most that the panel GEMM takes (measured per dtype and vector width); None: all
+    library: ctypes.CDLL = field(repr=False, compare=False)  # the kernels (workers/kernels/native.py)
 
     def takes(self, rows: int) -> bool:
         return within_row_limit(rows, self.max_rows)
+
+    @property
+    def nbytes(self) -> int:  # what a product of a few rows reads
+        return self.panels.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        rows = x.shape[0]
+        if rows == 0:  # nothing to multiply (and there may be no oneDNN copy to ask)
+            return x.new_empty(0, self.out_features, dtype=out_dtype)
+        if self.takes(rows):
+            if self.panels.dtype == torch.bfloat16 and tiles_take_bf16(x, rows):
+                return self.tile_gemm(x, bias, out_dtype)
+            return self.panel_gemm(x, bias, out_dtype)
+        return onednn_linear(x, self.packed, bias).to(out_dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, None, torch.float32)
+
+    def native_operand(self) -> NativeOperand:
+        return NativeOperand(self.panels, 0, LINEAR_PANELS, self.max_rows)
+
+    def panel_gemm(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        x = x.contiguous()
+        num_rows, width = x.shape
+        assert x.dtype == self.panels.dtype
+        out = torch.empty(num_rows, self.out_features, dtype=out_dtype)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if x.dtype == torch.float32:
+            assert self.panels.shape[1] == width
+            check_status(self.library.rayllm_panel_gemm(
+                x.data_ptr(), self.panels.data_ptr(), bias_ptr, out.data_ptr(), num_rows, self.out_features, width,
+                torch.get_num_threads(),
+            ), "rayllm_panel_gemm")
+        else:
+            assert self.panels.shape[1] * 2 == width and (bias is None or bias.dtype == torch.bfloat16)
+            check_status(self.library.rayllm_panel_gemm_bf16(
+                x.data_ptr(), self.panels.data_ptr(), bias_ptr, out.data_ptr(), num_rows, self.out_features, width,
+                DTYPE_CODES[out_dtype], torch.get_num_threads(),
+            ), "rayllm_panel_gemm_bf16")
+        return out
+
+    def tile_gemm(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """The product on AMX tiles over the same bf16 panels (csrc/amx.c)."""
+        x = x.contiguous()
+        num_rows, width = x.shape
+        assert x.dtype == torch.bfloat16 and self.panels.shape[1] * 2 == width
+        assert bias is None or bias.dtype == torch.bfloat16
+        out = torch.empty(num_rows, self.out_features, dtype=out_dtype)
+        check_status(self.library.rayllm_amx_gemm_bf16(
+            x.data_ptr(), self.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            num_rows, self.out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
+        ), "rayllm_amx_gemm_bf16")
+        return out
+
+    def gated_product(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+        """On AMX tiles (bf16 panels, from the table's rows): act(gate) * up of each 16 columns as
+        they leave the tiles (csrc/amx.c), the gate_up product itself never written: the bits of
+        the product in bf16 and then the ops' gated_mul. None where the tiles do not take it."""
+        rows, width = x.shape
+        if not (self.panels.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+                and self.out_features % (2 * PANEL_WIDTH) == 0 and tiles_take_bf16(x, rows)
+                and activation in ACTIVATION_CODES and (bias is None or bias.dtype == torch.bfloat16)):
+            return None
+        x = x.contiguous()
+        out = torch.empty(rows, self.out_features // 2, dtype=torch.bfloat16)
+        check_status(self.library.rayllm_amx_gated_gemm_bf16(
+            x.data_ptr(), self.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+            self.out_features // 2, width, ACTIVATION_CODES[activation], SWIGLU_ALPHA, SWIGLU_LIMIT,
+            torch.get_num_threads(),
+        ), "rayllm_amx_gated_gemm_bf16")
+        return out
 
 
 def within_row_limit(rows: int, max_rows: int | None) -> bool:
@@ -156,6 +303,9 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 class NativeLinear:
+    """A plain weight packed as panels where a panel GEMM runs its dtype, else kept twice (DualWeight);
+    a GGUF weight's blocks moved to 2 MB pages, which its kernels stream."""
+
     name = "native"
 
     def __init__(self) -> None:
@@ -166,120 +316,32 @@ class NativeLinear:
         avx512 = self.library.rayllm_vector_width() == 16
         self.panel_max_rows = {torch.float32: AVX512_PANEL_MAX_ROWS if avx512 else PANEL_MAX_ROWS,
                                torch.bfloat16: BF16_PANEL_MAX_ROWS}
-        self.arena = HugeArena()  # the panels, on 2 MB pages (workers/huge_pages.py)
-
-    def _placed(self, panels: torch.Tensor) -> torch.Tensor:
-        placed = self.arena.empty(tuple(panels.shape), panels.dtype)
-        return placed.copy_(panels)
+        self.arena = HugeArena()  # the panels and GGUF blocks, on 2 MB pages (workers/huge_pages.py)
 
     def pack(self, weight: torch.Tensor | GgufWeight) -> DualWeight | PanelWeight | GgufWeight:
-        if isinstance(weight, GgufWeight):  # kept in its GGUF type, its blocks on 2 MB pages: gguf_linear's
-            return dataclasses.replace(weight, blocks=self._placed(weight.blocks))  # kernels stream them
+        if not isinstance(weight, torch.Tensor):
+            return weight.placed_in(self.arena)
         if self.has_panels and weight.dtype == torch.float32:
             return self._panel_weight(weight, pack_panels(weight))
         if self.has_bf16_panels and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
             return self._panel_weight(weight, pack_panels_bf16(weight))
-        return DualWeight(weight.contiguous(), self.onednn.pack(weight))
+        return DualWeight(weight.contiguous(), self.onednn.pack(weight), self.library)
 
     def _panel_weight(self, weight: torch.Tensor, panels: torch.Tensor) -> PanelWeight:
         """The panels, and oneDNN's copy only where more rows than the panels' limit go to it."""
         max_rows = self.panel_max_rows[weight.dtype]
         packed = None if max_rows is None else self.onednn.pack(weight)
-        return PanelWeight(self._placed(panels), packed, weight.shape[0], max_rows)
+        return PanelWeight(self.arena.copy(panels), packed, weight.shape[0], max_rows, self.library)
 
-    def linear(self, x: torch.Tensor, weight: DualWeight | PanelWeight,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._product(x, weight, bias, x.dtype)
+    def linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return weight.linear(x, bias)
 
-    def logits(self, x: torch.Tensor, weight: DualWeight | PanelWeight | GgufWeight) -> torch.Tensor:
-        if isinstance(weight, GgufWeight):
-            return gguf_logits(x, weight)
-        return self._product(x, weight, None, torch.float32)
+    def logits(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        return weight.logits(x)
 
-    def _product(self, x: torch.Tensor, weight: DualWeight | PanelWeight, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-        """Our kernel where it takes this many rows (panels up to their limit, the GEMV up to
-        GEMV_MAX_ROWS), else oneDNN's prepacked GEMM."""
-        if isinstance(weight, GgufWeight):
-            return gguf_linear(x, weight, bias, out_dtype=out_dtype)
-        rows = x.shape[0]
-        if rows == 0:  # nothing to multiply (and a PanelWeight may have no oneDNN copy to ask)
-            out_features = weight.out_features if isinstance(weight, PanelWeight) else weight.plain.shape[0]
-            return x.new_empty(0, out_features, dtype=out_dtype)
-        if isinstance(weight, PanelWeight) and weight.takes(rows):
-            if weight.panels.dtype == torch.bfloat16 and tiles_take_bf16(x, rows):
-                return self._tile_gemm(x, weight, bias, out_dtype)
-            return self._panel_gemm(x, weight, bias, out_dtype)
-        if isinstance(weight, DualWeight) and 0 < rows <= GEMV_MAX_ROWS:
-            return self._gemv(x, weight.plain, bias, out_dtype)
-        return self.onednn.linear(x, weight.packed, bias).to(out_dtype)
-
-    def _panel_gemm(self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-        x = x.contiguous()
-        num_rows, width = x.shape
-        assert x.dtype == weight.panels.dtype
-        out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        if x.dtype == torch.float32:
-            assert weight.panels.shape[1] == width
-            check_status(self.library.rayllm_panel_gemm(
-                x.data_ptr(), weight.panels.data_ptr(), bias_ptr, out.data_ptr(), num_rows, weight.out_features, width,
-                torch.get_num_threads(),
-            ), "rayllm_panel_gemm")
-        else:
-            assert weight.panels.shape[1] * 2 == width and (bias is None or bias.dtype == torch.bfloat16)
-            check_status(self.library.rayllm_panel_gemm_bf16(
-                x.data_ptr(), weight.panels.data_ptr(), bias_ptr, out.data_ptr(), num_rows, weight.out_features, width,
-                DTYPE_CODES[out_dtype], torch.get_num_threads(),
-            ), "rayllm_panel_gemm_bf16")
-        return out
-
-    def _tile_gemm(self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-        """The product on AMX tiles over the same bf16 panels (csrc/amx.c)."""
-        x = x.contiguous()
-        num_rows, width = x.shape
-        assert x.dtype == torch.bfloat16 and weight.panels.shape[1] * 2 == width
-        assert bias is None or bias.dtype == torch.bfloat16
-        out = torch.empty(num_rows, weight.out_features, dtype=out_dtype)
-        check_status(self.library.rayllm_amx_gemm_bf16(
-            x.data_ptr(), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            num_rows, weight.out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
-        ), "rayllm_amx_gemm_bf16")
-        return out
-
-    def gated_product(self, x: torch.Tensor, weight, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
-        """On AMX tiles (bf16 panels, from the table's rows): act(gate) * up of each 16 columns as
-        they leave the tiles (csrc/amx.c), the gate_up product itself never written: the bits of
-        the product in bf16 and then the ops' gated_mul. None where the tiles do not take it."""
-        rows, width = x.shape
-        if isinstance(weight, GgufWeight):
-            return gguf_gated_product(x, weight, bias, activation)
-        if not (isinstance(weight, PanelWeight) and weight.panels.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-                and weight.out_features % (2 * PANEL_WIDTH) == 0 and tiles_take_bf16(x, rows)
-                and activation in ACTIVATION_CODES and (bias is None or bias.dtype == torch.bfloat16)):
-            return None
-        x = x.contiguous()
-        out = torch.empty(rows, weight.out_features // 2, dtype=torch.bfloat16)
-        check_status(self.library.rayllm_amx_gated_gemm_bf16(
-            x.data_ptr(), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
-            weight.out_features // 2, width, ACTIVATION_CODES[activation], SWIGLU_ALPHA, SWIGLU_LIMIT,
-            torch.get_num_threads(),
-        ), "rayllm_amx_gated_gemm_bf16")
-        return out
-
-    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              out_dtype: torch.dtype) -> torch.Tensor:
-        x = x.contiguous()
-        (num_rows, width), out_features = x.shape, weight.shape[0]
-        assert weight.shape[1] == width and x.dtype == weight.dtype
-        out = torch.empty(num_rows, out_features, dtype=out_dtype)
-        check_status(self.library.rayllm_gemv(
-            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            num_rows, out_features, width, DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], torch.get_num_threads(),
-        ), "rayllm_gemv")
-        return out
+    def gated_product(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None,
+                      activation: str) -> torch.Tensor | None:
+        return weight.gated_product(x, bias, activation)
 
 
 def tiles_take_bf16(x: torch.Tensor, num_rows: int) -> bool:

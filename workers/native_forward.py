@@ -4,7 +4,8 @@ workers/linear.py) and AVX-512 CPUs (every row count), bf16 panels on AVX512_BF1
 row count), or our GEMV (up to GEMV_MAX_ROWS rows, both dtypes); a projection kept in its GGUF
 type (workers/gguf_weight.py) runs its own kernel (workers/kernels/gguf.py, below its
 DENSE_MIN_ROWS: a prompt step runs the Python loop, where such products go dense), each
-product of a layer in its own type.
+product of a layer in its own type. Each weight says what the loop reads and how many rows its
+product takes (its native_operand(): workers/kernels/native.py, NativeOperand).
 
 The C loop calls the same kernels as PagedLlamaModel.forward, in the same order, with the
 same arguments, so it returns the same hidden states bit for bit (a test compares them).
@@ -26,21 +27,15 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from workers.gguf_weight import GgufWeight
 from workers.kernels import check_variants, cpu_attention, gguf
 from workers.kernels.cpu_isa import cpu_plan
-from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODES, ForwardArgs, LayerArgs, check_status,
-                                    native_library)
+from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODES, LINEAR_GEMV, ForwardArgs, LayerArgs,
+                                    check_status, native_library)
 from workers.layer_ops import NativeOps
-from workers.linear import GEMV_MAX_ROWS, DualWeight, NativeLinear, PanelWeight, within_row_limit
+from workers.linear import within_row_limit
 
-LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c)
 SMALL_STEP_ROWS = 64  # steps of up to this many rows share one scratch (NativeForward._args)
-
-
-def _type_code(weight) -> int:
-    """LayerArgs' per-product type: 0 for a dense weight (the step's linear kind), else the ggml type."""
-    return gguf.type_code(weight) if isinstance(weight, GgufWeight) else 0
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's weights, in LayerArgs' order
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -69,25 +64,18 @@ class NativeForward:
         if (model.device.type != "cpu" or model.dtype not in DTYPE_CODES or model.attention is not cpu_attention
                 or not isinstance(model.ops, NativeOps)):
             return None
-        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        quantized = [w for w in weights if isinstance(w, GgufWeight)]
-        if not all(gguf.native_has(w) for w in quantized):
+        weights = [getattr(layer, name) for layer in model.layers for name in PRODUCTS]
+        if any(isinstance(w, torch.Tensor) for w in weights):  # F.linear's or oneDNN's
             return None
-        # a prompt step whose GGUF products go dense (gguf.goes_dense) runs the Python loop, unless
-        # such steps run on tiles
-        goes_dense = any(gguf.goes_dense(w, gguf.DENSE_MIN_ROWS) for w in quantized)
-        limits = [gguf.DENSE_MIN_ROWS - 1] if goes_dense and not gguf.tiles_take(quantized[0], gguf.DENSE_MIN_ROWS) else []
-        dense = [w for w in weights if not isinstance(w, GgufWeight)]
-        if not dense:  # every product is a GGUF weight's own kernel, whatever the backend
-            return cls(model, LINEAR_GEMV, min(limits, default=None))
-        if not isinstance(model.linear_backend, NativeLinear):
+        operands = [w.native_operand() for w in weights]
+        if any(operand is None for operand in operands):
             return None
-        if all(isinstance(w, PanelWeight) for w in dense):
-            limits += [w.max_rows for w in dense if w.max_rows is not None]
-            return cls(model, LINEAR_PANELS, min(limits, default=None))
-        if all(isinstance(w, DualWeight) for w in dense):
-            return cls(model, LINEAR_GEMV, min(limits + [GEMV_MAX_ROWS]))
-        return None
+        # every dense product of a step runs one kind (panels or the GEMV); a GGUF weight's runs its own
+        kinds = {operand.linear for operand in operands if operand.linear is not None}
+        if len(kinds) > 1:
+            return None
+        max_rows = min((operand.max_rows for operand in operands if operand.max_rows is not None), default=None)
+        return cls(model, kinds.pop() if kinds else LINEAR_GEMV, max_rows)
 
     def takes(self, num_tokens: int) -> bool:
         return within_row_limit(num_tokens, self.max_rows)
@@ -96,28 +84,31 @@ class NativeForward:
         pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
         if self._layers is None or pools != self._pools:
             self._pool_fields = self._checked_pool_fields(kv_caches)
-            dense = (lambda w: w.panels) if self.linear_kind == LINEAR_PANELS else (lambda w: w.plain)
-            operand = lambda w: w.blocks if isinstance(w, GgufWeight) else dense(w)  # noqa: E731
-            num_heads, local = self.model.config.num_heads, self.model.local_rope
+            num_heads = self.model.config.num_heads
             for layer in self.model.layers:
                 check_variants(num_heads, layer.window, layer.softcap, layer.sinks)
             self._sinks = [cpu_attention.fp32_sinks(layer.sinks) for layer in self.model.layers]
             self._layers = (LayerArgs * len(kv_caches))(*(
-                LayerArgs(
-                    _ptr(layer.input_norm), _ptr(layer.post_norm), _ptr(operand(layer.qkv)), _ptr(operand(layer.o)),
-                    _ptr(operand(layer.gate_up)), _ptr(operand(layer.down)), _ptr(layer.qkv_bias),
-                    _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias), _ptr(layer.q_norm),
-                    _ptr(layer.k_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), k_cache.data_ptr(),
-                    v_cache.data_ptr(), int(layer.use_rope), int(layer.qk_norm_whole),
-                    softcap=layer.softcap or 0.0, window=layer.window or 0, sinks=_ptr(sinks),
-                    cos=_ptr(local.cos_f32) if layer.local_rope else None,
-                    sin=_ptr(local.signed_sin_f32) if layer.local_rope else None,
-                    **{f"{name}_type": _type_code(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")},
-                )
+                self._one_layer_args(layer, k_cache, v_cache, sinks)
                 for layer, (k_cache, v_cache), sinks in zip(self.model.layers, kv_caches, self._sinks, strict=True)
             ))
             self._pools = pools
         return self._layers
+
+    def _one_layer_args(self, layer, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        sinks: torch.Tensor | None) -> LayerArgs:
+        local = self.model.local_rope
+        products = {name: getattr(layer, name).native_operand() for name in PRODUCTS}
+        return LayerArgs(
+            _ptr(layer.input_norm), _ptr(layer.post_norm), *(_ptr(products[name].tensor) for name in PRODUCTS),
+            _ptr(layer.qkv_bias), _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias),
+            _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm),
+            k_cache.data_ptr(), v_cache.data_ptr(), int(layer.use_rope), int(layer.qk_norm_whole),
+            softcap=layer.softcap or 0.0, window=layer.window or 0, sinks=_ptr(sinks),
+            cos=_ptr(local.cos_f32) if layer.local_rope else None,
+            sin=_ptr(local.signed_sin_f32) if layer.local_rope else None,
+            **{f"{name}_type": operand.type_code for name, operand in products.items()},
+        )
 
     def _checked_pool_fields(self, kv_caches) -> dict[str, int]:
         """AttentionArgs' fields that describe the pools, after checking that the kernels take them."""

@@ -205,8 +205,34 @@ def _parse_compressed_tensors(config: Mapping) -> QuantSpec:
 # ----------------------------------------------------------------------------- kernel-ready weights
 
 
+class KernelReady:
+    """The linear-weight interface (workers/linear.py, LinearWeight) of a kernel-ready weight: its
+    products by workers/kernels/triton_quant.quant_linear (imported on first use: Triton)."""
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        from workers.kernels.triton_quant import quant_linear
+
+        out = quant_linear(x, self)
+        out = out if bias is None else out + bias
+        return out if out_dtype is None else out.to(out_dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).float()
+
+    def gated_product(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+        return None
+
+    def native_operand(self) -> None:  # no C kernel reads it
+        return None
+
+
 @dataclass(frozen=True)
-class Int4Weight:
+class Int4Weight(KernelReady):
     """An AWQ or GPTQ linear as its kernel reads it (layouts in the module docstring)."""
 
     layout: str  # "awq" | "gptq"
@@ -225,7 +251,7 @@ class Int4Weight:
 
 
 @dataclass(frozen=True)
-class Fp8Weight:
+class Fp8Weight(KernelReady):
     weight: torch.Tensor  # float8_e4m3fn [N, K]
     weight_scale: torch.Tensor  # fp32 [N] (a per-tensor scale repeated)
     activations: str | None  # "dynamic_token" | "static_tensor" | None (x multiplies as it is)
@@ -239,7 +265,7 @@ class Fp8Weight:
 
 
 @dataclass(frozen=True)
-class Mxfp4Weight:
+class Mxfp4Weight(KernelReady):
     blocks: torch.Tensor  # uint8 [(E,) N, K / 2]: two e2m1 values a byte, the low nibble first
     scales: torch.Tensor  # uint8 [(E,) N, K / 32]: e8m0 exponents (bias 127)
     bias: torch.Tensor | None  # [(E,) N]

@@ -24,8 +24,8 @@ from test_native_forward import compare_every_step
 from workers.gguf_weight import PACKABLE_TYPES, GGMLType, dequantize, gguf_linear, pack_columns
 from workers.kernels import cpu_isa, gguf
 from workers.kernels.cpu_isa import CpuPlan, using_plan, without_tiles
-from workers.kernels.native import native_available, native_library
-from workers.linear import NativeLinear, PanelWeight
+from workers.kernels.native import LINEAR_PANELS, native_available, native_library
+from workers.linear import NativeLinear
 from workers.model import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
@@ -70,14 +70,14 @@ def test_bf16_tiles_match_float64_of_the_same_operands(rows, out_features, in_fe
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
     packed = native.pack(weight)
-    assert isinstance(packed, PanelWeight)
+    assert packed.native_operand().linear == LINEAR_PANELS  # packed as panels, which the tiles read
     x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for b in (None, bias):
             for out_dtype in (torch.bfloat16, torch.float32):
-                out = native._tile_gemm(x, packed, b, out_dtype)
+                out = packed.tile_gemm(x, b, out_dtype)
                 assert out.dtype == out_dtype and out.shape == (rows, out_features)
                 assert_within(out, *bf16_reference(x, weight, b))
     finally:
@@ -90,9 +90,9 @@ def test_a_row_on_tiles_is_the_same_in_every_batch():
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(300, 192, generator=generator).to(torch.bfloat16)
     weight = native.pack(torch.randn(330, 192, generator=generator).to(torch.bfloat16))
-    alone = torch.cat([native._tile_gemm(x[row:row + 1], weight, None, torch.float32) for row in range(300)])
+    alone = torch.cat([weight.tile_gemm(x[row:row + 1], None, torch.float32) for row in range(300)])
     for rows in (2, 15, 16, 17, 31, 32, 33, 64, 257, 300):
-        assert torch.equal(native._tile_gemm(x[:rows], weight, None, torch.float32), alone[:rows]), rows
+        assert torch.equal(weight.tile_gemm(x[:rows], None, torch.float32), alone[:rows]), rows
 
 
 @needs_tiles
@@ -106,8 +106,8 @@ def test_the_dispatch_sends_many_rows_to_the_tiles_and_few_to_the_panels():
     first = plan.tile_min_rows["bf16"]
     for rows in (first - 1, first, 4 * first):
         x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
-        tiles = native._tile_gemm(x, weight, None, torch.float32)
-        panels = native._panel_gemm(x, weight, None, torch.float32)
+        tiles = weight.tile_gemm(x, None, torch.float32)
+        panels = weight.panel_gemm(x, None, torch.float32)
         assert not torch.equal(tiles, panels)  # fp32 sums bits apart somewhere in 100 x rows outputs
         assert torch.equal(native.logits(x, weight), tiles if rows >= first else panels)
         with using_plan(without_tiles(plan)):

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from workers.kernels.native import native_available
-from workers.linear import (GEMV_MAX_ROWS, PanelWeight, onednn_available, pack_panels, pack_panels_bf16,
+from workers.kernels.native import LINEAR_PANELS, native_available
+from workers.linear import (GEMV_MAX_ROWS, onednn_available, pack_panels, pack_panels_bf16,
                             select_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
@@ -89,7 +89,7 @@ def test_panel_gemm_matches_float64(dtype):
     weight = torch.randn(1001, 72, generator=generator).to(dtype)  # 62 full panels and one of 9 columns
     bias = torch.randn(1001, generator=generator).to(dtype)
     packed = native.pack(weight)
-    assert isinstance(packed, PanelWeight) == has_panels_for(native, dtype)
+    assert (packed.native_operand().linear == LINEAR_PANELS) == has_panels_for(native, dtype)  # packed as panels
     for rows in panel_row_counts(native, dtype):
         assert_products(native, torch.randn(rows, 72, generator=generator).to(dtype), weight, packed, bias)
         strided = torch.randn(rows, 144, generator=generator).to(dtype)[:, ::2]  # a view, as the model passes some
@@ -112,7 +112,7 @@ def test_panel_gemm_rows_are_the_same_in_every_batch(threads, dtype):
     x = torch.randn(400, 260, generator=generator).to(dtype)  # fp32: k blocks of 64 (x4) and 4; bf16: pairs 64, 64, 2
     weight = native.pack(torch.randn(330, 260, generator=generator).to(dtype))  # 20 full panels and one of 10 columns
     # past 192 rows the rows are split over the threads too (panel_avx512.c), where the panels take them
-    many = [rows for rows in (193, 250, 400) if weight.takes(rows)] if isinstance(weight, PanelWeight) else []
+    many = [rows for rows in (193, 250, 400) if weight.takes(rows)]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -26,7 +26,7 @@ from workers.families import MoeTraits
 from workers.kernels import get_attention_backend
 from workers.kernels.native import native_available
 from workers.layer_ops import NativeOps, TorchOps
-from workers.linear import DualWeight, NativeLinear, PanelWeight, TorchLinear
+from workers.linear import NativeLinear, TorchLinear
 from workers.loader import ModelPathError
 from workers.model import PagedLlamaModel, WeightError
 from workers.moe import MoeWeights, route, router_logits, run_experts
@@ -191,7 +191,7 @@ def moe_runner(model_dir, path: str, **overrides):
     moe_layers = [layer.moe for layer in runner.model.layers if layer.moe is not None]
     assert moe_layers, "the checkpoint has no MoE layer"
     if path == "cpu":  # the experts' products are our packed ones
-        assert all(isinstance(w, (PanelWeight, DualWeight)) for moe in moe_layers for w in moe.gate_up + moe.down)
+        assert all(w.native_operand() is not None for moe in moe_layers for w in moe.gate_up + moe.down)
     return runner
 
 

@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch  # loaded before our library, so it binds to torch's libgomp (see above)
 
@@ -225,6 +226,18 @@ class ForwardArgs(ctypes.Structure):
         ("tile_min_rows_gguf", ctypes.c_int64),
         ("tile_min_rows_gguf_int8", ctypes.c_int64),  # packed Q4_0/Q4_1 on int8 tiles, below tile_min_rows_gguf
     ]
+
+
+LINEAR_PANELS, LINEAR_GEMV = 0, 1  # ForwardArgs.linear (csrc/forward.c): the step's dense products
+
+
+class NativeOperand(NamedTuple):
+    """How the C layer loop (workers/native_forward.py) runs one weight's products."""
+
+    tensor: torch.Tensor  # what LayerArgs points at: panels, a plain [out, in] weight, or GGUF blocks
+    type_code: int  # LayerArgs' *_type: 0 for a dense weight (the step's ForwardArgs.linear), else its ggml type
+    linear: int | None  # the ForwardArgs.linear a dense weight needs (LINEAR_PANELS, LINEAR_GEMV); None: any
+    max_rows: int | None  # rows per step at most that its C product takes; None: any
 
 
 class SampleArgs(ctypes.Structure):

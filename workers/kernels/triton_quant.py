@@ -695,12 +695,8 @@ def quant_linear(x: torch.Tensor, weight: Int4Weight | Fp8Weight | Mxfp4Weight |
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    if isinstance(weight, Int4Weight):
-        out = int4_gemm(rows, weight)
-    elif isinstance(weight, Mxfp4Weight):
-        out = mxfp4_gemm(rows, weight)
-    elif isinstance(weight, Fp8Weight):
-        out = fp8_linear(rows, weight)
-    else:
-        out = F.linear(rows, weight)
+    out = F.linear(rows, weight) if isinstance(weight, torch.Tensor) else KERNELS[type(weight)](rows, weight)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+KERNELS = {Int4Weight: int4_gemm, Mxfp4Weight: mxfp4_gemm, Fp8Weight: fp8_linear}  # each format's product
