@@ -42,7 +42,6 @@ from types import SimpleNamespace
 import torch
 
 from scheduler.sampling_params import SamplingParams
-from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.model_runner import ModelRunner, RunnerConfig
 from workers.simple_driver import SimpleDriver
@@ -97,13 +96,13 @@ def _timed(fn) -> float:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of every weight a decode step reads once: the layers' and the lm_head's (GGUF
-    weights: their blocks, as the file holds them)."""
+    """Bytes of every weight a decode step reads once: the layers' and the lm_head's (each packed
+    weight's nbytes: a GGUF weight's blocks, as the file holds them, panels, or the GEMV's plain
+    copy; plain tensors and oneDNN's opaque ones: from the config's shapes)."""
     model = runner.model
-    if isinstance(model.lm_head, GgufWeight):
-        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        assert all(isinstance(w, GgufWeight) for w in weights), "a mix of GGUF and dense layer weights"
-        return sum(w.nbytes for w in weights) + model.lm_head.nbytes
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+    if not any(isinstance(w, torch.Tensor) for w in weights):
+        return sum(w.nbytes for w in weights)
     element = torch.empty(0, dtype=model.dtype).element_size()
     c = runner.model_config
     per_layer = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size + c.num_heads * c.head_dim * c.hidden_size

@@ -195,6 +195,6 @@ def rope_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
 def unpermute_rope_rows(value: torch.Tensor | GgufWeight, num_heads: int) -> torch.Tensor | GgufWeight:
     """q's or k's rows (weight or bias) in Hugging Face's order."""
     order = rope_row_order(value.shape[0], num_heads)
-    if isinstance(value, GgufWeight):
-        return value.rows(order)
-    return value[order].contiguous()
+    if isinstance(value, torch.Tensor):
+        return value[order].contiguous()
+    return value.rows(order)

@@ -85,6 +85,14 @@ class GgufWeight:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def label(self) -> str:
+        return f"GGUF {self.ggml_type.name}"
+
     # The linear-weight interface (workers/linear.py, LinearWeight), the same on every backend.
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -111,9 +119,28 @@ class GgufWeight:
         max_rows = gguf.DENSE_MIN_ROWS - 1 if dense_prompts else None
         return NativeOperand(self.blocks, gguf.type_code(self), None, max_rows)
 
+    # What the model's loading asks of a checkpoint's weight (workers/model.py).
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """An embedding lookup: the rows' values in fp32 (dequantize_rows)."""
+        return dequantize_rows(self, index)
+
+    def for_kernels(self, logits: bool = False) -> GgufWeight:
+        return pack_for_kernels(self, logits)
+
     def placed_in(self, arena: HugeArena) -> GgufWeight:
         """The weight with its blocks copied into arena (a HugeArena: 2 MB pages, which the kernels stream)."""
         return dataclasses.replace(self, blocks=arena.copy(self.blocks))
+
+    def stacked(self, parts: list) -> GgufWeight | None:
+        """parts' rows one after another (q, k, v -> qkv) in their one GGUF type; None where they
+        are not all GGUF weights of one type."""
+        if not all(isinstance(p, GgufWeight) and p.ggml_type == self.ggml_type for p in parts):
+            return None
+        return concat_rows(parts)
 
     def rows(self, index: torch.Tensor | slice) -> GgufWeight:
         """The weight of the chosen output rows (a permutation, a slice) in the same type, in the

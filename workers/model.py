@@ -50,15 +50,13 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
-from workers.gguf_weight import GgufWeight, concat_rows, dequantize, dequantize_rows, pack_for_kernels
+from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
 from workers.layer_ops import NativeOps, TorchOps
-from workers.linear import NativeLinear, OneDnnLinear, TorchLinear
+from workers.linear import LinearWeight, NativeLinear, OneDnnLinear, TorchLinear
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
-from workers.quant_checkpoint import concat_outputs
-from workers.quant_formats import Fp8Weight, Int4Weight, dequantize as dequantize_quant
 from workers.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -158,7 +156,7 @@ class PagedLlamaModel:
 
     @property
     def device(self) -> torch.device:
-        return self.embed.blocks.device if isinstance(self.embed, GgufWeight) else self.embed.device
+        return self.embed.device
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -208,10 +206,10 @@ class PagedLlamaModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> the residual stream's start [num_tokens, hidden] (times the family's multiplier)."""
-        if isinstance(self.embed, GgufWeight):  # the tokens' rows alone, exactly as the whole table would give
-            embedded = dequantize_rows(self.embed, input_ids).to(self._dtype)
-        else:
+        if isinstance(self.embed, torch.Tensor):
             embedded = F.embedding(input_ids, self.embed)
+        else:  # the tokens' rows alone, exactly as the whole table would give
+            embedded = self.embed.dequantize_rows(input_ids).to(self._dtype)
         multiplier = self.config.embedding_multiplier
         return embedded if multiplier == 1.0 else embedded * multiplier
 
@@ -261,15 +259,13 @@ class PagedLlamaModel:
         final_norm = weights.take_norm("model.", "norm")
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
-            if isinstance(embed, GgufWeight):  # one packed copy serves the lm_head and the lookups (rows)
-                embed = pack_for_kernels(embed, logits=True)
+            embed = _for_kernels(embed, logits=True)  # a GGUF table: one packed copy serves the lm_head and the lookups
             lm_head_plain = embed  # native's GEMV reads it in place (no copy); its AVX2 panels are a copy
         else:
-            lm_head_plain = weights.take("lm_head.weight", (config.vocab_size, config.hidden_size))
-            if isinstance(lm_head_plain, GgufWeight):
-                lm_head_plain = pack_for_kernels(lm_head_plain, logits=True)
+            lm_head_plain = _for_kernels(weights.take("lm_head.weight", (config.vocab_size, config.hidden_size)),
+                                         logits=True)
         lm_head = linear.pack(lm_head_plain)
-        if config.tie_word_embeddings and isinstance(embed, GgufWeight) and isinstance(lm_head, GgufWeight):
+        if config.tie_word_embeddings and not isinstance(embed, torch.Tensor):
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
         weights.check_all_used()
         weights.warn_dequantized()
@@ -279,6 +275,11 @@ class PagedLlamaModel:
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling("default"))
             local_rope = RotaryEmbedding(local, max_positions, final_norm.dtype, device)
         return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
+
+
+def _for_kernels(weight: torch.Tensor | LinearWeight, logits: bool = False) -> torch.Tensor | LinearWeight:
+    """A checkpoint's weight as our kernels read it fastest (GgufWeight.for_kernels); a plain tensor as it is."""
+    return weight if isinstance(weight, torch.Tensor) else weight.for_kernels(logits)
 
 
 # A multimodal checkpoint's text model under the names of a text-only one (both layouts
@@ -335,46 +336,35 @@ class _WeightReader:
         tensor = self.tensors.pop(name)
         if tuple(tensor.shape) != shape:
             raise WeightError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
-        if isinstance(tensor, GgufWeight):
-            if torch.device(self.device).type != "cpu":
-                raise WeightError(f"{name} is a GGUF {tensor.ggml_type.name} weight, served on CPU only, "
-                                  f"not {self.device}")
-            return tensor
-        if isinstance(tensor, (Int4Weight, Fp8Weight)):  # a quantized checkpoint's, kernel-ready on its device
-            return tensor
-        return tensor.to(self.device).contiguous()
+        if isinstance(tensor, torch.Tensor):
+            return tensor.to(self.device).contiguous()
+        # a GGUF weight (CPU kernels only) or a quantized checkpoint's, kernel-ready on its device
+        if tensor.device.type != torch.device(self.device).type:
+            raise WeightError(f"{name} is a {tensor.label} weight on {tensor.device.type}, but the model is built on "
+                              f"{self.device} (GGUF weights: CPU only)")
+        return tensor
 
-    def take_fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor | GgufWeight:
-        """The tensors' rows one after another (q, k, v -> qkv). GGUF weights of one type stay in
-        it; parts of different types (or some plain) are dequantized to the model's dtype."""
+    def take_fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor | LinearWeight:
+        """The tensors' rows one after another (q, k, v -> qkv). Quantized parts that can share one
+        weight stay quantized (GGUF weights of one type; a quantized checkpoint's of one format,
+        groups and input scales: their stacked()); else every part is dequantized to the model's dtype."""
         parts = [self.take(name, shape) for name, shape in zip(names, shapes)]
-        if any(isinstance(part, (Int4Weight, Fp8Weight)) for part in parts):
-            return self._fuse_quantized(names, parts)
-        if not any(isinstance(part, GgufWeight) for part in parts):
+        quantized = [part for part in parts if not isinstance(part, torch.Tensor)]
+        if not quantized:
             return torch.cat(parts, dim=0).contiguous()
-        if all(isinstance(part, GgufWeight) for part in parts) and len({part.ggml_type for part in parts}) == 1:
-            return concat_rows(parts)
-        self.dequantized.append(" + ".join(
-            f"{name.removesuffix('.weight')} ({part.ggml_type.name if isinstance(part, GgufWeight) else part.dtype})"
-            for name, part in zip(names, parts)))
-        plain = [dequantize(p).to(self.dtype) if isinstance(p, GgufWeight) else p for p in parts]
-        return torch.cat(plain, dim=0).to(self.device).contiguous()
-
-    def _fuse_quantized(self, names: list[str], parts: list) -> torch.Tensor | Int4Weight | Fp8Weight:
-        """Kernel-ready parts stacked in their format (workers/quant_checkpoint.concat_outputs), or,
-        where they cannot share one, all dequantized to the model's dtype."""
-        fused = concat_outputs(parts) if len(parts) > 1 else parts[0]
+        fused = quantized[0].stacked(parts)
         if fused is not None:
             return fused
-        logger.warning("%s cannot share one quantized weight (formats, groups or input scales differ): "
-                       "dequantized to %s (more memory, slower)", " + ".join(n.removesuffix(".weight") for n in names),
-                       self.dtype)
-        plain = [dequantize_quant(p).to(self.dtype) if not isinstance(p, torch.Tensor) else p for p in parts]
+        self.dequantized.append(" + ".join(
+            f"{name.removesuffix('.weight')} ({part.dtype if isinstance(part, torch.Tensor) else part.label})"
+            for name, part in zip(names, parts)))
+        plain = [p if isinstance(p, torch.Tensor) else p.dequantize().to(self.dtype) for p in parts]
         return torch.cat(plain, dim=0).to(self.device).contiguous()
 
     def warn_dequantized(self) -> None:
         if self.dequantized:
-            logger.warning("%d fused products mix GGUF types and are dequantized to %s (more memory, slower): %s",
+            logger.warning("%d fused products mix quantized types (GGUF types, or formats, groups or input scales "
+                           "that cannot share one weight) and are dequantized to %s (more memory, slower): %s",
                            len(self.dequantized), self.dtype, "; ".join(self.dequantized))
 
     def discard(self, name: str) -> None:
@@ -387,18 +377,17 @@ class _WeightReader:
         """An o_proj or down_proj tensor times the family's residual multiplier (Granite), so
         that the layer's residual adds need no multiply of their own."""
         multiplier = self.config.residual_multiplier
-        if multiplier != 1.0 and isinstance(tensor, GgufWeight):
-            raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a GGUF "
-                              f"{tensor.ggml_type.name} weight; serve this checkpoint with quantization: none")
-        if multiplier != 1.0 and isinstance(tensor, (Int4Weight, Fp8Weight)):
-            raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a kernel-ready "
-                              f"{type(tensor).__name__}; serve this quantized checkpoint on a CPU worker")
-        return tensor if multiplier == 1.0 else (tensor.float() * multiplier).to(tensor.dtype)
+        if multiplier == 1.0:
+            return tensor
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightError(f"the residual multiplier {multiplier} cannot be folded into a {tensor.label} weight; "
+                              "serve it dequantized (a GGUF file: quantization none; a quantized checkpoint: on CPU)")
+        return (tensor.float() * multiplier).to(tensor.dtype)
 
-    def pack(self, weight: torch.Tensor | GgufWeight) -> object:
+    def pack(self, weight: torch.Tensor | LinearWeight) -> object:
         """A layer's projection in the linear backend's form; a GGUF weight repacked where our int8
-        kernel reads it faster that way (gguf_weight.pack_for_kernels)."""
-        return self.linear.pack(pack_for_kernels(weight) if isinstance(weight, GgufWeight) else weight)
+        kernel reads it faster that way (GgufWeight.for_kernels)."""
+        return self.linear.pack(_for_kernels(weight))
 
     @staticmethod
     def error(message: str) -> WeightError:
@@ -460,8 +449,8 @@ class _WeightReader:
         if name is None:
             return None
         weight = self.take(prefix + name + ".weight", (width or self.config.hidden_size,))
-        if isinstance(weight, GgufWeight):
-            raise WeightError(f"the norm {prefix + name} is a GGUF {weight.ggml_type.name} weight; norms must be plain")
+        if not isinstance(weight, torch.Tensor):
+            raise WeightError(f"the norm {prefix + name} is a {weight.label} weight; norms must be plain")
         offset = self.config.norm_weight_offset
         return weight if offset == 0.0 else (weight.float() + offset).to(weight.dtype)
 

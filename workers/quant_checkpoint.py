@@ -9,8 +9,8 @@ linears kept packed for the Triton kernels.
     # floating-point tensor (norms, biases, embeddings, unquantized layers) cast to bf16
     tensors = pack_checkpoint(config.quant_spec, tensors, torch.bfloat16, "cuda")
     # ... {prefix}.weight is an Int4Weight / Fp8Weight on the GPU (bias left as {prefix}.bias);
-    # the model stacks q, k, v (gate, up) with concat_outputs, and the torch linear backend
-    # multiplies by them with triton_quant.quant_linear
+    # the model stacks q, k, v (gate, up) with their stacked(), and they multiply with
+    # triton_quant.quant_linear (their linear())
 
 Which layers are quantized is read off the tensor names: a prefix is a quantized linear when the
 checkpoint holds one of its format's tensors ({prefix}.qweight, .qzeros, .scales, .g_idx for
@@ -22,13 +22,11 @@ A missing or misshapen tensor fails in one line that names the layer and the ten
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
-from workers.quant_formats import (Fp8Weight, Int4Weight, QuantConfigError, QuantSpec, QuantWeight,
-                                   load_quantized_linear, to_kernel_form)
+from workers.quant_formats import QuantConfigError, QuantSpec, QuantWeight, load_quantized_linear, to_kernel_form
 
 logger = logging.getLogger(__name__)
 
@@ -105,31 +103,3 @@ def _kernel_weight(spec: QuantSpec, tensors: dict[str, torch.Tensor], prefix: st
         raw[role.rstrip("?")] = tensors.get(name)
     raw["bias"] = None  # the model adds {prefix}.bias itself (one bias for a fused product)
     return to_kernel_form(spec, raw, device, dtype)
-
-
-def concat_outputs(parts: list[QuantWeight]) -> QuantWeight | None:
-    """Kernel-ready weights of one input stacked along their outputs (q, k, v -> qkv), in their
-    format; None where they cannot share one (different formats, groups, act-order orders or
-    static input scales): the caller then dequantizes them."""
-    first = parts[0]
-    if isinstance(first, Int4Weight) and all(isinstance(p, Int4Weight) for p in parts):
-        same = all((p.layout, p.group_size, p.zero_offset, p.scales.dtype) ==
-                   (first.layout, first.group_size, first.zero_offset, first.scales.dtype)
-                   and _same(p.g_idx, first.g_idx) and p.bias is None for p in parts)
-        if not same:
-            return None
-        return dataclasses.replace(first, qweight=torch.cat([p.qweight for p in parts], 1).contiguous(),
-                                   qzeros=torch.cat([p.qzeros for p in parts], 1).contiguous(),
-                                   scales=torch.cat([p.scales for p in parts], 1).contiguous())
-    if isinstance(first, Fp8Weight) and all(isinstance(p, Fp8Weight) for p in parts):
-        same = all((p.activations, p.activation_scale_ub) == (first.activations, first.activation_scale_ub)
-                   and _same(p.input_scale, first.input_scale) and p.bias is None for p in parts)
-        if not same:
-            return None
-        return dataclasses.replace(first, weight=torch.cat([p.weight for p in parts], 0).contiguous(),
-                                   weight_scale=torch.cat([p.weight_scale for p in parts], 0).contiguous())
-    return None
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -37,6 +37,7 @@ lists what is supported.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import re
@@ -209,6 +210,8 @@ class KernelReady:
     """The linear-weight interface (workers/linear.py, LinearWeight) of a kernel-ready weight: its
     products by workers/kernels/triton_quant.quant_linear (imported on first use: Triton)."""
 
+    label: str  # its format, for messages
+
     @property
     def out_features(self) -> int:
         return self.shape[0]
@@ -230,6 +233,25 @@ class KernelReady:
     def native_operand(self) -> None:  # no C kernel reads it
         return None
 
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+    def for_kernels(self, logits: bool = False) -> KernelReady:
+        return self
+
+    def stacked(self, parts: list) -> KernelReady | None:
+        """Weights of one input (self among them) stacked along their outputs (q, k, v -> qkv) in
+        this format; None where they cannot share one (formats, groups, act-order orders or static
+        input scales differ): the caller then dequantizes them."""
+        if len(parts) == 1:
+            return self
+        if not all(type(p) is type(self) and p.bias is None for p in parts):
+            return None
+        return self._stacked(parts)
+
+    def _stacked(self, parts: list) -> KernelReady | None:
+        return None
+
 
 @dataclass(frozen=True)
 class Int4Weight(KernelReady):
@@ -249,6 +271,24 @@ class Int4Weight(KernelReady):
         n = self.scales.shape[1]
         return n, self.qweight.shape[0] * (1 if self.layout == "awq" else 8)
 
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def label(self) -> str:
+        return f"{self.layout} int4"
+
+    def _stacked(self, parts: list[Int4Weight]) -> Int4Weight | None:
+        first = parts[0]
+        if not all((p.layout, p.group_size, p.zero_offset, p.scales.dtype) ==
+                   (first.layout, first.group_size, first.zero_offset, first.scales.dtype)
+                   and _same(p.g_idx, first.g_idx) for p in parts):
+            return None
+        return dataclasses.replace(first, qweight=torch.cat([p.qweight for p in parts], 1).contiguous(),
+                                   qzeros=torch.cat([p.qzeros for p in parts], 1).contiguous(),
+                                   scales=torch.cat([p.scales for p in parts], 1).contiguous())
+
 
 @dataclass(frozen=True)
 class Fp8Weight(KernelReady):
@@ -263,6 +303,20 @@ class Fp8Weight(KernelReady):
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
 
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    label = "fp8"
+
+    def _stacked(self, parts: list[Fp8Weight]) -> Fp8Weight | None:
+        first = parts[0]
+        if not all((p.activations, p.activation_scale_ub) == (first.activations, first.activation_scale_ub)
+                   and _same(p.input_scale, first.input_scale) for p in parts):
+            return None
+        return dataclasses.replace(first, weight=torch.cat([p.weight for p in parts], 0).contiguous(),
+                                   weight_scale=torch.cat([p.weight_scale for p in parts], 0).contiguous())
+
 
 @dataclass(frozen=True)
 class Mxfp4Weight(KernelReady):
@@ -274,6 +328,12 @@ class Mxfp4Weight(KernelReady):
     def shape(self) -> tuple[int, int]:
         return self.blocks.shape[-2], self.blocks.shape[-1] * 2
 
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    label = "mxfp4"
+
     def expert(self, index: int) -> "Mxfp4Weight":
         """The [N, K] weight of one expert of a stacked [E, N, K] one (views)."""
         assert self.blocks.dim() == 3, "not a stack of experts"
@@ -281,6 +341,10 @@ class Mxfp4Weight(KernelReady):
 
 
 QuantWeight = Int4Weight | Fp8Weight | Mxfp4Weight
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:

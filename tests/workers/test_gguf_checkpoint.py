@@ -83,7 +83,7 @@ def test_rope_row_order_undoes_llama_cpps_permutation_on_quantized_rows():
     assert torch.equal(file_rows[order], hf)
     weight = quantized(file_rows, GGMLType.Q8_0)
     restored = unpermute_rope_rows(weight, num_heads)
-    assert isinstance(restored, GgufWeight) and restored.ggml_type == GGMLType.Q8_0
+    assert restored.ggml_type == GGMLType.Q8_0  # still the file's blocks
     assert torch.equal(dequantize(restored), dequantize(weight)[order])  # whole rows of blocks move: exact
     bias = torch.randn(num_heads * head_dim)
     assert torch.equal(unpermute_rope_rows(torch.from_numpy(llama_cpp_permute(bias.numpy(), num_heads)), num_heads),
@@ -101,9 +101,9 @@ def test_default_gguf_equals_transformers_dequantized_loading_tensor_by_tensor(s
     assert sorted(checkpoint.tensors) == sorted(reference)
     types = {}
     for name, value in checkpoint.tensors.items():
-        full = dequantize(value) if isinstance(value, GgufWeight) else value
+        full = value if isinstance(value, torch.Tensor) else value.dequantize()
         assert full.dtype == torch.float32 and torch.equal(full, reference[name]), name
-        types[name] = value.ggml_type.name if isinstance(value, GgufWeight) else "plain"
+        types[name] = "plain" if isinstance(value, torch.Tensor) else value.ggml_type.name
     projections = [name for name in types if name.endswith("_proj.weight")]
     assert len(projections) == 210 and all(types[name] == "Q4_1" for name in projections)
     assert types["model.embed_tokens.weight"] == "Q8_0"  # kept quantized: looked up row by row, and the lm_head
@@ -142,8 +142,8 @@ def test_quantized_default_model_agrees_with_its_dequantized_fp32_model(smollm2_
     config = ModelConfig.from_model_dir(smollm2_dir)
     native = load_weights(smollm2_dir, config, torch.float32, gguf_path=find_default_gguf())
     assert native.quantization == "gguf:Q4_1" and native.dtype == torch.float32
-    assert isinstance(native.embed, GgufWeight) and native.lm_head is native.embed  # tied, kept quantized
-    assert all(isinstance(w, GgufWeight) and w.ggml_type == GGMLType.Q4_1
+    assert native.embed.label.startswith("GGUF") and native.lm_head is native.embed  # tied, kept quantized
+    assert all(w.ggml_type == GGMLType.Q4_1
                for layer in native.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     if native_available():  # repacked for our kernels: the Q4_1 layers and the Q8_0 lm_head (and lookups)
         assert all(w.packed for layer in native.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -220,12 +220,12 @@ def test_model_over_gguf_weights_equals_the_dequantized_model(tiny_model_dir, ca
         native = build(config, gguf)
     # q, k, v of two types: that product is dequantized, and one warning names it per layer
     warnings = [record.getMessage() for record in caplog.records]
-    assert len(warnings) == 1 and "3 fused products mix GGUF types" in warnings[0]
-    assert "model.layers.0.self_attn.q_proj (Q8_0) + model.layers.0.self_attn.k_proj (Q4_0)" in warnings[0]
+    assert len(warnings) == 1 and "3 fused products mix quantized types" in warnings[0]
+    assert "model.layers.0.self_attn.q_proj (GGUF Q8_0) + model.layers.0.self_attn.k_proj (GGUF Q4_0)" in warnings[0]
     layer = native.layers[0]
     assert isinstance(layer.qkv, torch.Tensor) and layer.qkv.dtype == torch.float32
-    assert isinstance(layer.gate_up, GgufWeight) and layer.gate_up.ggml_type == GGMLType.Q4_0  # one type: concatenated
-    assert isinstance(layer.o, GgufWeight) and isinstance(layer.down, GgufWeight)
+    assert layer.gate_up.ggml_type == GGMLType.Q4_0  # one type: concatenated
+    assert layer.o.label.startswith("GGUF") and layer.down.label.startswith("GGUF")
     assert native.lm_head is native.embed and native.dtype == torch.float32  # tied
     reference = build(config, plain)
     token_ids = list(range(3, 40))
@@ -353,7 +353,7 @@ def test_every_served_type_is_read_as_blocks_or_plain_tensor(tmp_path):
     checkpoint = read_gguf_checkpoint(write_gguf(tmp_path / "types.gguf", "llama", tensors), torch.bfloat16)
     for name, (ggml_type, blocks) in expected_blocks.items():
         weight = checkpoint.tensors[name]
-        assert isinstance(weight, GgufWeight) and weight.ggml_type == ggml_type and weight.shape == (8, width)
+        assert weight.ggml_type == ggml_type and weight.shape == (8, width)
         assert torch.equal(weight.blocks, torch.from_numpy(blocks))  # the file's bytes, untouched
     q_read, k_read = (checkpoint.tensors[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qk")
     assert q_read.dtype == k_read.dtype == torch.bfloat16  # plain projections: the model's dtype

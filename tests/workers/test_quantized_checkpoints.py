@@ -175,8 +175,7 @@ def test_kernel_path_in_the_interpreter_equals_transformers(plain_dir, tmp_path,
         assert_greedy_matches(output, oracle.greedy(prompt, 6))
 
 
-def test_concat_outputs_stacks_in_the_format_or_declines():
-    from workers.quant_checkpoint import concat_outputs
+def test_stacked_keeps_the_format_or_declines():
     from workers.quant_formats import dequantize, parse_quantization, to_kernel_form
 
     def kernel_form(config, tensors):
@@ -185,18 +184,18 @@ def test_concat_outputs_stacks_in_the_format_or_declines():
         return to_kernel_form(spec, {**raw, "bias": None}, "cpu", torch.float32)
 
     awq = [kernel_form(qc.AWQ_CONFIG, qc.make_awq(n, 64, qc.CHECKPOINT_GROUP, seed=n)[0]) for n in (16, 8, 24)]
-    fused = concat_outputs(awq)
+    fused = awq[0].stacked(awq)
     assert fused.shape == (48, 64) and torch.equal(dequantize(fused), torch.cat([dequantize(w) for w in awq]))
     fp8 = [kernel_form(qc.compressed_tensors_config("tensor", None), qc.make_fp8(n, 64, per_channel=False, seed=n)[0])
            for n in (16, 8)]
-    assert torch.equal(dequantize(concat_outputs(fp8)), torch.cat([dequantize(w) for w in fp8]))  # scales expanded
+    assert torch.equal(dequantize(fp8[0].stacked(fp8)), torch.cat([dequantize(w) for w in fp8]))  # scales expanded
     act_order = {**qc.GPTQ_CONFIG, "desc_act": True}
     orders = [kernel_form(act_order, qc.make_gptq(8, 64, qc.CHECKPOINT_GROUP, act_order=True, seed=seed)[0]) for seed in (1, 2)]
-    assert concat_outputs(orders) is None  # different g_idx: the model dequantizes such a product
+    assert orders[0].stacked(orders) is None  # different g_idx: the model dequantizes such a product
     static = [kernel_form(qc.compressed_tensors_config("tensor", "static"),
                           qc.make_fp8(8, 64, per_channel=False, input_scale=scale)[0]) for scale in (0.01, 0.02)]
-    assert concat_outputs(static) is None  # different static input scales
-    assert concat_outputs([awq[0], fp8[0]]) is None
+    assert static[0].stacked(static) is None  # different static input scales
+    assert awq[0].stacked([awq[0], fp8[0]]) is None and fp8[0].stacked([awq[0], fp8[0]]) is None
 
 
 def test_which_workers_keep_the_weights_packed():
