@@ -47,7 +47,7 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,10 +88,15 @@ AUTOSCALE_INTERVAL_S = 1.0  # how often the autoscaling policy is asked
 class ElasticWorkers:
     """What the actor needs to add and retire workers (module docstring)."""
 
-    config: AutoscaleConfig
-    spawn: Callable[[int], Any]  # worker index -> a new worker actor handle (it loads in the background)
+    config: AutoscaleConfig  # this shard's bounds (AppArgs.autoscale_config)
+    fleet: Any  # workers.actor.WorkerFleet: makes, places and ends workers
+    name_prefix: str = ""  # of this shard's elastic workers' names ("<shard>." with several shards): unique
     drain_timeout_s: float = 30.0  # a retiring worker's requests finish for this long, then migrate
     wake_timeout_s: float = 600.0  # a request that finds no serving worker waits this long for one
+
+    def name_of(self, index: int) -> str:
+        """The name (worker_actor_name's suffix, and metrics label) of this shard's worker `index`."""
+        return f"{self.name_prefix}{index}"
 
 
 def is_actor_death(error: BaseException) -> bool:
@@ -411,10 +416,13 @@ class SchedulerActor:
     def _start_worker(self, reason: str) -> None:
         assert self._elastic is not None
         index = len(self._group.engines)
-        worker = self._elastic.spawn(index)
+        name = self._elastic.name_of(index)
+        live_nodes = [known[1].get("node_id") for i, known in enumerate(self._nodes)
+                      if known is not None and self._group.states[i] != RETIRED]
+        worker = self._elastic.fleet.spawn(name, [node for node in live_nodes if node])
         runner = TimedRunner(worker, is_death=is_worker_lost)
         engine = Engine(self._config, runner, self._eos_token_ids)
-        engine.worker_label, engine.stats_sink = str(index), self._metrics
+        engine.worker_label, engine.stats_sink = name, self._metrics
         assert self._group.add_worker(engine, runner) == index
         self._workers.append(worker)
         self._incarnations.append(None)
@@ -439,7 +447,7 @@ class SchedulerActor:
             logger.error("worker %d has %d KV blocks of %d tokens, the group needs %d of %d: retiring it", index,
                          info.num_blocks, info.block_size, self._config.num_blocks, self._config.block_size)
             await self._group.retire(index, 0.0)
-            ray.kill(worker)
+            self._elastic.fleet.retire(worker)
             return
         await self._ping(index, worker)  # its incarnation, and its step socket on this node
         self._group.mark_serving(index)
@@ -460,7 +468,7 @@ class SchedulerActor:
     async def _retire(self, index: int, worker: Any) -> None:
         assert self._elastic is not None
         moved = await self._group.retire(index, self._elastic.drain_timeout_s)
-        ray.kill(worker)
+        self._elastic.fleet.retire(worker)
         logger.info("autoscaling: worker %d retired (%d requests moved to other workers)", index, moved)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import gc
 import logging
 import time
@@ -30,8 +29,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup
 from pydantic import SecretStr
 
 from serve_app.api import create_api
@@ -59,13 +57,10 @@ from serve_app.sharding import ShardedEngineClient
 from serve_app.tokenizer import TokenizerService
 from serve_app.tool_parsers import choose_tool_call_parser
 from scheduler.actor import ACTOR_NAMESPACE, ElasticWorkers, RayMetrics, create_scheduler, scheduler_actor_name
-from workers.actor import WorkerResources, create_worker, spawn_worker, worker_actor_name
+from workers.actor import PLACEMENT_STRATEGIES, WorkerFleet, WorkerResources
 from workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-# AppArgs.worker_placement -> Ray placement group strategy ("none": no placement group)
-PLACEMENT_STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
 
 
 def package_version() -> str:
@@ -103,8 +98,12 @@ class EngineSupervisor:
         self._args = AppArgs.model_validate(args)
         plan = plan_resources(self._args, ray.cluster_resources())
         self._check_free_resources(plan)
-        self._placement_group = await self._reserve_placement(plan)
-        self._workers = self._create_workers(plan)
+        resources = WorkerResources(plan.worker_num_cpus, plan.worker_num_gpus, self._args.worker_num_threads)
+        self._fleet = WorkerFleet(runner_kwargs(self._args, plan), resources, worker_bundle(plan), self._args.name,
+                                  ACTOR_NAMESPACE, self._args.worker_placement)
+        self._placement_group = await self._reserve_placement()
+        self._workers = [self._fleet.create(str(index), self._placement_group, index)
+                         for index in range(self._args.num_workers)]
         infos = await self._wait_for_workers()
         self._model_info = infos[0]
         self._schedulers = self._create_schedulers(infos)  # one per shard
@@ -126,35 +125,17 @@ class EngineSupervisor:
             nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
             check_placement(args, plan, nodes)
 
-    async def _reserve_placement(self, plan: ResourcePlan) -> PlacementGroup | None:
-        """One bundle per worker (its CPUs, or 1 GPU on GPU nodes), spread over the nodes as
-        worker_placement says; None for worker_placement=none. Fails after startup_timeout_s."""
-        strategy = PLACEMENT_STRATEGIES.get(self._args.worker_placement)
-        if strategy is None:
-            return None
-        group = placement_group([worker_bundle(plan)] * self._args.num_workers, strategy=strategy)
+    async def _reserve_placement(self) -> PlacementGroup | None:
+        """One bundle per starting worker (its CPUs, or 1 GPU on GPU nodes), spread over the nodes
+        as worker_placement says; None for worker_placement=none. Fails after startup_timeout_s."""
         try:
-            await asyncio.wait_for(group.ready(), self._args.startup_timeout_s)
+            return await self._fleet.reserve(self._args.num_workers, self._args.startup_timeout_s)
         except asyncio.TimeoutError:
-            remove_placement_group(group)
             raise ResourceError(
-                f"could not place {self._args.num_workers} workers of {worker_bundle(plan)} with "
-                f"{strategy} within {self._args.startup_timeout_s:g}s; check the nodes' free resources"
+                f"could not place {self._args.num_workers} workers of {self._fleet.bundle} with "
+                f"{PLACEMENT_STRATEGIES[self._args.worker_placement]} within {self._args.startup_timeout_s:g}s; "
+                "check the nodes' free resources"
             ) from None
-        return group
-
-    def _create_workers(self, plan: ResourcePlan) -> list[Any]:
-        resources = WorkerResources(plan.worker_num_cpus, plan.worker_num_gpus, self._args.worker_num_threads)
-        kwargs = runner_kwargs(self._args, plan)
-        self._spawn = functools.partial(spawn_worker, kwargs, resources, self._args.name, ACTOR_NAMESPACE)
-        group = self._placement_group
-        return [
-            create_worker(
-                kwargs, resources, name=worker_actor_name(self._args.name, index), namespace=ACTOR_NAMESPACE,
-                scheduling_strategy=None if group is None else PlacementGroupSchedulingStrategy(group, index),
-            )
-            for index in range(self._args.num_workers)
-        ]
 
     async def _wait_for_workers(self) -> list[Any]:
         timeout = self._args.startup_timeout_s
@@ -180,18 +161,26 @@ class EngineSupervisor:
         self._prefill_rules = {name: {"value": value, "from": source} for name, (value, source) in
                                args.prefill_rule_sources(infos[0].step_costs, infos[0].block_size).items()}
         logger.info("prompt batching (scheduler/step_costs.py): %s", self._prefill_rules)
-        autoscale = args.autoscale_config()
-        elastic = None if autoscale is None else ElasticWorkers(
-            autoscale, self._spawn, drain_timeout_s=args.drain_timeout_s, wake_timeout_s=args.startup_timeout_s)
         return [
             create_scheduler(
                 config, [self._workers[index] for index in indices], tuple(infos[0].eos_token_ids),
                 name=scheduler_actor_name(args.name, shard), num_cpus=args.scheduler_num_cpus,
                 router_config=args.router_config(), admission_config=args.admission_config(),
-                worker_labels=[str(index) for index in indices], elastic=elastic,
+                worker_labels=[str(index) for index in indices], elastic=self._elastic_workers(shard),
             )
             for shard, indices in enumerate(args.shard_worker_indices())
         ]
+
+    def _elastic_workers(self, shard: int) -> ElasticWorkers | None:
+        """Shard `shard`'s share of the autoscaling bounds and the fleet its workers come from;
+        None without autoscaling."""
+        args = self._args
+        autoscale = args.autoscale_config(shard)
+        if autoscale is None:
+            return None
+        prefix = f"{shard}." if args.num_scheduler_shards > 1 else ""
+        return ElasticWorkers(autoscale, self._fleet, prefix, drain_timeout_s=args.drain_timeout_s,
+                              wake_timeout_s=args.startup_timeout_s)
 
     async def engine(self) -> dict[str, Any]:
         """What an ingress replica needs: the scheduler handle(s) and the model info.

@@ -368,8 +368,9 @@ class AppArgs(BaseModel):
         low = 1 if self.min_workers is None else self.min_workers
         if low > self.max_workers:
             raise ValueError(f"min_workers={low} exceeds max_workers={self.max_workers}")
-        if self.num_scheduler_shards != 1:
-            raise ValueError("autoscaling (max_workers) runs with one scheduler shard: set num_scheduler_shards=1")
+        if self.max_workers < self.num_scheduler_shards:
+            raise ValueError(f"max_workers={self.max_workers} is below num_scheduler_shards="
+                             f"{self.num_scheduler_shards}: each shard scales its own workers, at least one")
         self.num_workers = min(max(self.num_workers, low, 1), self.max_workers)
         return self
 
@@ -377,12 +378,16 @@ class AppArgs(BaseModel):
     def autoscaling(self) -> bool:
         return self.max_workers is not None
 
-    def autoscale_config(self) -> AutoscaleConfig | None:
-        """The policy's bounds and delays; None: a fixed num_workers."""
+    def autoscale_config(self, shard: int = 0) -> AutoscaleConfig | None:
+        """Shard `shard`'s policy bounds and delays: each shard scales its own workers, between its
+        share of min_workers and of max_workers (shares split as the starting workers are, so
+        every shard starts within its bounds); None: a fixed num_workers."""
         if self.max_workers is None:
             return None
-        return AutoscaleConfig(min_workers=1 if self.min_workers is None else self.min_workers,
-                               max_workers=self.max_workers, scale_up_delay_s=self.scale_up_delay_s,
+        low = 1 if self.min_workers is None else self.min_workers
+        return AutoscaleConfig(min_workers=shard_share(low, self.num_scheduler_shards, shard),
+                               max_workers=shard_share(self.max_workers, self.num_scheduler_shards, shard),
+                               scale_up_delay_s=self.scale_up_delay_s,
                                scale_down_delay_s=self.scale_down_delay_s,
                                target_waiting_tokens_per_worker=self.scale_target_waiting_tokens,
                                target_queue_time_s=self.scale_target_queue_time_s,
@@ -473,10 +478,9 @@ class AppArgs(BaseModel):
 
     def shard_worker_indices(self) -> list[list[int]]:
         """Worker indices of each scheduler shard: contiguous, sizes differing by at most 1."""
-        base, extra = divmod(self.num_workers, self.num_scheduler_shards)
         shards, start = [], 0
         for shard in range(self.num_scheduler_shards):
-            size = base + (shard < extra)
+            size = shard_share(self.num_workers, self.num_scheduler_shards, shard)
             shards.append(list(range(start, start + size)))
             start += size
         return shards
@@ -521,6 +525,13 @@ def plan_resources(args: AppArgs, cluster: dict[str, float]) -> ResourcePlan:
             f"worker_num_cpus or ingress_replicas, or add nodes"
         )
     return ResourcePlan(worker_cpus, worker_gpus, total_cpus, worker_gpus * args.num_workers)
+
+
+def shard_share(count: int, num_shards: int, shard: int) -> int:
+    """Shard `shard`'s share of `count` workers: equal shares, the first shards one more where
+    they do not divide (monotone in count, so min <= start <= max holds per shard too)."""
+    base, extra = divmod(count, num_shards)
+    return base + (shard < extra)
 
 
 def worker_bundle(plan: ResourcePlan) -> dict[str, float]:

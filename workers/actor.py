@@ -145,7 +145,7 @@ class WorkerResources:
         return "cuda" if self.num_gpus else "cpu"
 
 
-def worker_actor_name(app_name: str, index: int) -> str:
+def worker_actor_name(app_name: str, index: int | str) -> str:
     return f"{app_name}-worker-{index}"
 
 
@@ -165,7 +165,6 @@ def create_worker(
     the worker to its bundle (multi-node spreading); None: Ray's default placement.
     """
     config = {**runner_kwargs, "num_threads": resources.num_threads, "device": resources.device}
-    threads = str(resources.num_threads)
     return WorkerActor.options(
         name=name,
         namespace=namespace,
@@ -178,10 +177,98 @@ def create_worker(
     ).remote(config)
 
 
-def spawn_worker(runner_kwargs: dict[str, Any], resources: WorkerResources, app_name: str, namespace: str,
-                 index: int) -> Any:
-    """Worker `index` of the app, placed wherever Ray has room (autoscaling adds workers with it)."""
-    return create_worker(runner_kwargs, resources, name=worker_actor_name(app_name, index), namespace=namespace)
+# AppArgs.worker_placement -> Ray placement group strategy ("none": no placement group)
+PLACEMENT_STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFleet:
+    """An app's workers from start to end, one place for the app builder (the starting workers,
+    placed together by a placement group) and the scheduler actors (elastic workers, added one
+    at a time with the same placement rule, and retired): what a worker is made of, its name,
+    where it goes and how it ends."""
+
+    runner_kwargs: dict[str, Any]  # workers.model_runner.RunnerConfig's fields
+    resources: WorkerResources
+    bundle: dict[str, float]  # one worker's resources as a placement group bundle (serve_app.config.worker_bundle)
+    app_name: str
+    namespace: str | None = None
+    placement: str = "none"  # AppArgs.worker_placement: none, pack, spread or strict_spread
+
+    async def reserve(self, count: int, timeout_s: float) -> Any:
+        """A placement group of `count` worker bundles, spread or packed over the nodes as the
+        placement says, once Ray has made it; None for placement "none". TimeoutError (the group
+        removed) when the nodes cannot hold it within timeout_s."""
+        import asyncio
+
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        strategy = PLACEMENT_STRATEGIES.get(self.placement)
+        if strategy is None:
+            return None
+        group = placement_group([self.bundle] * count, strategy=strategy)
+        try:
+            await asyncio.wait_for(group.ready(), timeout_s)
+        except asyncio.TimeoutError:
+            remove_placement_group(group)
+            raise
+        return group
+
+    def create(self, name: str, group: Any = None, bundle_index: int = -1) -> Any:
+        """Worker `name` (worker_actor_name's suffix), in bundle `bundle_index` of `group` when given."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = None if group is None else PlacementGroupSchedulingStrategy(group, bundle_index)
+        return create_worker(self.runner_kwargs, self.resources, name=worker_actor_name(self.app_name, name),
+                             namespace=self.namespace, scheduling_strategy=strategy)
+
+    def spawn(self, name: str, worker_nodes: list[str]) -> Any:
+        """An elastic worker, placed by the same rule as the starting ones. worker_nodes: the nodes
+        of the app's live workers that the caller knows of (ids, repeats counted)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = [node for node in ray.nodes() if node.get("Alive")]
+        node = node_for_new_worker(self.placement, alive, worker_nodes, self.bundle)
+        if node is not None:
+            strategy: Any = NodeAffinitySchedulingStrategy(node, soft=self.placement != "strict_spread")
+        else:
+            strategy = "SPREAD" if self.placement in ("spread", "strict_spread") else None
+            if self.placement == "strict_spread":
+                logger.warning("worker %s: no node without a worker of this app has room for %s; it goes where "
+                               "Ray has room (strict_spread resumes once a node joins)", name, self.bundle)
+        return create_worker(self.runner_kwargs, self.resources, name=worker_actor_name(self.app_name, name),
+                             namespace=self.namespace, scheduling_strategy=strategy)
+
+    @staticmethod
+    def retire(worker: Any) -> None:
+        """Ends a worker the scheduler has drained (its requests finished or moved)."""
+        ray.kill(worker)
+
+
+def node_for_new_worker(placement: str, nodes: list[dict[str, Any]], worker_nodes: list[str],
+                        bundle: dict[str, float]) -> str | None:
+    """The node an elastic worker should go to, or None for Ray's choice. nodes: ray.nodes()
+    entries of live nodes (NodeID, Resources: their totals); worker_nodes: the node ids of the
+    app's workers, one entry per worker. pack: the node with the most workers that still holds
+    one more; spread and strict_spread: a node holding one more with the fewest workers (none
+    for strict_spread, else None). A node's room is its total less what the app's workers there
+    take (other apps' use is Ray's to weigh: the affinity is soft but for strict_spread)."""
+    if placement not in PLACEMENT_STRATEGIES:
+        return None
+    counts = {node["NodeID"]: worker_nodes.count(node["NodeID"]) for node in nodes}
+
+    def holds_one_more(node: dict[str, Any]) -> bool:
+        total = node.get("Resources", {})
+        return all(total.get(key, 0.0) + 1e-9 >= need * (counts[node["NodeID"]] + 1) for key, need in bundle.items())
+
+    fitting = [node["NodeID"] for node in nodes if holds_one_more(node)]
+    if placement == "strict_spread":
+        fitting = [node for node in fitting if counts[node] == 0]
+    if not fitting:
+        return None
+    if placement == "pack":
+        return max(fitting, key=lambda node: counts[node])
+    return min(fitting, key=lambda node: counts[node])
 
 
 def openmp_env(num_threads: int) -> dict[str, str]:

@@ -40,13 +40,18 @@ class App:
     url: str
     prefix: str
 
-    def status(self) -> Any:
+    def status(self, shard: int = 0) -> Any:
         import ray
 
         from scheduler.actor import ACTOR_NAMESPACE, scheduler_actor_name
 
-        scheduler = ray.get_actor(scheduler_actor_name(self.prefix), namespace=ACTOR_NAMESPACE)
+        scheduler = ray.get_actor(scheduler_actor_name(self.prefix, shard), namespace=ACTOR_NAMESPACE)
         return ray.get(scheduler.status.remote(), timeout=60)
+
+    def workers(self, num_shards: int) -> tuple[int, int]:
+        """(serving, starting) workers over every shard."""
+        statuses = [self.status(shard) for shard in range(num_shards)]
+        return sum(s.num_workers for s in statuses), sum(s.num_starting_workers for s in statuses)
 
     def wait_for(self, predicate, timeout_s: float, what: str) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -71,7 +76,9 @@ def apps(server, tiny_model_dir: Path) -> Iterator[tuple[App, App]]:
     elastic = build_app(app_args(
         tiny_model_dir, ELASTIC_PREFIX, min_workers=1, max_workers=2, scale_up_delay_s=0.5, scale_down_delay_s=15.0,
         scale_target_waiting_tokens=32, drain_timeout_s=0.0, router_policy="round_robin"))
-    zero = build_app(app_args(tiny_model_dir, ZERO_PREFIX, min_workers=0, max_workers=1, scale_down_delay_s=2.0))
+    # two scheduler shards, each scaling its own worker between 0 and 1
+    zero = build_app(app_args(tiny_model_dir, ZERO_PREFIX, num_workers=2, num_scheduler_shards=2, min_workers=0,
+                              max_workers=2, scale_down_delay_s=2.0, worker_num_cpus=0.25))
     serve.run(elastic, name=ELASTIC_APP, route_prefix=f"/{ELASTIC_APP}")
     serve.run(zero, name=ZERO_APP, route_prefix=f"/{ZERO_APP}")
     try:
@@ -171,19 +178,31 @@ def test_workers_grow_when_prompts_queue_and_shrink_mid_stream_without_losing_a_
 
 
 def test_scale_to_zero_and_the_next_request_wakes_a_worker(apps) -> None:
+    """With two scheduler shards: both scale to zero, and a request wakes a worker in the shard its
+    prompt hashes to, named after that shard (names stay unique across shards)."""
+    import ray
+
+    from scheduler.actor import ACTOR_NAMESPACE
+    from workers.actor import worker_actor_name
+
     _, zero = apps
     with httpx.Client(base_url=zero.url, timeout=300) as http:
         body = {"model": "tiny", "prompt": prompt(3), "max_tokens": 16, "temperature": 0, "ignore_eos": True}
         before = http.post("/v1/completions", json=body)
         assert before.status_code == 200, before.text
-        zero.wait_for(lambda s: s.num_workers == 0 and s.num_starting_workers == 0, 120, "zero workers")
+        deadline = time.monotonic() + 120
+        while zero.workers(2) != (0, 0):
+            assert time.monotonic() < deadline, f"not scaled to zero: {zero.workers(2)}"
+            time.sleep(0.2)
         assert http.get("/health").status_code == 200  # scaled to zero is healthy: a request wakes a worker
         started = time.monotonic()
         after = http.post("/v1/completions", json=body)
         woke_in = time.monotonic() - started
         assert after.status_code == 200, after.text
         assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
-        assert zero.status().num_workers == 1
+        assert zero.workers(2) == (1, 0)
+        [woken_shard] = [shard for shard in range(2) if zero.status(shard).num_workers == 1]
+        assert ray.get_actor(worker_actor_name(ZERO_PREFIX, f"{woken_shard}.1"), namespace=ACTOR_NAMESPACE)
         metrics = http.get("/metrics").text
     starts = [line for line in metrics.splitlines() if line.startswith("rayllm_worker_start_seconds_count")]
     assert starts and float(starts[0].split()[-1]) >= 1, starts

@@ -132,3 +132,14 @@ def test_placement_checks_nodes_one_by_one() -> None:
     check_placement(gpu_args, gpu_plan, [{"CPU": 4, "GPU": 2}])
     with pytest.raises(ResourceError):
         check_placement(gpu_args, gpu_plan, [{"CPU": 4, "GPU": 1}, {"CPU": 4}])
+
+
+def test_autoscaling_with_shards_splits_the_bounds_as_the_starting_workers_are_split() -> None:
+    args = AppArgs.model_validate({"num_workers": 3, "min_workers": 1, "max_workers": 5, "num_scheduler_shards": 2})
+    bounds = [args.autoscale_config(shard) for shard in range(2)]
+    starts = [len(indices) for indices in args.shard_worker_indices()]
+    assert [(b.min_workers, b.max_workers) for b in bounds] == [(1, 3), (0, 2)] and starts == [2, 1]
+    assert all(b.min_workers <= start <= b.max_workers for b, start in zip(bounds, starts))
+    assert sum(b.max_workers for b in bounds) == 5 and sum(b.min_workers for b in bounds) == 1
+    with pytest.raises(pydantic.ValidationError, match="below num_scheduler_shards"):
+        AppArgs.model_validate({"num_workers": 2, "max_workers": 1, "num_scheduler_shards": 2})
