@@ -80,7 +80,7 @@ def random_tensors(config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.T
             p + "self_attn.k_norm.weight": torch.ones(c.head_dim, dtype=dtype),
         })
         if c.is_moe_layer(layer):
-            m = c.moe
+            m = c.traits.moe
             tensors[p + "mlp.gate.weight"] = matrix(m.num_experts, hidden)
             tensors[p + "mlp.experts.gate_up_proj"] = matrix(m.num_experts, 2 * m.intermediate_size, hidden)
             tensors[p + "mlp.experts.down_proj"] = matrix(m.num_experts, hidden, m.intermediate_size)
@@ -151,9 +151,9 @@ def products(model: PagedLlamaModel, batch: int, counts: list[list[int]] | None)
     c, dtype = model.config, model.dtype
     x = torch.randn(batch, c.hidden_size).to(dtype)
     attended = torch.randn(batch, c.num_heads * c.head_dim).to(dtype)
-    width = c.moe.intermediate_size if c.moe is not None else c.intermediate_size
-    act = torch.randn(max(batch * (c.moe.top_k if c.moe else 1), 1), width).to(dtype)
-    rows = x.repeat(c.moe.top_k if c.moe else 1, 1)
+    width = c.traits.moe.intermediate_size if c.traits.moe is not None else c.intermediate_size
+    act = torch.randn(max(batch * (c.traits.moe.top_k if c.traits.moe else 1), 1), width).to(dtype)
+    rows = x.repeat(c.traits.moe.top_k if c.traits.moe else 1, 1)
     moe_layers = iter(counts or [])
     plan = [(layer, next(moe_layers) if layer.moe is not None else None) for layer in model.layers]
 

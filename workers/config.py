@@ -37,7 +37,9 @@ from workers.families import (
     MXFP4_FAMILIES,
     SUPPORTED_MODEL_TYPES,
     FamilyError,
-    MoeTraits,
+    FamilyPaths,
+    FamilyTraits,
+    family_paths,
     rope_type_of,
 )
 
@@ -82,38 +84,27 @@ class ModelConfig:
     rope_theta: float  # RoPE base
     rope_scaling: RopeScaling  # rope_type "default" when the config has none
     tie_word_embeddings: bool  # lm_head shares the embedding matrix
-    qkv_bias: bool  # q, k and v projections carry a bias
-    o_bias: bool  # the output projection carries a bias
     mlp_bias: bool  # gate, up and down projections carry a bias
     max_position_embeddings: int  # context length the model was trained for
-    sliding_window: int | None  # attention window in tokens, None when attention is full
     eos_token_ids: tuple[int, ...]  # every id that ends generation, config + generation_config
     bos_token_id: int | None
-    qk_norm: str | None = None  # q/k RMSNorms before RoPE: "head" (Qwen3) or "projection" (OLMo 2); None: none
-    norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output (OLMo 2)
-    fused_projections: bool = False  # the checkpoint's qkv_proj and gate_up_proj (Phi-3)
+    traits: FamilyTraits  # what the family differs by (biases, norms, windows, caps, multipliers, experts): once,
+    #                       in workers/families.py
     partial_rotary_factor: float = 1.0  # the rotated share of each head (Phi-3)
     activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (Gemma)
-    norm_weight_offset: float = 0.0  # RMSNorms multiply by (offset + w): Gemma's 1 (folded into the weights at load)
-    layer_windows: tuple[int | None, ...] | None = None  # per layer: sliding window in tokens, None: full
-    attention_softcap: float | None = None  # attention scores soft-capped (Gemma 2)
-    logits_softcap: float | None = None  # final logits soft-capped (Gemma 2)
-    local_rope_layers: tuple[bool, ...] | None = None  # per layer: rotates with local_rope_theta (Gemma 3)
     local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (Gemma 3)
     text_model_of: str | None = None  # the multimodal model_type whose text model this is (gemma3); None: text only
-    rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer (SmolLM3)
-    embedding_multiplier: float = 1.0  # Granite's multipliers (workers/families.py); 1: none
-    residual_multiplier: float = 1.0
-    attention_scale: float | None = None  # None: head_dim ** -0.5
-    logits_scale: float = 1.0
-    moe: MoeTraits | None = None  # the mixture-of-experts MLP and its layers (workers/moe.py); None: dense only
-    attention_sinks: bool = False  # a learned sink logit per head in each attention softmax (gpt-oss)
     # the checkpoint's quant method: "fp8", "awq", "gptq", or "mxfp4" (gpt-oss's experts); None: none
     quantization: str | None = None
     quant_spec: QuantSpec | None = None  # its quantization_config, parsed (workers/quant_formats.py)
 
+    @property
+    def paths(self) -> FamilyPaths:
+        """Which of our paths this model can take (C layer loop, native GGUF, packed quantized on CUDA)."""
+        return family_paths(self.model_type, self.traits)
+
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and self.moe.layers[layer]
+        return self.traits.moe is not None and self.traits.moe.layers[layer]
 
     @property
     def rotary_dim(self) -> int:
@@ -121,20 +112,21 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
-        return None if self.layer_windows is None else self.layer_windows[layer]
+        windows = self.traits.layer_windows
+        return None if windows is None else windows[layer]
 
     def uses_local_rope(self, layer: int) -> bool:
-        return self.local_rope_layers is not None and self.local_rope_layers[layer]
+        return self.traits.local_rope_layers is not None and self.traits.local_rope_layers[layer]
 
     def uses_rope(self, layer: int) -> bool:
-        return self.rope_layers is None or self.rope_layers[layer]
+        return self.traits.rope_layers is None or self.traits.rope_layers[layer]
 
     @property
     def max_model_len(self) -> int:
         """Longest sequence our attention computes exactly (see the module docstring)."""
         limit = self.max_position_embeddings
-        if self.sliding_window is not None:
-            limit = min(limit, self.sliding_window)
+        if self.traits.sliding_window is not None:
+            limit = min(limit, self.traits.sliding_window)
         return limit
 
     @property
@@ -198,6 +190,9 @@ class ModelConfig:
             traits = FAMILIES[model_type](raw)
         except FamilyError as error:
             raise ModelConfigError(str(error)) from None
+        caps = {name: float(getattr(traits, name)) for name in ("attention_softcap", "logits_softcap")
+                if getattr(traits, name) is not None}
+        traits = dataclasses.replace(traits, **caps)
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -211,31 +206,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=traits.qkv_bias,
-            o_bias=traits.o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            sliding_window=traits.sliding_window,
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
-            qk_norm=traits.qk_norm,
-            norms=traits.norms,
-            fused_projections=traits.fused_projections,
+            traits=traits,
             partial_rotary_factor=partial_rotary_factor,
             activation=ACTIVATIONS[activation],
-            norm_weight_offset=traits.norm_weight_offset,
-            layer_windows=traits.layer_windows,
-            attention_softcap=None if traits.attention_softcap is None else float(traits.attention_softcap),
-            logits_softcap=None if traits.logits_softcap is None else float(traits.logits_softcap),
-            local_rope_layers=traits.local_rope_layers,
             local_rope_theta=local_rope_theta if traits.local_rope_layers is not None else None,
-            rope_layers=traits.rope_layers,
-            embedding_multiplier=traits.embedding_multiplier,
-            residual_multiplier=traits.residual_multiplier,
-            attention_scale=traits.attention_scale,
-            logits_scale=traits.logits_scale,
-            moe=traits.moe,
-            attention_sinks=traits.attention_sinks,
             quantization=None if quant_spec is None else quant_spec.method,
             quant_spec=quant_spec,
         )

@@ -280,6 +280,27 @@ MXFP4_FAMILIES = frozenset({"gpt_oss"})  # MXFP4 checkpoints: its experts only
 GGUF_NATIVE_FAMILIES = frozenset({"llama"})  # GGUF files whose blocks the CPU kernels serve as they ship
 
 
+@dataclass(frozen=True, slots=True)
+class FamilyPaths:
+    """Which of our paths a model of this family and these traits can take: for each, None where
+    it can, else why not. The one table the loader, the runner and the C layer loop ask."""
+
+    c_layer_loop: str | None  # the C layer loop on CPU (workers/native_forward.py); else the Python loop
+    gguf_native: str | None  # a GGUF file served in its own blocks by the CPU kernels; else dequantized
+    packed_quant_on_cuda: str | None  # a quantized checkpoint's linears kept packed for Triton; else dequantized
+
+
+def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
+    moe = "mixture-of-experts layers" if traits.moe is not None else None
+    multiplier = "a residual multiplier" if traits.residual_multiplier != 1.0 else None
+    return FamilyPaths(
+        c_layer_loop=moe,  # the experts' MLP has no C form: the Python loop runs it over our kernels
+        gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
+        f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
+        packed_quant_on_cuda=", ".join(why for why in (moe, multiplier) if why) or None,  # grouped experts take
+    )  # plain weights; a multiplier is folded into them
+
+
 def rope_type_of(model_type: str | None, rope_type: str) -> str:
     """A config's RoPE scaling name in ours."""
     return ROPE_TYPE_ALIASES.get(model_type or "", {}).get(rope_type, rope_type)

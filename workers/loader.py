@@ -46,7 +46,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from workers.config import ModelConfig
-from workers.families import GGUF_NATIVE_FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -358,9 +357,8 @@ def serves_packed(config: ModelConfig, device: str | torch.device) -> bool:
     no residual multiplier to fold (Granite). Otherwise they are dequantized at load."""
     if torch.device(device).type != "cuda":
         return False
-    reasons = [why for why, applies in (("triton is not installed", importlib.util.find_spec("triton") is None),
-                                        ("mixture-of-experts layers", config.moe is not None),
-                                        ("a residual multiplier", config.residual_multiplier != 1.0)) if applies]
+    reasons = [why for why in ("triton is not installed" if importlib.util.find_spec("triton") is None else None,
+                               config.paths.packed_quant_on_cuda) if why]
     if reasons:
         logger.warning("the %s checkpoint is dequantized at load on %s (%s): the memory of the unquantized model",
                        config.quant_spec.label, device, ", ".join(reasons))
@@ -386,9 +384,9 @@ def read_gguf_tensors(gguf_path: Path, config: ModelConfig, dtype: torch.dtype) 
     """The GGUF file's tensors under Hugging Face names, and its quantization label ("gguf:Q4_1")."""
     from workers.gguf_checkpoint import GgufCheckpointError, read_gguf_checkpoint
 
-    if config.model_type not in GGUF_NATIVE_FAMILIES:
-        raise ModelPathError(f"{gguf_path}: GGUF checkpoints are served natively for model_type 'llama' only, "
-                             f"not {config.model_type!r}; serve it with quantization: none")
+    if config.paths.gguf_native is not None:
+        raise ModelPathError(f"{gguf_path}: {config.paths.gguf_native}, not {config.model_type!r}; serve it with "
+                             "quantization: none")
     try:
         checkpoint = read_gguf_checkpoint(gguf_path, dtype)
     except GgufCheckpointError as error:

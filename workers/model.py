@@ -146,7 +146,7 @@ class PagedLlamaModel:
         self.linear_backend = linear
         self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
         self.ops = ops
-        self.scale = config.attention_scale if config.attention_scale is not None else config.head_dim**-0.5
+        self.scale = config.traits.attention_scale if config.traits.attention_scale is not None else config.head_dim**-0.5
         # the same layers in one C call, for steps whose every product has a C kernel; None: Python only
         self.native_forward = NativeForward.for_model(self)
 
@@ -210,14 +210,14 @@ class PagedLlamaModel:
             embedded = F.embedding(input_ids, self.embed)
         else:  # the tokens' rows alone, exactly as the whole table would give
             embedded = self.embed.dequantize_rows(input_ids).to(self._dtype)
-        multiplier = self.config.embedding_multiplier
+        multiplier = self.config.traits.embedding_multiplier
         return embedded if multiplier == 1.0 else embedded * multiplier
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab]; call it on sampling rows only."""
         logits = self.linear_backend.logits(hidden, self.lm_head)
-        scale, cap = self.config.logits_scale, self.config.logits_softcap
+        scale, cap = self.config.traits.logits_scale, self.config.traits.logits_softcap
         if scale != 1.0:
             logits.mul_(scale)
         if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
@@ -271,7 +271,7 @@ class PagedLlamaModel:
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
         local_rope = None
-        if config.local_rope_layers is not None:
+        if config.traits.local_rope_layers is not None:
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling("default"))
             local_rope = RotaryEmbedding(local, max_positions, final_norm.dtype, device)
         return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
@@ -303,7 +303,7 @@ def _text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return renamed
 
 
-# Each layer norm's checkpoint name, by where a family puts its norms (ModelConfig.norms).
+# Each layer norm's checkpoint name, by where a family puts its norms (FamilyTraits.norms).
 # Beware: OLMo 2's post_attention_layernorm norms the attention's output; Llama's of that name
 # is the MLP's input norm.
 _NORM_NAMES: dict[str, dict[str, str | None]] = {
@@ -376,7 +376,7 @@ class _WeightReader:
     def residual_branch(self, tensor: torch.Tensor) -> torch.Tensor:
         """An o_proj or down_proj tensor times the family's residual multiplier (Granite), so
         that the layer's residual adds need no multiply of their own."""
-        multiplier = self.config.residual_multiplier
+        multiplier = self.config.traits.residual_multiplier
         if multiplier == 1.0:
             return tensor
         if not isinstance(tensor, torch.Tensor):
@@ -400,22 +400,22 @@ class _WeightReader:
         qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         qkv_names = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
-        if c.fused_projections:  # Phi-3: the checkpoint already holds them as we run them
+        if c.traits.fused_projections:  # Phi-3: the checkpoint already holds them as we run them
             qkv_rows, qkv_names = [sum(qkv_rows)], [attn + "qkv_proj"]
             gate_up_rows, gate_up_names = [2 * c.intermediate_size], [mlp + "gate_up_proj"]
         else:
             gate_up_rows = [c.intermediate_size] * 2
-        norms = _NORM_NAMES[c.norms]
+        norms = _NORM_NAMES[c.traits.norms]
         q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
-                                      if c.qk_norm == "projection" else (c.head_dim, c.head_dim))
-        moe = read_moe_weights(self, index, c.moe, c.hidden_size) if c.is_moe_layer(index) else None
+                                      if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
+        moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
         dense = moe is None
         return LayerWeights(
             input_norm=self.take_norm(prefix, norms["input_norm"]),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
-            qkv_bias=self.take_fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]) if c.qkv_bias else None,
+            qkv_bias=self.take_fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]) if c.traits.qkv_bias else None,
             o=self.pack(self.take_residual_branch(attn + "o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))),
-            o_bias=self.take_residual_branch(attn + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
+            o_bias=self.take_residual_branch(attn + "o_proj.bias", (c.hidden_size,)) if c.traits.o_bias else None,
             post_norm=self.take_norm(prefix, norms["post_norm"]),
             gate_up=self.pack(
                 self.take_fused([n + ".weight" for n in gate_up_names], [(r, c.hidden_size) for r in gate_up_rows])
@@ -430,16 +430,16 @@ class _WeightReader:
             down_bias=(
                 self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
             ),
-            q_norm=self.take_norm(attn, "q_norm", q_norm_width) if c.qk_norm else None,
-            k_norm=self.take_norm(attn, "k_norm", k_norm_width) if c.qk_norm else None,
-            qk_norm_whole=c.qk_norm == "projection",
+            q_norm=self.take_norm(attn, "q_norm", q_norm_width) if c.traits.qk_norm else None,
+            k_norm=self.take_norm(attn, "k_norm", k_norm_width) if c.traits.qk_norm else None,
+            qk_norm_whole=c.traits.qk_norm == "projection",
             attn_out_norm=self.take_norm(prefix, norms["attn_out_norm"]),
             mlp_out_norm=self.take_norm(prefix, norms["mlp_out_norm"]),
             use_rope=c.uses_rope(index),
             local_rope=c.uses_local_rope(index),
             window=c.layer_window(index),
-            softcap=c.attention_softcap,
-            sinks=self.take(attn + "sinks", (c.num_heads,)) if c.attention_sinks else None,
+            softcap=c.traits.attention_softcap,
+            sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,
         )
 
@@ -451,7 +451,7 @@ class _WeightReader:
         weight = self.take(prefix + name + ".weight", (width or self.config.hidden_size,))
         if not isinstance(weight, torch.Tensor):
             raise WeightError(f"the norm {prefix + name} is a {weight.label} weight; norms must be plain")
-        offset = self.config.norm_weight_offset
+        offset = self.config.traits.norm_weight_offset
         return weight if offset == 0.0 else (weight.float() + offset).to(weight.dtype)
 
     def check_all_used(self) -> None:

@@ -25,7 +25,6 @@ import ctypes
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from workers.kernels import check_variants, cpu_attention, gguf
 from workers.kernels.cpu_isa import cpu_plan
@@ -59,7 +58,7 @@ class NativeForward:
         """The C loop for this model, or None where one of its parts is not ours (torch ops or
         attention, F.linear or oneDNN alone, a GPU) or a layer's MLP has no C form yet (mixture of
         experts: the Python loop runs it, over our kernels and products)."""
-        if any(layer.moe is not None for layer in model.layers):
+        if model.config.paths.c_layer_loop is not None:
             return None
         if (model.device.type != "cpu" or model.dtype not in DTYPE_CODES or model.attention is not cpu_attention
                 or not isinstance(model.ops, NativeOps)):

@@ -71,26 +71,26 @@ def test_traits_read_from_the_config(family_dir):
     config = ModelConfig.from_model_dir(family_dir)
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
-    assert config.qk_norm == {"qwen3": "head", "olmo2": "projection", "gemma3_text": "head"}.get(config.model_type)
-    assert config.norms == {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(config.model_type, "pre")
+    assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "gemma3_text": "head"}.get(config.model_type)
+    assert config.traits.norms == {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type.startswith("gemma"):
         assert config.text_model_of == ("gemma3" if family_dir.name == "gemma3" else None)
-        assert config.layer_windows == (8, None, 8) and config.activation == "gelu_tanh"
-        assert config.norm_weight_offset == 1.0 and config.attention_scale == 24 ** -0.5
-        assert config.embedding_multiplier == 64 ** 0.5 and config.sliding_window is None  # the context is not capped
+        assert config.traits.layer_windows == (8, None, 8) and config.activation == "gelu_tanh"
+        assert config.traits.norm_weight_offset == 1.0 and config.traits.attention_scale == 24 ** -0.5
+        assert config.traits.embedding_multiplier == 64 ** 0.5 and config.traits.sliding_window is None  # the context is not capped
     if config.model_type == "gemma2":
-        assert (config.attention_softcap, config.logits_softcap) == (5.0, 8.0)
+        assert (config.traits.attention_softcap, config.traits.logits_softcap) == (5.0, 8.0)
     if family_dir.name == "gemma3_text":
-        assert config.local_rope_layers == (True, False, True) and config.local_rope_theta == 1e4
+        assert config.traits.local_rope_layers == (True, False, True) and config.local_rope_theta == 1e4
         assert config.rope_theta == 1e6 and config.rope_scaling.rope_type == "linear"
     if config.model_type == "phi3":
-        assert config.fused_projections and config.rotary_dim == config.head_dim // 2
+        assert config.traits.fused_projections and config.rotary_dim == config.head_dim // 2
         assert config.rope_scaling.rope_type == "longrope" and config.rope_scaling.attention_factor > 1.0
     if config.model_type == "smollm3":
-        assert config.rope_layers == (True, False, True, False)
+        assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type == "granite":
-        assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale) == (4.0, 0.4, 0.09)
-        assert config.logits_scale == pytest.approx(1 / 3)
+        assert (config.traits.embedding_multiplier, config.traits.residual_multiplier, config.traits.attention_scale) == (4.0, 0.4, 0.09)
+        assert config.traits.logits_scale == pytest.approx(1 / 3)
 
 
 def test_model_info_names_the_family_and_the_layer_loop(family_dir):

@@ -237,7 +237,7 @@ def test_model_over_gguf_weights_equals_the_dequantized_model(tiny_model_dir, ca
 def test_model_refuses_to_fold_a_residual_multiplier_into_gguf_weights(tiny_model_dir):
     config, gguf, _ = tiny_weights(tiny_model_dir, {"o_proj.weight": GGMLType.Q8_0})
     with pytest.raises(WeightError, match="residual multiplier 0.5 cannot be folded into a GGUF Q8_0 weight"):
-        build(dataclasses.replace(config, residual_multiplier=0.5), gguf)
+        build(dataclasses.replace(config, traits=dataclasses.replace(config.traits, residual_multiplier=0.5)), gguf)
 
 
 def test_misshapen_gguf_weight_is_named(tiny_model_dir):

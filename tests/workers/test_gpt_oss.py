@@ -135,15 +135,15 @@ def test_mxfp4_checkpoint_equals_transformers_on_the_dequantized_experts(mxfp4_d
 def test_config_traits():
     config = ModelConfig.from_dict(dict(RAW, layer_types=["sliding_attention", "full_attention"] * 2,
                                         swiglu_limit=5.0))
-    assert config.layer_windows == (128, None, 128, None) and config.sliding_window is None
-    assert config.attention_sinks and config.qkv_bias and config.o_bias and config.quantization is None
-    moe = config.moe
+    assert config.traits.layer_windows == (128, None, 128, None) and config.traits.sliding_window is None
+    assert config.traits.attention_sinks and config.traits.qkv_bias and config.traits.o_bias and config.quantization is None
+    moe = config.traits.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.layers) == (8, 2, 64, (True,) * 4)
     assert (moe.scoring, moe.router_bias, moe.router, moe.expert_layout) == ("topk_softmax", True, "router", "gpt_oss")
     assert (moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == ("swiglu_oai", 1.702, 5.0)
     # no layer_types: every other layer slides, from the first (transformers' default)
-    assert ModelConfig.from_dict(RAW).layer_windows == (128, None, 128, None)
-    assert ModelConfig.from_dict(dict(RAW, experts_per_token=4, num_experts_per_tok=None)).moe.top_k == 4
+    assert ModelConfig.from_dict(RAW).traits.layer_windows == (128, None, 128, None)
+    assert ModelConfig.from_dict(dict(RAW, experts_per_token=4, num_experts_per_tok=None)).traits.moe.top_k == 4
 
 
 def test_mxfp4_is_accepted_for_gpt_oss_only():
@@ -207,6 +207,6 @@ def test_gpt_oss_20b_config_json():
     assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 32.0, 4096)
     assert not scaling.truncate and scaling.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1.0)
     assert config.rope_theta == 150000.0 and config.head_dim == 64 and config.max_model_len == 131072
-    assert config.layer_windows == (128, None) * 12 and config.attention_sinks and config.quantization == "mxfp4"
-    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (32, 4, 2880)
-    assert config.moe.swiglu_limit == 7.0 and config.moe.swiglu_alpha == 1.702
+    assert config.traits.layer_windows == (128, None) * 12 and config.traits.attention_sinks and config.quantization == "mxfp4"
+    assert (config.traits.moe.num_experts, config.traits.moe.top_k, config.traits.moe.intermediate_size) == (32, 4, 2880)
+    assert config.traits.moe.swiglu_limit == 7.0 and config.traits.moe.swiglu_alpha == 1.702

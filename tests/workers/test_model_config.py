@@ -22,7 +22,7 @@ def test_llama_with_old_style_rope_keys_and_eos_list():
     assert config.rope_theta == 500000.0
     assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 2.0
     assert config.eos_token_ids == (128001, 128009, 128008)
-    assert not config.qkv_bias and not config.tie_word_embeddings
+    assert not config.traits.qkv_bias and not config.tie_word_embeddings
     assert config.max_model_len == 4096
 
 
@@ -32,14 +32,14 @@ def test_transformers5_rope_parameters_and_llama3():
     config = ModelConfig.from_dict(dict(LLAMA, rope_parameters=rope, attention_bias=True, eos_token_id=2))
     assert config.rope_theta == 500000.0 and config.rope_scaling.rope_type == "llama3"
     assert config.rope_scaling.original_max_position_embeddings == 8192
-    assert config.qkv_bias and config.o_bias and config.eos_token_ids == (2,)
+    assert config.traits.qkv_bias and config.traits.o_bias and config.eos_token_ids == (2,)
 
 
 def test_qwen2_has_qkv_bias_only_and_mistral_window_caps_length():
     qwen = ModelConfig.from_dict(dict(LLAMA, model_type="qwen2", use_sliding_window=False, sliding_window=4096))
-    assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+    assert qwen.traits.qkv_bias and not qwen.traits.o_bias and qwen.traits.sliding_window is None
     mistral = ModelConfig.from_dict(dict(LLAMA, model_type="mistral", head_dim=64, sliding_window=1024))
-    assert mistral.head_dim == 64 and not mistral.qkv_bias
+    assert mistral.head_dim == 64 and not mistral.traits.qkv_bias
     assert mistral.max_model_len == 1024
 
 
@@ -90,7 +90,7 @@ def test_inverse_frequencies_match_transformers(rope):
 
 def test_families_and_refusals_say_what_they_are():
     qwen3 = ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", head_dim=128))
-    assert qwen3.qk_norm == "head" and qwen3.head_dim == 128 and qwen3.rope_layers is None
+    assert qwen3.traits.qk_norm == "head" and qwen3.head_dim == 128 and qwen3.traits.rope_layers is None
     smol = ModelConfig.from_dict(dict(LLAMA, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1]))
     assert [smol.uses_rope(layer) for layer in range(4)] == [True, True, False, True]
     with pytest.raises(ModelConfigError, match="no_rope_layers has 2 entries for 4 layers"):

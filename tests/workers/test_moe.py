@@ -219,10 +219,10 @@ def test_layers_and_model_info(moe_dir):
     config = ModelConfig.from_model_dir(moe_dir)
     settings = CHECKPOINTS[moe_dir.name]
     expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) for layer in range(config.num_layers))
-    assert config.moe.layers == expected_layers
-    assert config.moe.renormalize == settings.get("norm_topk_prob", True)
-    assert config.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts"))
-    assert config.qk_norm == ("head" if config.model_type == "qwen3_moe" else None)
+    assert config.traits.moe.layers == expected_layers
+    assert config.traits.moe.renormalize == settings.get("norm_topk_prob", True)
+    assert config.traits.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts"))
+    assert config.traits.qk_norm == ("head" if config.model_type == "qwen3_moe" else None)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
     assert all((layer.gate_up is None) == (layer.moe is not None) for layer in runner.model.layers)
@@ -236,10 +236,10 @@ def test_qwen3_moe_config_reads_the_sparse_step_and_dense_layers():
                num_attention_heads=4, num_key_value_heads=2, num_experts=128, num_experts_per_tok=8,
                moe_intermediate_size=768, decoder_sparse_step=2, mlp_only_layers=[3])
     config = ModelConfig.from_dict(raw)
-    assert config.moe.layers == (False, True, False, False, False, True)
-    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (128, 8, 768)
-    assert not config.moe.renormalize and config.moe.scoring == "softmax_topk"
-    assert ModelConfig.from_dict(dict(raw, num_experts=0)).moe is None  # every layer dense
+    assert config.traits.moe.layers == (False, True, False, False, False, True)
+    assert (config.traits.moe.num_experts, config.traits.moe.top_k, config.traits.moe.intermediate_size) == (128, 8, 768)
+    assert not config.traits.moe.renormalize and config.traits.moe.scoring == "softmax_topk"
+    assert ModelConfig.from_dict(dict(raw, num_experts=0)).traits.moe is None  # every layer dense
     with pytest.raises(ModelConfigError, match="9 experts per token out of 8"):
         ModelConfig.from_dict(dict(raw, num_experts=8, num_experts_per_tok=9))
     with pytest.raises(ModelConfigError, match="decoder_sparse_step 0"):
@@ -248,14 +248,14 @@ def test_qwen3_moe_config_reads_the_sparse_step_and_dense_layers():
         ModelConfig.from_dict(dict(raw, use_sliding_window=True))
     mixtral = ModelConfig.from_dict(dict(raw, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
                                          sliding_window=512))
-    assert mixtral.moe.layers == (True,) * 6 and mixtral.moe.intermediate_size == 128 and mixtral.moe.renormalize
+    assert mixtral.traits.moe.layers == (True,) * 6 and mixtral.traits.moe.intermediate_size == 128 and mixtral.traits.moe.renormalize
     assert mixtral.max_model_len == 512
 
 
 def load_tensors(model_dir, tensors: dict, **kwargs) -> PagedLlamaModel:
     config = ModelConfig.from_model_dir(model_dir)
     if kwargs:
-        config = replace(config, moe=replace(config.moe, **kwargs))
+        config = replace(config, traits=replace(config.traits, moe=replace(config.traits.moe, **kwargs)))
     return PagedLlamaModel.from_hf_weights(config, tensors, "cpu", get_attention_backend("torch"), 64)
 
 

@@ -208,6 +208,6 @@ def test_which_workers_keep_the_weights_packed():
     triton_installed = importlib.util.find_spec("triton") is not None
     assert serves_packed(awq, "cuda:0") == triton_installed  # decided from the config alone: no GPU needed
     granite = ModelConfig.from_dict(dict(raw, model_type="granite", residual_multiplier=0.5))
-    assert granite.residual_multiplier == 0.5 and not serves_packed(granite, "cuda")
+    assert granite.traits.residual_multiplier == 0.5 and not serves_packed(granite, "cuda")
     mixtral = ModelConfig.from_dict(dict(raw, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2))
-    assert mixtral.moe is not None and not serves_packed(mixtral, "cuda")
+    assert mixtral.traits.moe is not None and not serves_packed(mixtral, "cuda")
