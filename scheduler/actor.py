@@ -417,9 +417,9 @@ class SchedulerActor:
         assert self._elastic is not None
         index = len(self._group.engines)
         name = self._elastic.name_of(index)
-        live_nodes = [known[1].get("node_id") for i, known in enumerate(self._nodes)
-                      if known is not None and self._group.states[i] != RETIRED]
-        worker = self._elastic.fleet.spawn(name, [node for node in live_nodes if node])
+        live_nodes = [known[1]["node_id"] for i, known in enumerate(self._nodes)
+                      if known is not None and known[1].get("node_id") and self._group.states[i] != RETIRED]
+        worker = self._elastic.fleet.spawn(name, live_nodes)
         runner = TimedRunner(worker, is_death=is_worker_lost)
         engine = Engine(self._config, runner, self._eos_token_ids)
         engine.worker_label, engine.stats_sink = name, self._metrics

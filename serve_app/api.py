@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,6 @@ from serve_app.auth import ApiKeyMiddleware
 from serve_app.context import ServingContext
 from serve_app.errors import (
     UNAVAILABLE_RETRY_AFTER_S,
-    OpenAIError,
     anthropic_error_body,
     draining_error,
     error_response,
@@ -108,13 +108,15 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))  # added last: runs first
 
-    async def generate(endpoint: Any, body: CompletionRequest | ChatCompletionRequest) -> Any:
-        """endpoint: the completions or chat module (prepare_stream / complete)."""
+    async def generate(endpoint: Any, body: Any,
+                       encode: Callable[[AsyncIterator[Any]], AsyncIterator[bytes]] = sse_stream) -> Any:
+        """endpoint: the completions, chat, responses or messages module (prepare_stream / complete);
+        encode: its stream as SSE bytes (the Responses and Messages APIs' are named events)."""
         if ctx.draining:  # began after DrainingMiddleware let the request in (its body was read meanwhile)
             raise draining_error()
         if body.stream:
-            chunks = await endpoint.prepare_stream(body, ctx)
-            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+            stream = await endpoint.prepare_stream(body, ctx)
+            return StreamingResponse(encode(stream), media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await endpoint.complete(body, ctx))
 
     @app.post("/v1/completions", response_model=None)
@@ -125,23 +127,13 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest) -> Any:
         return await generate(chat, body)
 
-    async def generate_events(endpoint: Any, body: Any, error_body: Callable[[OpenAIError], dict[str, Any]]) -> Any:
-        """endpoint: the messages or responses module, whose streams are named events."""
-        if ctx.draining:
-            raise draining_error()
-        if body.stream:
-            events = await endpoint.prepare_stream(body, ctx)
-            return StreamingResponse(named_sse_stream(events, error_body), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        return JSONResponse(await endpoint.complete(body, ctx))
-
     @app.post("/v1/messages", response_model=None)
     async def create_message(body: messages.MessagesRequest) -> Any:
-        return await generate_events(messages, body, anthropic_error_body)
+        return await generate(messages, body, functools.partial(named_sse_stream, error_body=anthropic_error_body))
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(body: responses.ResponsesRequest) -> Any:
-        return await generate_events(responses, body, responses.error_event)
+        return await generate(responses, body, functools.partial(named_sse_stream, error_body=responses.error_event))
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(body: messages.CountTokensRequest) -> dict[str, Any]:

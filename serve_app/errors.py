@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,9 @@ def error_response(error: OpenAIError, path: str = "") -> JSONResponse:
     return JSONResponse(error_payload(error, path), status_code=error.status, headers=error.headers)
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """The first pydantic error as one readable message, with its field as param."""
+def validation_error(exc: RequestValidationError | ValidationError, context: str = "") -> OpenAIError:
+    """The first pydantic error as one readable message, with its field as param (a request body's,
+    or a model validated inside a route's: then `context` says what was being checked)."""
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request body")
@@ -136,7 +138,7 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         message = f"{param}: {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"
-    return OpenAIError(message, param=param, code="invalid_value")
+    return OpenAIError(context + message, param=param, code="invalid_value")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -38,7 +38,7 @@ from serve_app.protocol import (
     ChatCompletionRequest,
     chat_body,
 )
-from serve_app.reply_blocks import REASONING, TEXT, BlockEvent, BlockStream, reply_blocks
+from serve_app.reply_blocks import REASONING, TEXT, BlockEvent, BlockStream, ReplyBlock, reply_blocks
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -248,7 +248,7 @@ def _shows(kind: str, body: MessagesRequest) -> bool:
     return kind != REASONING or body.thinking is None or body.thinking.type != "disabled"
 
 
-def _content_block(block: Any) -> dict[str, Any]:
+def _content_block(block: ReplyBlock) -> dict[str, Any]:
     if block.kind == REASONING:
         return {"type": "thinking", "thinking": block.text, "signature": ""}
     if block.kind == TEXT:
@@ -282,17 +282,11 @@ async def _events(body: MessagesRequest, ctx: ServingContext, run: GenerationRun
     start["usage"]["output_tokens"] = 0
     yield "message_start", {"type": "message_start", "message": start}
     blocks, shown = BlockStream(), {}  # shown: our block index -> the client's (hidden reasoning skipped)
-    finish_reason = None
-    async with contextlib.aclosing(run.deltas()) as deltas:
-        async for delta in deltas:
-            pieces, finish_reason = streams.feed(delta.index, delta.text, delta.finish_reason)
-            for event in blocks.feed(pieces):
-                if _shows(event.kind, body):
-                    yield _block_event(event, shown)
-    for event in blocks.finish():
-        if _shows(event.kind, body):
-            yield _block_event(event, shown)
-    stop_reason, stop_sequence = _stop(run, finish_reason)
+    async with contextlib.aclosing(blocks.events(run, streams)) as events:
+        async for event in events:
+            if _shows(event.kind, body):
+                yield _block_event(event, shown)
+    stop_reason, stop_sequence = _stop(run, blocks.finish_reason)
     yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
                                                                "stop_sequence": stop_sequence},
                             "usage": {"output_tokens": _usage(run)["output_tokens"]}}
@@ -302,11 +296,7 @@ async def _events(body: MessagesRequest, ctx: ServingContext, run: GenerationRun
 def _block_event(event: BlockEvent, shown: dict[int, int]) -> tuple[str, dict[str, Any]]:
     if event.action == "open":
         index = shown[event.index] = len(shown)
-        block: dict[str, Any] = {"type": "text", "text": ""}
-        if event.kind == REASONING:
-            block = {"type": "thinking", "thinking": "", "signature": ""}
-        elif event.kind != TEXT:
-            block = {"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}}
+        block = _content_block(ReplyBlock(event.kind, "", event.call_id, event.name))  # empty, as it opens
         return "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
     index = shown[event.index]
     if event.action == "close":

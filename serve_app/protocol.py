@@ -306,13 +306,10 @@ class DetokenizeRequest(_Body):
 def chat_body(fields: dict[str, Any], api: str) -> ChatCompletionRequest:
     """A chat request built from another API's (serve_app/messages.py, responses.py): the fields
     set (None: left out, so the model's sampling defaults apply), checked; a 400 if they do not fit."""
-    from serve_app.errors import OpenAIError
+    from serve_app.errors import validation_error
 
     try:
         return ChatCompletionRequest.model_validate({name: value for name, value in fields.items()
                                                      if value is not None})
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        raise OpenAIError(f"the {api} request does not map onto a chat request: {where}: {first.get('msg')}",
-                          code="invalid_value") from None
+        raise validation_error(error, f"the {api} request does not map onto a chat request: ") from None

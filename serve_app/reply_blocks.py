@@ -7,17 +7,23 @@ content blocks; reasoning / message / function_call output items), each opened, 
 closed in turn. This module turns the chat path's output into those blocks, once for both:
 
     whole:   reply_blocks(message)            -> [ReplyBlock("reasoning", ...), ReplyBlock("text", ...)]
-    stream:  BlockStream().feed(chat_deltas)  -> [BlockEvent("open", 0, "text"),
-                                                  BlockEvent("delta", 0, "text", "Hi"), ...]
-             BlockStream().finish()           -> the last block's "close"
+    stream:  BlockStream().events(run, streams)  -> BlockEvent("open", 0, "text"),
+                                                    BlockEvent("delta", 0, "text", "Hi"), ...,
+                                                    the last block's "close"
 
 Block kinds: "reasoning", "text" and "tool_call" (its text: the call's JSON arguments).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serve_app.chat_output import ChatStreams
+    from serve_app.generation import GenerationRun
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
 
@@ -36,8 +42,8 @@ class BlockEvent:
     index: int  # the block's position in the reply, from 0
     kind: str  # REASONING, TEXT or TOOL_CALL
     text: str = ""  # "delta": the new text
-    call_id: str | None = None  # "open" of a TOOL_CALL
-    name: str | None = None  # "open" of a TOOL_CALL
+    call_id: str | None = None  # "open" and "close" of a TOOL_CALL
+    name: str | None = None  # "open" and "close" of a TOOL_CALL
 
 
 def reply_blocks(message: dict[str, Any]) -> list[ReplyBlock]:
@@ -60,6 +66,18 @@ class BlockStream:
         self._open: BlockEvent | None = None  # the "open" event of the block being filled
         self._next_index = 0
         self._calls: dict[int, int] = {}  # the chat delta's tool call index -> its block index
+        self.finish_reason: str | None = None  # the choice's, once events() has ended
+
+    async def events(self, run: GenerationRun, streams: ChatStreams) -> AsyncIterator[BlockEvent]:
+        """The block events of a one-choice run, its text parsed by streams, to the last block's
+        close; finish_reason is the choice's (as the chat path reports it) once they have ended."""
+        async with contextlib.aclosing(run.deltas()) as deltas:
+            async for delta in deltas:
+                pieces, self.finish_reason = streams.feed(delta.index, delta.text, delta.finish_reason)
+                for event in self.feed(pieces):
+                    yield event
+        for event in self.finish():
+            yield event
 
     def feed(self, chat_deltas: list[dict[str, Any]]) -> list[BlockEvent]:
         events: list[BlockEvent] = []
@@ -102,4 +120,4 @@ class BlockStream:
         if self._open is None:
             return []
         closed, self._open = self._open, None
-        return [BlockEvent("close", closed.index, closed.kind)]
+        return [BlockEvent("close", closed.index, closed.kind, call_id=closed.call_id, name=closed.name)]

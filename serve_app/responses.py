@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from serve_app import chat
 from serve_app.chat_output import ChatStreams, chat_message
 from serve_app.context import ServingContext
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, validation_error
 from serve_app.generation import GenerationRun
 from serve_app.protocol import MAX_TIMEOUT_S, MAX_TOOLS, NAME_PATTERN, ChatCompletionRequest, chat_body
 from serve_app.reply_blocks import REASONING, TEXT, BlockEvent, BlockStream, ReplyBlock, reply_blocks
@@ -135,7 +135,7 @@ InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | 
 
 
 class _Items(BaseModel):
-    items: list[InputItem]
+    input: list[InputItem]  # named as the request's field, so an error names input.N
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -176,11 +176,9 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
     try:
-        items = _Items.model_validate({"items": [{"type": "message", **item} for item in body.input]}).items
+        items = _Items.model_validate({"input": [{"type": "message", **item} for item in body.input]}).input
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())[1:])
-        raise OpenAIError(f"input.{where}: {first.get('msg')}", param="input", code="invalid_value") from None
+        raise validation_error(error) from None
     called: set[str] = set()
     for item in items:
         if isinstance(item, MessageItem):
@@ -288,17 +286,11 @@ async def _events(body: ResponsesRequest, ctx: ServingContext, run: GenerationRu
     yield event("response.created", response=in_progress)
     yield event("response.in_progress", response=in_progress)
     blocks, items = BlockStream(), ItemEvents(run)
-    finish_reason = None
-    async with contextlib.aclosing(run.deltas()) as deltas:
-        async for delta in deltas:
-            pieces, finish_reason = streams.feed(delta.index, delta.text, delta.finish_reason)
-            for block_event in blocks.feed(pieces):
-                for kind, fields in items.on(block_event):
-                    yield event(kind, **fields)
-    for block_event in blocks.finish():
-        for kind, fields in items.on(block_event):
-            yield event(kind, **fields)
-    final = _response(body, ctx, run, created, items.done, finish_reason or "stop")
+    async with contextlib.aclosing(blocks.events(run, streams)) as block_events:
+        async for block_event in block_events:
+            for kind, fields in items.on(block_event):
+                yield event(kind, **fields)
+    final = _response(body, ctx, run, created, items.done, blocks.finish_reason or "stop")
     yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 
 
@@ -308,7 +300,6 @@ class ItemEvents:
     def __init__(self, run: GenerationRun) -> None:
         self._run = run
         self._text = ""  # the open item's text so far
-        self._opened: dict[int, tuple[str | None, str | None]] = {}  # block index -> (call_id, name)
         self.done: list[dict[str, Any]] = []  # the finished items, in order
 
     def on(self, block: BlockEvent) -> list[tuple[str, dict[str, Any]]]:
@@ -316,7 +307,6 @@ class ItemEvents:
         where = {"item_id": item_id, "output_index": block.index}
         if block.action == "open":
             self._text = ""
-            self._opened[block.index] = (block.call_id, block.name)
             item = _output_item(ReplyBlock(block.kind, "", block.call_id, block.name), item_id)
             if block.kind == TEXT:
                 item.update(status="in_progress", content=[])
@@ -335,7 +325,7 @@ class ItemEvents:
             if block.kind == REASONING:
                 return [("response.reasoning_text.delta", {**where, "content_index": 0, "delta": block.text})]
             return [("response.function_call_arguments.delta", {**where, "delta": block.text})]
-        item = _output_item(ReplyBlock(block.kind, self._text, *self._call(block.index)), item_id)
+        item = _output_item(ReplyBlock(block.kind, self._text, block.call_id, block.name), item_id)
         self.done.append(item)
         events: list[tuple[str, dict[str, Any]]] = []
         if block.kind == TEXT:
@@ -348,6 +338,3 @@ class ItemEvents:
             events.append(("response.function_call_arguments.done", {**where, "arguments": self._text,
                                                                      "name": item["name"]}))
         return events + [("response.output_item.done", {"output_index": block.index, "item": item})]
-
-    def _call(self, index: int) -> tuple[str | None, str | None]:
-        return self._opened.get(index, (None, None))

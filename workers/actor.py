@@ -15,6 +15,7 @@ torch's threads to floor(num_cpus) explicitly (OMP_NUM_THREADS too, before torch
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -24,6 +25,8 @@ from pathlib import PurePath
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, WorkerStateLostError
 
@@ -199,10 +202,6 @@ class WorkerFleet:
         """A placement group of `count` worker bundles, spread or packed over the nodes as the
         placement says, once Ray has made it; None for placement "none". TimeoutError (the group
         removed) when the nodes cannot hold it within timeout_s."""
-        import asyncio
-
-        from ray.util.placement_group import placement_group, remove_placement_group
-
         strategy = PLACEMENT_STRATEGIES.get(self.placement)
         if strategy is None:
             return None
@@ -216,28 +215,25 @@ class WorkerFleet:
 
     def create(self, name: str, group: Any = None, bundle_index: int = -1) -> Any:
         """Worker `name` (worker_actor_name's suffix), in bundle `bundle_index` of `group` when given."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        strategy = None if group is None else PlacementGroupSchedulingStrategy(group, bundle_index)
-        return create_worker(self.runner_kwargs, self.resources, name=worker_actor_name(self.app_name, name),
-                             namespace=self.namespace, scheduling_strategy=strategy)
+        return self._start(name, None if group is None else PlacementGroupSchedulingStrategy(group, bundle_index))
 
     def spawn(self, name: str, worker_nodes: list[str]) -> Any:
         """An elastic worker, placed by the same rule as the starting ones. worker_nodes: the nodes
         of the app's live workers that the caller knows of (ids, repeats counted)."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+        if self.placement not in PLACEMENT_STRATEGIES:  # "none": Ray's choice, no need to look at the nodes
+            return self._start(name, None)
         alive = [node for node in ray.nodes() if node.get("Alive")]
         node = node_for_new_worker(self.placement, alive, worker_nodes, self.bundle)
         if node is not None:
-            strategy: Any = NodeAffinitySchedulingStrategy(node, soft=self.placement != "strict_spread")
-        else:
-            strategy = "SPREAD" if self.placement in ("spread", "strict_spread") else None
-            if self.placement == "strict_spread":
-                logger.warning("worker %s: no node without a worker of this app has room for %s; it goes where "
-                               "Ray has room (strict_spread resumes once a node joins)", name, self.bundle)
+            return self._start(name, NodeAffinitySchedulingStrategy(node, soft=self.placement != "strict_spread"))
+        if self.placement == "strict_spread":
+            logger.warning("worker %s: no node without a worker of this app has room for %s; it goes where "
+                           "Ray has room (strict_spread resumes once a node joins)", name, self.bundle)
+        return self._start(name, "SPREAD" if self.placement in ("spread", "strict_spread") else None)
+
+    def _start(self, name: str, scheduling_strategy: Any) -> Any:
         return create_worker(self.runner_kwargs, self.resources, name=worker_actor_name(self.app_name, name),
-                             namespace=self.namespace, scheduling_strategy=strategy)
+                             namespace=self.namespace, scheduling_strategy=scheduling_strategy)
 
     @staticmethod
     def retire(worker: Any) -> None:
