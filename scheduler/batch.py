@@ -42,6 +42,7 @@ class StepBatch:
                     sampling_params=request.sampling_params,
                     block_ids=block_table(),
                     num_computed_tokens=start,
+                    lora_name=request.lora_name,
                 )
             )
             request.sent_to_worker = True

@@ -9,8 +9,11 @@ block has no hash and is never shared through the prefix cache.
     hashes:    [    h0     |     h1     ]                   h1 = H(h0, t16..t31)
                                           (partial: no hash)
 
-The hash depends only on the token ids and the block size, so every worker's KV manager
-agrees on it: the router hashes a prompt once and asks each worker for its matched length.
+The hash depends only on the token ids, the block size and the root (block 0's parent), so
+every worker's KV manager agrees on it: the router hashes a prompt once and asks each worker
+for its matched length. A request for a LoRA adapter starts from its adapter's root
+(`adapter_root`): the same tokens under another adapter have other keys and values, and so
+other hashes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ BlockHash = NewType("BlockHash", bytes)
 HashFn = Callable[["BlockHash | None", Sequence[int]], BlockHash]
 
 _ROOT = b"rayllm-kv-root"  # parent of block 0
+
+
+def adapter_root(lora_name: str | None) -> BlockHash | None:
+    """Block 0's parent for a request of this LoRA adapter (None: the base model's)."""
+    if lora_name is None:
+        return None
+    return BlockHash(hashlib.sha256(b"rayllm-kv-lora:" + lora_name.encode()).digest())
 
 
 def sha256_block_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -45,18 +55,19 @@ class BlockHasher:
         self.block_size = block_size  # tokens per KV block
         self.hash_fn = hash_fn  # (parent hash, block token ids) -> block hash
 
-    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
-        """Appends to `hashes` the hash of every full block of `token_ids` not hashed yet."""
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], root: BlockHash | None = None) -> None:
+        """Appends to `hashes` the hash of every full block of `token_ids` not hashed yet;
+        block 0's parent is `root` (adapter_root; None: the base model's)."""
         bs = self.block_size
         num_full = len(token_ids) // bs
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else root
             hashes.append(self.hash_fn(parent, token_ids[i * bs : (i + 1) * bs]))
 
-    def hash_tokens(self, token_ids: Sequence[int]) -> list[BlockHash]:
+    def hash_tokens(self, token_ids: Sequence[int], root: BlockHash | None = None) -> list[BlockHash]:
         """The hashes of every full block of `token_ids` (what the router matches on)."""
         hashes: list[BlockHash] = []
-        self.extend(hashes, token_ids)
+        self.extend(hashes, token_ids, root)
         return hashes
 
     def __eq__(self, other: object) -> bool:

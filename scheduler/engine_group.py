@@ -255,7 +255,7 @@ class EngineGroup:
         if not request.prompt_token_ids:  # the scheduler refuses it with a ValueError
             return min(alive)
         schedulers = {i: engine.scheduler for i, engine in enumerate(self.engines)}
-        route = route_request(self.router, schedulers, request.prompt_token_ids, alive)
+        route = route_request(self.router, schedulers, request.prompt_token_ids, alive, request.lora_name)
         assert route is not None and route.worker_id in alive, route
         self.route_counts[route.outcome.value] += 1
         self.routed_per_worker[route.worker_id] += 1
@@ -316,7 +316,8 @@ class EngineGroup:
             if not part.requests:  # an open stream with nothing left to run: never expected
                 part.streams[client_id].fail(RuntimeError(f"{client_id}: lost in migration"))
                 continue
-            route = route_request(self.router, schedulers, part.requests[0].prompt_token_ids, alive)
+            route = route_request(self.router, schedulers, part.requests[0].prompt_token_ids, alive,
+                                  part.requests[0].lora_name)
             target = route.worker_id if route is not None else min(alive)
             if not self.engines[target].has_unfinished_requests():
                 self.runners[target].busy_since = self._clock()

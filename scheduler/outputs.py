@@ -71,6 +71,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # tokens whose KV is already in the pool (prefix hit / fork)
+    lora_name: str | None = None  # the LoRA adapter to apply (loaded on the worker); None: the base model
 
 
 @dataclass(slots=True)
@@ -112,6 +113,7 @@ class EngineRequest:
     # restart, n=1 only): they are outputs, not prompt, so they count toward max_tokens,
     # penalties see them as generated, and seeded sampling keeps each token's output position.
     output_token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None  # a LoRA adapter the workers serve (by its served name); None: the base model
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
-from scheduler.block_hash import BlockHash, BlockHasher
+from scheduler.block_hash import BlockHash, BlockHasher, adapter_root
 from scheduler.outputs import FinishReason
 from scheduler.sampling_params import SamplingParams
 
@@ -82,6 +82,7 @@ class Request:
     sampling_params: SamplingParams  # a child's are the parent's .for_child(index)
     block_hasher: BlockHasher | None  # hashes full blocks; None: prefix caching is off
     arrival_time: float = 0.0  # seconds, engine clock
+    lora_name: str | None = None  # the LoRA adapter the worker applies; None: the base model
     index: int = 0  # sequence index within n (0 for a fork parent)
     parent_request_id: str | None = None  # set on fork children
     status: RequestStatus = RequestStatus.WAITING
@@ -100,7 +101,7 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids)
         self._block_hashes = []
         if self.block_hasher is not None:
-            self.block_hasher.extend(self._block_hashes, self._all_token_ids)
+            self.block_hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name))
 
     # --- read-only views -------------------------------------------------------------
     @property
@@ -159,7 +160,7 @@ class Request:
             self._all_token_ids.extend(token_ids)
         hasher = self.block_hasher
         if hasher is not None and len(self._all_token_ids) >= (len(self._block_hashes) + 1) * hasher.block_size:
-            hasher.extend(self._block_hashes, self._all_token_ids)
+            hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name))
 
     def make_fork_child(self, index: int) -> Request:
         """The index-th child of this fork parent: same prompt and hashes, its own params.
@@ -174,6 +175,7 @@ class Request:
             sampling_params=self.sampling_params.for_child(index),
             block_hasher=None,  # the parent's hashes are copied below, not recomputed
             arrival_time=self.arrival_time,
+            lora_name=self.lora_name,
             index=index,
             parent_request_id=self.request_id,
             num_cached_tokens=self.num_cached_tokens,

@@ -63,7 +63,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scheduler.block_hash import BlockHash
+from scheduler.block_hash import BlockHash, adapter_root
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -251,13 +251,15 @@ def route_request(
     schedulers: Mapping[int, Scheduler],
     prompt_token_ids: Sequence[int],
     alive: Collection[int] | None = None,
+    lora_name: str | None = None,
 ) -> Route | None:
-    """Hashes the prompt once and routes it: the scheduler actor's one-line call."""
+    """Hashes the prompt once (under its LoRA adapter's root) and routes it: the scheduler
+    actor's one-line call."""
     if not schedulers:
         return None
     hashers = {s.block_hasher for s in schedulers.values()}
     assert len(hashers) == 1, "every worker's scheduler must share block size and hash"
-    block_hashes = next(iter(hashers)).hash_tokens(prompt_token_ids)
+    block_hashes = next(iter(hashers)).hash_tokens(prompt_token_ids, adapter_root(lora_name))
     views = worker_views(schedulers, block_hashes, alive, router.config.match_in_flight)
     return router.route(len(prompt_token_ids), views)
 

@@ -123,6 +123,7 @@ class Scheduler:
             sampling_params=params,
             block_hasher=self.block_hasher,
             arrival_time=engine_request.arrival_time,
+            lora_name=engine_request.lora_name,
         )
         if resumed:
             request.append_output_token_ids(list(resumed))

@@ -153,7 +153,10 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
             "backend": {**card.backend, "reasoning_parser": card.reasoning_parser,
                         "tool_call_parser": card.tool_call_parser, "sampling_defaults": card.sampling_defaults},
         }
-        return {"object": "list", "data": [model]}
+        adapters = [{"id": name, "object": "model", "created": card.created, "owned_by": "rayllm-serve", "root": path,
+                     "parent": card.served_name, "max_model_len": card.max_model_len}
+                    for name, path in card.lora_adapters]  # as vLLM lists its LoRA modules
+        return {"object": "list", "data": [model, *adapters]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest) -> dict[str, Any]:

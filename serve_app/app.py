@@ -86,6 +86,8 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
         "cuda_graph_batch_sizes": (args.cuda_graph_batch_sizes if args.cuda_graph_batch_sizes == "auto"
                                    else tuple(args.cuda_graph_batch_sizes)),
         "seed": args.seed,
+        "lora_adapters": tuple(args.lora_adapters.items()),
+        "max_lora_rank": args.max_lora_rank,
         "measure_step_costs": True,  # the scheduler's prompt-batching rules follow them (scheduler/step_costs.py)
     }
 
@@ -241,6 +243,7 @@ class OpenAIIngress:
                                                      tokenizer.keeps_text(THINK_OPEN + "x" + THINK_CLOSE)),
             tool_call_parser=choose_tool_call_parser(tokenizer.chat_template, self._args.tool_call_parser),
             sampling_defaults=read_sampling_defaults(model_dir) if self._args.generation_config == "auto" else {},
+            lora_adapters=tuple(self._args.lora_adapters.items()),
         )
         self._ctx = ServingContext(tokenizer, client, card, health=self._health, version=package_version(),
                                    limits=self._args.server_limits(), observability=observability,

@@ -32,7 +32,7 @@ async def prepare(body: ChatCompletionRequest, ctx: ServingContext,
                   id_prefix: str = "chatcmpl") -> tuple[GenerationRun, OutputPlan]:
     """The run and what to parse out of its text; the Messages and Responses APIs
     (serve_app/messages.py, serve_app/responses.py) come this way too, with ids of their own."""
-    ctx.card.check_model(body.model)
+    lora_name = ctx.card.check_model(body.model)
     ctx.limits.check_choices(body.n, 1)
     constraints, token_ids = await prompt(body, ctx)
     params = with_grammar(to_sampling_params(body, len(token_ids), ctx.card, ctx.limits), constraints)
@@ -40,7 +40,7 @@ async def prepare(body: ChatCompletionRequest, ctx: ServingContext,
     keep_special = plan.reasoning_prompt_tail is not None and decodes_special_tokens(plan.reasoning_parser)
     run = ctx.start_run(ctx.new_id(id_prefix), [token_ids], [params], body.stop_strings,
                         timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None,
-                        skip_special_tokens=not keep_special)
+                        skip_special_tokens=not keep_special, lora_name=lora_name)
     await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
     return run, plan
 
@@ -86,7 +86,7 @@ async def complete(body: ChatCompletionRequest, ctx: ServingContext) -> dict[str
         "id": run.response_id,
         "object": "chat.completion",
         "created": int(ctx.clock()),
-        "model": ctx.card.served_name,
+        "model": run.model,
         "choices": [_choice_json(result, builder, plan) for result in results],
         "usage": run.usage(),
     }
@@ -114,7 +114,7 @@ async def prepare_stream(body: ChatCompletionRequest, ctx: ServingContext) -> As
 
 async def _stream_chunks(body: ChatCompletionRequest, ctx: ServingContext, run: GenerationRun,
                          streams: ChatStreams | None) -> AsyncIterator[dict[str, Any]]:
-    envelope = ChunkEnvelope(run.response_id, "chat.completion.chunk", int(ctx.clock()), ctx.card.served_name,
+    envelope = ChunkEnvelope(run.response_id, "chat.completion.chunk", int(ctx.clock()), run.model,
                              body.include_usage)
     builder = _logprobs_builder(body, ctx)
 

@@ -45,7 +45,7 @@ async def prompt_token_ids(prompts: list[str | list[int]], ctx: ServingContext) 
 
 async def prepare(body: CompletionRequest, ctx: ServingContext) -> tuple[GenerationRun, list[str]]:
     """Validates and starts nothing yet: returns the run and each prompt's echo text."""
-    ctx.card.check_model(body.model)
+    lora_name = ctx.card.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not computed)",
                           param="echo", code="unsupported")
@@ -59,7 +59,8 @@ async def prepare(body: CompletionRequest, ctx: ServingContext) -> tuple[Generat
     if body.echo:  # the client's own text, or the decoded ids of a token prompt
         echoes = [p if isinstance(p, str) else await ctx.tokenizer.decode(p) for p in prompts]
     run = ctx.start_run(ctx.new_id("cmpl"), token_lists, params, body.stop_strings,
-                        timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None)
+                        timeout_s=ctx.limits.timeout_for(body.timeout), client_timeout=body.timeout is not None,
+                        lora_name=lora_name)
     await run.start()  # admission errors (429, 503) and a timeout with nothing generated raise here
     return run, echoes
 
@@ -88,7 +89,7 @@ async def complete(body: CompletionRequest, ctx: ServingContext) -> dict[str, An
         "id": run.response_id,
         "object": "text_completion",
         "created": int(ctx.clock()),
-        "model": ctx.card.served_name,
+        "model": run.model,
         "choices": choices,
         "usage": run.usage(),
     }
@@ -114,7 +115,7 @@ async def prepare_stream(body: CompletionRequest, ctx: ServingContext) -> AsyncI
 
 async def _stream_chunks(body: CompletionRequest, ctx: ServingContext, run: GenerationRun,
                          echoes: list[str]) -> AsyncIterator[dict[str, Any]]:
-    envelope = ChunkEnvelope(run.response_id, "text_completion", int(ctx.clock()), ctx.card.served_name,
+    envelope = ChunkEnvelope(run.response_id, "text_completion", int(ctx.clock()), run.model,
                              body.include_usage)
     builders = _logprob_builders(body, ctx, run, echoes)
 

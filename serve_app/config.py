@@ -53,6 +53,14 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(
         None, description="The id clients use in 'model'; null: the model directory's name."
     )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), as "
+        "{name: local directory}: each is listed by /v1/models with the base model as its parent, and a request "
+        "selects one with \"model\": \"<name>\". Every worker loads them all at start (docs/lora.md).",
+    )
+    max_lora_rank: int = Field(64, ge=1, le=512, description="The highest LoRA rank a worker loads; an adapter of "
+                               "a higher rank is refused at start.")
     name: str = Field(
         "rayllm", pattern=r"^[A-Za-z0-9_.-]+$",
         description="Prefix of the Ray actor names; unique per application in a cluster.",
@@ -392,6 +400,13 @@ class AppArgs(BaseModel):
                                target_waiting_tokens_per_worker=self.scale_target_waiting_tokens,
                                target_queue_time_s=self.scale_target_queue_time_s,
                                max_running_per_worker=self.max_num_seqs)
+
+    @model_validator(mode="after")
+    def _check_lora_names(self) -> AppArgs:
+        for name in self.lora_adapters:
+            if not name or name == self.served_model_name:
+                raise ValueError(f"LoRA adapter name {name!r} must be non-empty and differ from served_model_name")
+        return self
 
     @model_validator(mode="after")
     def _check_shards(self) -> AppArgs:

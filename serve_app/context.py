@@ -46,6 +46,7 @@ class ServingContext:
         timeout_s: float | None = None,
         client_timeout: bool = False,
         skip_special_tokens: bool = True,
+        lora_name: str | None = None,
     ) -> GenerationRun:
         """One engine request per prompt; choice indexes run prompt by prompt, n each. The text
         is decoded without special tokens, or with them (skip_special_tokens False: a harmony
@@ -64,6 +65,8 @@ class ServingContext:
                     decode, stop_strings, hidden,
                 )
             )
-            requests.append(EngineRequest(request_id, token_ids, sampling))
+            requests.append(EngineRequest(request_id, token_ids, sampling, lora_name=lora_name))
             first_index += sampling.n
-        return GenerationRun(base_id, self.engine, requests, trackers, timeout_s, client_timeout, self.stream_interval)
+        run = GenerationRun(base_id, self.engine, requests, trackers, timeout_s, client_timeout, self.stream_interval)
+        run.model = lora_name or self.card.served_name
+        return run

@@ -198,6 +198,7 @@ class GenerationRun:
         assert len(requests) == len(trackers)
         self.stream_interval = stream_interval  # tokens per streamed chunk at least (coalesce)
         self.response_id = response_id  # the id the client sees ("cmpl-...", "chatcmpl-...")
+        self.model = ""  # the "model" its responses name: the served model's, or the LoRA adapter's
         self._engine = engine
         self._requests = requests
         self.trackers = trackers

@@ -258,7 +258,7 @@ def _content_block(block: ReplyBlock) -> dict[str, Any]:
 
 def _message(run: GenerationRun, ctx: ServingContext, content: list[dict[str, Any]], stop_reason: str | None,
              stop_sequence: str | None) -> dict[str, Any]:
-    return {"id": run.response_id, "type": "message", "role": "assistant", "model": ctx.card.served_name,
+    return {"id": run.response_id, "type": "message", "role": "assistant", "model": run.model,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(run)}
 
 

@@ -25,13 +25,18 @@ class ModelCard:
     # the model's generation_config.json sampling values that a request leaving the field out gets
     # (serve_app/sampling_defaults.py); {}: OpenAI's defaults (generation_config: off, or none set)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each LoRA adapter the workers load
 
-    def check_model(self, requested: str | None) -> None:
-        """404 unless the request names this model (or none, or its root path)."""
+    def check_model(self, requested: str | None) -> str | None:
+        """The LoRA adapter the request names (None: the base model: it names this model, its root
+        path, or nothing); 404 for any other name."""
         if requested is None or requested in (self.served_name, self.root):
-            return
+            return None
+        if any(requested == name for name, _ in self.lora_adapters):
+            return requested
+        served = ", ".join(repr(name) for name in (self.served_name, *(name for name, _ in self.lora_adapters)))
         raise OpenAIError(
-            f"the model {requested!r} does not exist; this server serves {self.served_name!r}",
+            f"the model {requested!r} does not exist; this server serves {served}",
             404,
             param="model",
             code="model_not_found",

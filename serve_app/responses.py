@@ -238,7 +238,7 @@ def _response(body: ResponsesRequest, ctx: ServingContext, run: GenerationRun, c
         "id": run.response_id, "object": "response", "created_at": created, "status": status, "error": None,
         "incomplete_details": {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
         if incomplete else None,
-        "instructions": body.instructions, "model": ctx.card.served_name, "output": output,
+        "instructions": body.instructions, "model": run.model, "output": output,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
         else body.tool_choice.model_dump(),

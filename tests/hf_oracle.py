@@ -22,10 +22,15 @@ class HfGreedy:
 class HfOracle:
     """transformers' LlamaForCausalLM (or Qwen2/Mistral) on the same weights."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, adapter_dir: Path | None = None):
+        """adapter_dir: a PEFT LoRA adapter applied by peft's own PeftModel (unmerged)."""
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if adapter_dir is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter_dir)
         self.model.eval()
 
     @torch.inference_mode()
@@ -63,3 +68,15 @@ def prompts_of_lengths(lengths: list[int], vocab_size: int, seed: int = 0) -> li
     """Random prompts (special ids 0-2 excluded) of the given lengths."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+def token_ids_of_texts(model_dir: Path) -> dict[str, int]:
+    """Token text (as logprobs show it) -> token id: one-to-one for the tiny byte-level tokenizer."""
+    from serve_app.tokenizer import TokenizerService
+    from workers.config import ModelConfig
+
+    service = TokenizerService.from_model_dir(str(model_dir))
+    vocab_size = ModelConfig.from_model_dir(model_dir).vocab_size
+    ids = {service.token_text(token_id): token_id for token_id in range(vocab_size)}
+    assert len(ids) == vocab_size, "two tokens show the same text: served texts cannot name token ids"
+    return ids

@@ -55,6 +55,7 @@ from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import LinearWeight, NativeLinear, OneDnnLinear, TorchLinear
+from workers.lora import StepLora
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding
@@ -160,10 +161,12 @@ class PagedLlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+                kv_caches: list[KVCache], lora: StepLora | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden].
+        lora: the step's LoRA adapters and their rows (workers/lora.py); such a step runs the
+        Python loop (the C loop has no LoRA products yet)."""
         with self.products_plan(metadata):
-            return self._forward(input_ids, positions, metadata, kv_caches)
+            return self._forward(input_ids, positions, metadata, kv_caches, lora)
 
     def products_plan(self, metadata: AttentionMetadata) -> contextlib.AbstractContextManager:
         """The kernels a step's products take: a GGUF model's steps that compute prompt tokens
@@ -173,36 +176,45 @@ class PagedLlamaModel:
         return contextlib.nullcontext()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                 kv_caches: list[KVCache]) -> torch.Tensor:
+                 kv_caches: list[KVCache], lora: StepLora | None = None) -> torch.Tensor:
         native = self.native_forward
-        if native is not None and native.takes(input_ids.shape[0]):
+        if native is not None and lora is None and native.takes(input_ids.shape[0]):
             return native(input_ids, positions, metadata, kv_caches)  # the loop below, in C
         eps, activation = self.config.rms_norm_eps, self.config.activation
         step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
         residual, delta = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
-            delta = self._attention(layer, x, positions, step, kv_cache)
+            delta = self._attention(layer, x, positions, step, kv_cache, lora, index)
             if layer.attn_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.attn_out_norm, eps)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
             if layer.moe is not None:
                 delta = moe_mlp(x, layer.moe, self.linear_backend, self.ops, activation)
             else:
-                delta = self.linear(self._gated(x, layer, activation), layer.down, layer.down_bias)
+                gated = self._gated(x, layer, activation, lora, index)
+                delta = self._product(gated, layer.down, layer.down_bias, lora, index, "down")
             if layer.mlp_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.mlp_out_norm, eps)
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
 
-    def _gated(self, x: torch.Tensor, layer, activation: str) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, weight: object, bias: torch.Tensor | None, lora: StepLora | None,
+                 index: int, product: str) -> torch.Tensor:
+        """x @ weight.T + bias, plus the step's LoRA adapters' part of layer index's product."""
+        y = self.linear(x, weight, bias)
+        return y if lora is None else lora.add(y, x, index, product)
+
+    def _gated(self, x: torch.Tensor, layer, activation: str, lora: StepLora | None = None,
+               index: int = 0) -> torch.Tensor:
         """act(gate) * up of the layer's gate_up product: in one tile product where the products and
         ops are ours and the tiles take it (workers/linear.py, gated_product: the same bits), else
-        the product, then the ops' gated_mul."""
-        if self.ops.name == "native":
+        the product (with its LoRA), then the ops' gated_mul."""
+        if self.ops.name == "native" and (lora is None or not lora.adapts(index, "gate_up")):
             fused = self.linear_backend.gated_product(x, layer.gate_up, layer.gate_up_bias, activation)
             if fused is not None:
                 return fused
-        return self.ops.gated_mul(self.linear(x, layer.gate_up, layer.gate_up_bias), activation)
+        return self.ops.gated_mul(self._product(x, layer.gate_up, layer.gate_up_bias, lora, index, "gate_up"),
+                                  activation)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> the residual stream's start [num_tokens, hidden] (times the family's multiplier)."""
@@ -225,10 +237,10 @@ class PagedLlamaModel:
         return logits
 
     def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, step,
-                   kv_cache: KVCache) -> torch.Tensor:
+                   kv_cache: KVCache, lora: StepLora | None = None, index: int = 0) -> torch.Tensor:
         """o_proj(attention) of the normed hidden states x; writes this step's k/v into the pool."""
         config = self.config
-        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._product(x, layer.qkv, layer.qkv_bias, lora, index, "qkv")
         if layer.q_norm is not None:
             self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
                                    config.rms_norm_eps, layer.qk_norm_whole)
@@ -239,7 +251,7 @@ class PagedLlamaModel:
             q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
-        return self.linear(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias)
+        return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor | GgufWeight],

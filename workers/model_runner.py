@@ -40,6 +40,7 @@ from workers.grammar import GrammarMatchers
 from workers.kernels import cpu_attention, resolve_attention_backend_name
 from workers.kernels.cpu_isa import cpu_plan
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
+from workers.lora import LoraAdapter, StepLora, load_adapter
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
@@ -148,6 +149,10 @@ class RunnerConfig:
     # time a few steps at start (workers/step_costs.py): the scheduler derives its prompt-batching
     # rules from them (scheduler/step_costs.py); the served app turns it on, tests and tools need not
     measure_step_costs: bool = False
+    # LoRA adapters in PEFT's format (workers/lora.py), as (name, directory) pairs: a request
+    # names one by lora_name; all are loaded at start
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +204,7 @@ class RequestState:
     block_ids: list[int]  # block table
     num_computed_tokens: int  # tokens whose KV is in the pool
     matcher: Any = None  # grammar matcher (workers/grammar.py) of a structured-output request; None: unconstrained
+    lora: LoraAdapter | None = None  # the adapter its products add (workers/lora.py); None: the base model
     penalty_history: array | None = None  # int32 copy of token_ids for a request with penalties (the sampler
     #                                       takes it without converting a list every step)
 
@@ -213,6 +219,7 @@ class _StepBatch:
     metadata: AttentionMetadata
     logits_rows: torch.Tensor  # [num_sampling] int64 rows of the batch whose logits are sampled
     sampling_states: list[RequestState] = field(default_factory=list)  # aligned with logits_rows
+    lora: StepLora | None = None  # the step's adapters and their rows; None: the base model's products only
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -278,6 +285,8 @@ class ModelRunner:
             self.model_config, config.block_size, config.kv_cache_memory_bytes, kv_dtype
         )
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
+        self.lora_adapters = {name: load_adapter(name, path, self.model_config, dtype, self.device, config.max_lora_rank)
+                              for name, path in config.lora_adapters}
         self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
         graph_sizes = resolve_graph_sizes(config.cuda_graph_batch_sizes, self.device, self.attention_backend)
         if graph_sizes:
@@ -357,14 +366,15 @@ class ModelRunner:
         masks = self._start_grammar_masks(batch.sampling_states)  # filled while the forward runs
         prepared = time.perf_counter()
         graph_size = None  # captured batch size this step is padded to; None: eager
-        if self.decode_graphs is not None:
+        if self.decode_graphs is not None and batch.lora is None:
             graph_size = self.decode_graphs.padded_size(batch.input_ids.shape[0], batch.metadata.seq_lens.shape[0])
         with torch.inference_mode():
             if graph_size is not None:
                 logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, graph_size)
                 logits = logits[batch.logits_rows] if batch.sampling_states else None
             else:
-                hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
+                hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches,
+                                            batch.lora)
                 logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sampling_states else None
         forwarded = time.perf_counter()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -394,7 +404,17 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             matcher=None if grammar is None else self.grammars.new_matcher(grammar, new.output_token_ids),
             penalty_history=array("i", token_ids) if new.sampling_params.has_penalties else None,
+            lora=self._adapter(new),
         )
+
+    def _adapter(self, new: NewRequestData) -> LoraAdapter | None:
+        if new.lora_name is None:
+            return None
+        adapter = self.lora_adapters.get(new.lora_name)
+        if adapter is None:
+            raise ValueError(f"request {new.request_id!r} names LoRA adapter {new.lora_name!r}, which this worker "
+                             f"has not loaded (it has: {sorted(self.lora_adapters)})")
+        return adapter
 
     def reset(self) -> None:
         """Forgets every request (their KV blocks are the scheduler's to reuse)."""
@@ -426,6 +446,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampling_states: list[RequestState] = []
         computes_prompt = False
+        row_adapters: list[tuple[LoraAdapter | None, int, int]] = []  # per request: (adapter, first row, end row)
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(request_id)
             if state is None:
@@ -439,14 +460,18 @@ class ModelRunner:
             token_seqs.extend([len(block_rows)] * num_scheduled)
             block_rows.append(state.block_ids)
             query_start_loc.append(query_start_loc[-1] + num_scheduled)
+            row_adapters.append((state.lora, query_start_loc[-2], query_start_loc[-1]))
             seq_lens.append(end)
             if end == len(state.token_ids):  # caught up: sample from the last row
                 logits_rows.append(query_start_loc[-1] - 1)
                 sampling_states.append(state)
         width = max(len(row) for row in block_rows)
+        lora = StepLora.of_rows(row_adapters, self.device) if self.lora_adapters else None
         if self.device.type == "cpu" and len(positions) <= PACKED_STEP_MAX_TOKENS:
-            return self._packed_batch(input_ids, positions, block_rows, width, query_start_loc, seq_lens, logits_rows,
-                                      sampling_states, computes_prompt)
+            batch = self._packed_batch(input_ids, positions, block_rows, width, query_start_loc, seq_lens, logits_rows,
+                                       sampling_states, computes_prompt)
+            batch.lora = lora
+            return batch
         block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         positions_tensor = torch.tensor(positions, dtype=torch.long)
         slot_mapping = (
@@ -467,6 +492,7 @@ class ModelRunner:
             metadata=metadata,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
             sampling_states=sampling_states,
+            lora=lora,
         )
 
     def _packed_batch(self, input_ids: list[int], positions: list[int], block_rows: list[list[int]], width: int,

@@ -40,6 +40,7 @@ class DriverRequest:
     unsent_block_ids: list[int] = field(default_factory=list)  # allocated since the last step
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # sent with the first step
     finish_reason: FinishReason | None = None
+    lora_name: str | None = None  # the LoRA adapter the runner applies (loaded there); None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +89,7 @@ class SimpleDriver:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     *, prefix_block_ids: Sequence[int] = (), num_computed_tokens: int = 0,
                     copy_blocks: Sequence[tuple[int, int]] = (), keep_blocks: bool = False,
-                    output_token_ids: Sequence[int] = ()) -> DriverRequest:
+                    output_token_ids: Sequence[int] = (), lora_name: str | None = None) -> DriverRequest:
         """Queue a request. prefix_block_ids are shared blocks already holding its first
         num_computed_tokens tokens (copy_blocks fill private ones before its first forward).
         output_token_ids: tokens generated before a preemption; they count toward max_tokens."""
@@ -107,6 +108,7 @@ class SimpleDriver:
             keep_blocks=keep_blocks,
             copy_blocks=list(copy_blocks),
             output_token_ids=list(output_token_ids),
+            lora_name=lora_name,
         )
         self.requests[request_id] = request
         return request
@@ -161,6 +163,7 @@ class SimpleDriver:
                 new_requests.append(NewRequestData(
                     request_id, request.prompt_token_ids, list(request.output_token_ids),
                     request.sampling_params, list(request.block_ids), request.num_computed_tokens,
+                    request.lora_name,
                 ))
                 copy_blocks.extend(request.copy_blocks)
                 request.sent = True

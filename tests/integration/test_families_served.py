@@ -30,7 +30,12 @@ import openai
 import pytest
 import torch
 from families_catalog import SERVED_FAMILIES, SERVED_MOE
-from hf_oracle import HfOracle, assert_greedy_matches, prompts_of_lengths
+from hf_oracle import (
+    HfOracle,
+    assert_greedy_matches,
+    prompts_of_lengths,
+    token_ids_of_texts,
+)
 from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig
@@ -157,17 +162,6 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
     assert backend["model_type"] == SERVED_FAMILIES[family]["model_type"]
     layer_loop = "python" if family in SERVED_MOE else "c"  # the C loop has no MoE MLP: the Python loop over our kernels
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
-
-
-def token_ids_of_texts(model_dir: Path) -> dict[str, int]:
-    """Token text (as logprobs show it) -> token id: one-to-one for the tiny byte-level tokenizer."""
-    from serve_app.tokenizer import TokenizerService
-
-    service = TokenizerService.from_model_dir(str(model_dir))
-    vocab_size = ModelConfig.from_model_dir(model_dir).vocab_size
-    ids = {service.token_text(token_id): token_id for token_id in range(vocab_size)}
-    assert len(ids) == vocab_size, "two tokens show the same text: served texts cannot name token ids"
-    return ids
 
 
 def test_greedy_tokens_equal_transformers(served, family) -> None:

@@ -21,7 +21,8 @@ def compare_every_step(runner) -> list[int]:
     native, python_forward = model.native_forward, model.forward
     compared: list[int] = []
 
-    def both(input_ids, positions, metadata, kv_caches):
+    def both(input_ids, positions, metadata, kv_caches, lora=None):
+        assert lora is None  # LoRA steps run the Python loop alone
         model.native_forward = None
         try:
             expected = python_forward(input_ids, positions, metadata, kv_caches)

@@ -216,9 +216,9 @@ def test_a_step_says_whether_it_computes_prompt_tokens(tiny_model_dir) -> None:
     runner = make_runner(tiny_model_dir)
     forward, steps = runner.model.forward, []
 
-    def recorded(input_ids, positions, metadata, kv_caches):
+    def recorded(input_ids, positions, metadata, kv_caches, lora=None):
         steps.append((input_ids.shape[0], metadata.query_start_loc.shape[0] - 1, metadata.computes_prompt))
-        return forward(input_ids, positions, metadata, kv_caches)
+        return forward(input_ids, positions, metadata, kv_caches, lora)
 
     runner.model.forward = recorded
     run_requests(runner, prompts_of_lengths([1, 6, 20], runner.model_info.vocab_size), greedy(6), token_budget=8)

@@ -1,0 +1,237 @@
+"""LoRA adapters in PEFT's format, applied beside the base model's products, many per step.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`, as PEFT's
+`save_pretrained` writes them. For each projection it targets, an adapter adds
+
+    y += scaling * (x @ A.T) @ B.T          A [rank, in], B [out, rank]
+    scaling = lora_alpha / rank             (lora_alpha / sqrt(rank) with use_rslora)
+
+We run q, k and v as one product (qkv) and gate and up as another (gate_up). So an adapter's
+parts for one of our products are kept as one pair: their A matrices stacked, and their B
+matrices on the block diagonal, with the scaling folded in (and a residual multiplier, for
+o_proj and down_proj, as the base weights have it: workers/model.py). A part that the adapter
+does not target is simply absent from the pair.
+
+    our product   the checkpoint modules it runs        (Phi-3 ships them fused already)
+    qkv           self_attn.q_proj, k_proj, v_proj      self_attn.qkv_proj
+    o             self_attn.o_proj
+    gate_up       mlp.gate_proj, mlp.up_proj            mlp.gate_up_proj
+    down          mlp.down_proj
+
+What we refuse at load, with one error naming the reason (never a partial adapter): another
+PEFT method than LoRA, DoRA, trained biases, modules_to_save, per-module rank or alpha
+patterns, a rank above the server's max_lora_rank, any tensor on a module we do not run as
+a LoRA product (embeddings, lm_head, MoE experts and routers), and a shape that does not fit
+the base model (an adapter trained on another base).
+
+A step's rows are grouped by adapter (StepLora): every product adds, per adapter in the step,
+the shrink (x[rows] @ A.T) and the expand (@ B.T) over that adapter's rows only. One loop
+over the adapters of a step, not over its requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.config import ModelConfig
+
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # our LoRA-able products, in the order a layer runs them
+PEFT_PREFIX = "base_model.model."  # PEFT's prefix on every tensor name
+_TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")  # a multimodal base's text model
+DEFAULT_MAX_LORA_RANK = 64
+
+
+class LoraError(ValueError):
+    """An adapter we cannot apply as it is: the message says why, and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    """One of our products' LoRA: y += (x @ a.T) @ b.T."""
+
+    a: torch.Tensor  # [sum of the parts' ranks, in]: the parts' A, stacked
+    b: torch.Tensor  # [out, sum of ranks]: the parts' B on the block diagonal, times the scaling
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str  # the name requests select it by ("model": name)
+    path: Path
+    rank: int
+    scaling: float  # lora_alpha / rank, or / sqrt(rank) with rsLoRA
+    target_modules: tuple[str, ...]  # as its checkpoint names them: q_proj, v_proj, ...
+    layers: list[dict[str, LoraPair]] = field(default_factory=list)  # per layer: product -> its pair
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
+                   for t in (pair.a, pair.b))
+
+
+def product_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Per product: its checkpoint modules (under model.layers.N.) and each one's output rows."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    if config.traits.fused_projections:
+        qkv = (("self_attn.qkv_proj", q + 2 * kv),)
+        gate_up = (("mlp.gate_up_proj", 2 * inter),)
+    else:
+        qkv = (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv))
+        gate_up = (("mlp.gate_proj", inter), ("mlp.up_proj", inter))
+    return {"qkv": qkv, "o": (("self_attn.o_proj", config.hidden_size),), "gate_up": gate_up,
+            "down": (("mlp.down_proj", config.hidden_size),)}
+
+
+def product_inputs(config: ModelConfig) -> dict[str, int]:
+    return {"qkv": config.hidden_size, "o": config.num_heads * config.head_dim, "gate_up": config.hidden_size,
+            "down": config.intermediate_size}
+
+
+def read_adapter_config(path: Path, max_rank: int = DEFAULT_MAX_LORA_RANK) -> tuple[int, float, tuple[str, ...]]:
+    """(rank, scaling, target modules) from adapter_config.json, or a LoraError."""
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise LoraError(f"{path} is not a PEFT adapter directory: it has no adapter_config.json")
+    raw = json.loads(config_file.read_text())
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"{path}: PEFT type {raw.get('peft_type')!r} is not LoRA")
+    refused = {
+        "use_dora": "DoRA adapters", "fan_in_fan_out": "fan_in_fan_out (Conv1D) weights",
+        "modules_to_save": "modules_to_save (whole trained modules)", "lora_bias": "trained LoRA biases",
+        "alpha_pattern": "per-module alpha (alpha_pattern)", "rank_pattern": "per-module rank (rank_pattern)",
+        "trainable_token_indices": "trained token embeddings", "layer_replication": "layer replication",
+    }
+    for key, what in refused.items():
+        if raw.get(key):
+            raise LoraError(f"{path}: {what} are not supported ({key} = {raw[key]!r})")
+    if raw.get("bias", "none") != "none":
+        raise LoraError(f"{path}: trained biases are not supported (bias = {raw['bias']!r}; only 'none')")
+    rank, alpha = int(raw["r"]), float(raw.get("lora_alpha", raw["r"]))
+    if not 1 <= rank <= max_rank:
+        raise LoraError(f"{path}: rank {rank} is above this server's max_lora_rank {max_rank}; raise max_lora_rank")
+    scaling = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
+    targets = raw.get("target_modules") or ()
+    return rank, scaling, tuple([targets] if isinstance(targets, str) else sorted(targets))
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 device: str | torch.device = "cpu", max_rank: int = DEFAULT_MAX_LORA_RANK) -> LoraAdapter:
+    """The adapter at path, checked against the base model's config and kept as our products' pairs."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    rank, scaling, targets = read_adapter_config(path, max_rank)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        hint = " (adapter_model.bin: save it again with safe_serialization=True)" if (
+            path / "adapter_model.bin").is_file() else ""
+        raise LoraError(f"{path} has no adapter_model.safetensors{hint}")
+    tensors = {_module_key(key): tensor for key, tensor in load_file(weights_file).items()}
+    parts, inputs = product_parts(config), product_inputs(config)
+    residual = config.traits.residual_multiplier
+    layers: list[dict[str, LoraPair]] = []
+    for index in range(config.num_layers):
+        layer: dict[str, LoraPair] = {}
+        for product, modules in parts.items():
+            found = [(module, rows, tensors.pop(f"model.layers.{index}.{module}.lora_A.weight", None),
+                      tensors.pop(f"model.layers.{index}.{module}.lora_B.weight", None)) for module, rows in modules]
+            if all(a is None and b is None for _, _, a, b in found):
+                continue
+            if product in ("gate_up", "down") and config.is_moe_layer(index):
+                raise LoraError(f"{path}: layer {index}'s MLP is a mixture of experts here, and LoRA on experts is "
+                                "not supported")
+            multiplier = scaling * (residual if product in ("o", "down") else 1.0)
+            layer[product] = _pair(path, index, found, inputs[product], multiplier, dtype, device)
+        layers.append(layer)
+    if tensors:
+        leftover = sorted({key.rsplit(".lora_", 1)[0] for key in tensors})
+        shown = ", ".join(leftover[:4]) + (" ..." if len(leftover) > 4 else "")
+        raise LoraError(f"{path}: {len(leftover)} adapted modules are not ones we apply LoRA to ({shown}); we apply it "
+                        f"to {', '.join(module for modules in parts.values() for module, _ in modules)} of each layer, "
+                        "or the base has fewer layers than the adapter")
+    if not any(layers):
+        raise LoraError(f"{path}: the adapter holds no LoRA weights")
+    return LoraAdapter(name, path, rank, scaling, targets, layers)
+
+
+def _module_key(key: str) -> str:
+    """PEFT's tensor name as the base checkpoint's module name + .lora_A/B.weight."""
+    key = key.removeprefix(PEFT_PREFIX)
+    for prefix in _TEXT_MODEL_PREFIXES:
+        if key.startswith(prefix):
+            return "model." + key[len(prefix):]
+    return key
+
+
+def _pair(path: Path, index: int, found: list, in_features: int, multiplier: float, dtype: torch.dtype,
+          device: str | torch.device) -> LoraPair:
+    """Our product's pair from its parts' (module, out rows, A or None, B or None)."""
+    a_parts, b_blocks = [], []
+    total_out = sum(rows for _, rows, _, _ in found)
+    for module, rows, a, b in found:
+        if (a is None) != (b is None):
+            raise LoraError(f"{path}: layer {index} {module} has lora_{'B' if a is None else 'A'} without its pair")
+        if a is None:
+            continue
+        if a.shape[1] != in_features or b.shape[0] != rows or a.shape[0] != b.shape[1]:
+            raise LoraError(f"{path}: layer {index} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but the "
+                            f"base model needs A [rank, {in_features}] and B [{rows}, rank]: an adapter of another base")
+        a_parts.append(a.float())
+        b_blocks.append((module, b.float()))
+    rank_total = sum(a.shape[0] for a in a_parts)
+    b = torch.zeros(total_out, rank_total)
+    row, column = 0, 0
+    blocks = dict(b_blocks)
+    for module, rows, _, _ in found:
+        block = blocks.get(module)
+        if block is not None:
+            b[row:row + rows, column:column + block.shape[1]] = block * multiplier
+            column += block.shape[1]
+        row += rows
+    return LoraPair(torch.cat(a_parts).to(device=device, dtype=dtype).contiguous(),
+                    b.to(device=device, dtype=dtype).contiguous())
+
+
+@dataclass(slots=True)
+class StepLora:
+    """The adapters of one step and the rows each one's requests have: product(y, x, layer, name)
+    adds each adapter's LoRA over its rows."""
+
+    segments: list[tuple[LoraAdapter, torch.Tensor | None]]  # (adapter, its rows; None: every row of the step)
+
+    @classmethod
+    def of_rows(cls, row_adapters: list[tuple[LoraAdapter | None, int, int]], device: torch.device) -> StepLora | None:
+        """From each scheduled request's (adapter or None, first row, end row); None when no row has one."""
+        by_adapter: dict[str, tuple[LoraAdapter, list[int]]] = {}
+        num_rows = 0
+        for adapter, start, end in row_adapters:
+            num_rows = max(num_rows, end)
+            if adapter is not None:
+                by_adapter.setdefault(adapter.name, (adapter, []))[1].extend(range(start, end))
+        if not by_adapter:
+            return None
+        segments = []
+        for adapter, rows in by_adapter.values():
+            whole = len(rows) == num_rows  # the step's every row: no gather, no scatter
+            segments.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
+        return cls(segments)
+
+    def adapts(self, layer: int, product: str) -> bool:
+        return any(product in adapter.layers[layer] for adapter, _ in self.segments)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:
+        """y [rows, out] += each adapter's LoRA of x [rows, in] over its rows, in place; returns y."""
+        for adapter, rows in self.segments:
+            pair = adapter.layers[layer].get(product)
+            if pair is None:
+                continue
+            if rows is None:
+                y.addmm_(x @ pair.a.T, pair.b.T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ pair.a.T) @ pair.b.T)
+        return y
