@@ -25,12 +25,15 @@ a LoRA product (embeddings, lm_head, MoE experts and routers), and a shape that 
 the base model (an adapter trained on another base).
 
 A step's rows are grouped by adapter (StepLora): every product adds, per adapter in the step,
-the shrink (x[rows] @ A.T) and the expand (@ B.T) over that adapter's rows only. One loop
-over the adapters of a step, not over its requests.
+the shrink (x[rows] @ A.T) and the expand (@ B.T) over that adapter's rows only. On CPU that is
+one call of our C kernel per product (workers/kernels/csrc/lora.c: each part on its own, so the
+block diagonal's zeros cost nothing), which the C layer loop makes too; elsewhere one pair of
+torch products per adapter in the step. Never a loop over requests, never a merged weight.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 from dataclasses import dataclass, field
@@ -51,11 +54,21 @@ class LoraError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraPart:
+    """One targeted module of a product: y[:, start:start + len] += (x @ a.T) @ bt, in fp32 (the C kernel's)."""
+
+    start: int  # the module's first output column in our product
+    a: torch.Tensor  # [rank, in] fp32
+    bt: torch.Tensor  # [rank, len] fp32: B transposed, times the scaling
+
+
+@dataclass(frozen=True, slots=True)
 class LoraPair:
     """One of our products' LoRA: y += (x @ a.T) @ b.T."""
 
-    a: torch.Tensor  # [sum of the parts' ranks, in]: the parts' A, stacked
+    a: torch.Tensor  # [sum of the parts' ranks, in]: the parts' A, stacked (the model's dtype and device)
     b: torch.Tensor  # [out, sum of ranks]: the parts' B on the block diagonal, times the scaling
+    parts: tuple[LoraPart, ...] = ()  # the same, part by part (CPU)
 
 
 @dataclass(slots=True)
@@ -66,11 +79,27 @@ class LoraAdapter:
     scaling: float  # lora_alpha / rank, or / sqrt(rank) with rsLoRA
     target_modules: tuple[str, ...]  # as its checkpoint names them: q_proj, v_proj, ...
     layers: list[dict[str, LoraPair]] = field(default_factory=list)  # per layer: product -> its pair
+    _native_parts: ctypes.Array | None = None  # the C kernel's LoraPart array, built on first use
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
-                   for t in (pair.a, pair.b))
+                   for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a, part.bt))))
+
+    def native_parts(self) -> ctypes.Array:
+        """Its parts as csrc/lora.c reads them: [layers][products][LORA_MAX_PARTS] LoraParts (rank 0: none)."""
+        if self._native_parts is None:
+            from workers.kernels.native import LORA_MAX_PARTS, LORA_PRODUCTS, LoraPart as CPart
+
+            parts = (CPart * (len(self.layers) * LORA_PRODUCTS * LORA_MAX_PARTS))()
+            for index, layer in enumerate(self.layers):
+                for p, product in enumerate(PRODUCTS):
+                    pair = layer.get(product)
+                    for k, part in enumerate(pair.parts if pair is not None else ()):
+                        parts[(index * LORA_PRODUCTS + p) * LORA_MAX_PARTS + k] = CPart(
+                            part.a.data_ptr(), part.bt.data_ptr(), part.a.shape[0], part.start, part.bt.shape[1])
+            self._native_parts = parts
+        return self._native_parts
 
 
 def product_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -171,9 +200,11 @@ def _module_key(key: str) -> str:
 def _pair(path: Path, index: int, found: list, in_features: int, multiplier: float, dtype: torch.dtype,
           device: str | torch.device) -> LoraPair:
     """Our product's pair from its parts' (module, out rows, A or None, B or None)."""
-    a_parts, b_blocks = [], []
+    a_parts, b_blocks, parts = [], [], []
     total_out = sum(rows for _, rows, _, _ in found)
+    start = 0
     for module, rows, a, b in found:
+        start += rows
         if (a is None) != (b is None):
             raise LoraError(f"{path}: layer {index} {module} has lora_{'B' if a is None else 'A'} without its pair")
         if a is None:
@@ -183,6 +214,7 @@ def _pair(path: Path, index: int, found: list, in_features: int, multiplier: flo
                             f"base model needs A [rank, {in_features}] and B [{rows}, rank]: an adapter of another base")
         a_parts.append(a.float())
         b_blocks.append((module, b.float()))
+        parts.append(LoraPart(start - rows, a.float().contiguous(), (b.float() * multiplier).T.contiguous()))
     rank_total = sum(a.shape[0] for a in a_parts)
     b = torch.zeros(total_out, rank_total)
     row, column = 0, 0
@@ -193,16 +225,20 @@ def _pair(path: Path, index: int, found: list, in_features: int, multiplier: flo
             b[row:row + rows, column:column + block.shape[1]] = block * multiplier
             column += block.shape[1]
         row += rows
+    on_cpu = torch.device(device).type == "cpu"
     return LoraPair(torch.cat(a_parts).to(device=device, dtype=dtype).contiguous(),
-                    b.to(device=device, dtype=dtype).contiguous())
+                    b.to(device=device, dtype=dtype).contiguous(), tuple(parts) if on_cpu else ())
 
 
 @dataclass(slots=True)
 class StepLora:
-    """The adapters of one step and the rows each one's requests have: product(y, x, layer, name)
-    adds each adapter's LoRA over its rows."""
+    """The adapters of one step and the rows each one's requests have: add(y, x, layer, product)
+    adds each adapter's LoRA of that product over its rows."""
 
     segments: list[tuple[LoraAdapter, torch.Tensor | None]]  # (adapter, its rows; None: every row of the step)
+    num_rows: int  # the step's rows
+    use_kernel: bool = False  # CPU: our C kernel runs the products (csrc/lora.c), and the C layer loop may too
+    _native: tuple | None = None  # (LoraStep, what it points into), built on first use
 
     @classmethod
     def of_rows(cls, row_adapters: list[tuple[LoraAdapter | None, int, int]], device: torch.device) -> StepLora | None:
@@ -219,13 +255,35 @@ class StepLora:
         for adapter, rows in by_adapter.values():
             whole = len(rows) == num_rows  # the step's every row: no gather, no scatter
             segments.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(segments)
+        return cls(segments, num_rows, use_kernel=device.type == "cpu" and _kernel_available())
 
     def adapts(self, layer: int, product: str) -> bool:
         return any(product in adapter.layers[layer] for adapter, _ in self.segments)
 
+    def native(self) -> ctypes.Structure:
+        """The step as csrc/lora.c reads it (a LoraStep), built once."""
+        if self._native is None:
+            from workers.kernels.native import LoraSegment, LoraStep
+
+            rows = [torch.arange(self.num_rows) if rows is None else rows for _, rows in self.segments]
+            counts = torch.tensor([0] + [len(r) for r in rows])
+            first_item = counts.cumsum(0)
+            segments = (LoraSegment * len(rows))(*(LoraSegment(adapter.native_parts(), r.data_ptr())
+                                                   for (adapter, _), r in zip(self.segments, rows)))
+            step = LoraStep(segments, first_item.data_ptr(), len(rows), len(self.segments[0][0].layers))
+            self._native = (step, (segments, rows, first_item))
+        return self._native[0]
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:
         """y [rows, out] += each adapter's LoRA of x [rows, in] over its rows, in place; returns y."""
+        if self.use_kernel and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and y.is_contiguous():
+            from workers.kernels.native import DTYPE_CODES, check_status, native_library
+
+            status = native_library().rayllm_lora_add(ctypes.byref(self.native()), layer, PRODUCTS.index(product),
+                                                      x.data_ptr(), y.data_ptr(), y.shape[1], x.shape[1],
+                                                      DTYPE_CODES[x.dtype], torch.get_num_threads())
+            check_status(status, "rayllm_lora_add")
+            return y
         for adapter, rows in self.segments:
             pair = adapter.layers[layer].get(product)
             if pair is None:
@@ -235,3 +293,9 @@ class StepLora:
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ pair.a.T) @ pair.b.T)
         return y
+
+
+def _kernel_available() -> bool:
+    from workers.kernels.native import native_available
+
+    return native_available()

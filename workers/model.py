@@ -163,8 +163,8 @@ class PagedLlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[KVCache], lora: StepLora | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden].
-        lora: the step's LoRA adapters and their rows (workers/lora.py); such a step runs the
-        Python loop (the C loop has no LoRA products yet)."""
+        lora: the step's LoRA adapters and their rows (workers/lora.py): the C loop adds them where
+        our LoRA kernel runs them (CPU), the Python loop elsewhere."""
         with self.products_plan(metadata):
             return self._forward(input_ids, positions, metadata, kv_caches, lora)
 
@@ -178,8 +178,8 @@ class PagedLlamaModel:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                  kv_caches: list[KVCache], lora: StepLora | None = None) -> torch.Tensor:
         native = self.native_forward
-        if native is not None and lora is None and native.takes(input_ids.shape[0]):
-            return native(input_ids, positions, metadata, kv_caches)  # the loop below, in C
+        if native is not None and native.takes(input_ids.shape[0]) and (lora is None or lora.use_kernel):
+            return native(input_ids, positions, metadata, kv_caches, lora)  # the loop below, in C
         eps, activation = self.config.rms_norm_eps, self.config.activation
         step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
         residual, delta = self.embed_tokens(input_ids), None

@@ -119,8 +119,10 @@ class NativeForward:
         return dict(num_heads=c.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                     block_stride=block_stride, dtype=DTYPE_CODES[dtype], kv_dtype=KV_DTYPE_CODES[kv_dtype])
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches,
+                 lora=None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden].
+        lora: the step's LoRA adapters (workers/lora.py StepLora, on our kernel), or None."""
         model = self.model
         num_tokens = input_ids.shape[0]
         assert self.takes(num_tokens) and positions.dtype == torch.int64 and positions.is_contiguous()
@@ -139,6 +141,7 @@ class NativeForward:
         plan = cpu_plan()
         args.tile_min_rows_bf16, args.tile_min_rows_gguf = plan.min_rows("bf16"), plan.min_rows("gguf")
         args.tile_min_rows_gguf_int8 = plan.min_rows("gguf_int8")
+        args.lora = None if lora is None else ctypes.pointer(lora.native())
         check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
         return out
 

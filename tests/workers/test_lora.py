@@ -1,13 +1,16 @@
 """LoRA adapters on the worker (workers/lora.py): greedy tokens in fp32 equal peft's own model
 with the adapter applied, for requests of the base model and of three adapters computed in
-the same steps (chunked prompts beside decodes). Breaking the adapter math on purpose (the
-scaling dropped, one adapter's rows given another's weights) changes the tokens, and an
-adapter we cannot apply is refused at load with one clear error."""
+the same steps (chunked prompts beside decodes), on each path: the C layer loop with our LoRA
+kernel (csrc/lora.c), the Python loop with that kernel, and the Python loop with torch's
+products (the GPU's way). Breaking the adapter math on purpose (the scaling dropped, one
+adapter's rows given another's weights) changes the tokens, and an adapter we cannot apply is
+refused at load with one clear error."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -19,8 +22,12 @@ from tiny_model import build_tiny_model_dir
 
 from workers import lora as lora_module
 from workers.config import ModelConfig
+from workers.kernels.native import native_available
 from workers.lora import LoraError, StepLora, load_adapter
 from workers.simple_driver import SimpleDriver
+
+# how a step's LoRA runs: (attention backend: "cpu" gives the C layer loop, our LoRA kernel or torch's products)
+PATHS = {"c_loop": ("cpu", True), "python_loop": ("torch", True), "torch_products": ("torch", False)}
 
 LORA_FAMILIES = {"llama": dict(model_type="llama"), "qwen3": FAMILIES["qwen3"],
                  "gemma3_text": FAMILIES["gemma3_text"], "phi3": FAMILIES["phi3"], "granite": FAMILIES["granite"]}
@@ -36,15 +43,22 @@ def family(request, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return base, build_adapters(base, root, fused=request.param == "phi3")
 
 
-def served_tokens(base: Path, adapters: dict[str, Path], token_budget: int = 16) -> dict[str | None, list[int]]:
-    """Greedy tokens of one prompt per lora_name (None: the base), all in the same steps."""
-    runner = make_runner(base, lora_adapters=tuple((name, str(path)) for name, path in adapters.items()))
+def served_tokens(base: Path, adapters: dict[str, Path], token_budget: int = 16,
+                  path: str = "c_loop") -> dict[str | None, list[int]]:
+    """Greedy tokens of one prompt per lora_name (None: the base), all in the same steps, on PATHS[path]."""
+    attention, kernel = PATHS[path]
+    if kernel and not native_available():
+        pytest.skip("our C kernels do not build here")
+    runner = make_runner(base, lora_adapters=tuple((name, str(path)) for name, path in adapters.items()),
+                         attention_backend=attention)
+    assert (runner.model.native_forward is not None) == (path == "c_loop")
     names = [None, *adapters]
     prompts = prompts_of_lengths(PROMPT_LENGTHS, runner.model_config.vocab_size, seed=3)
     driver = SimpleDriver(runner, token_budget=token_budget)  # chunked prompts beside decodes, every adapter mixed
     for name, prompt in zip(names, prompts):
         driver.add_request(str(name), prompt, greedy(MAX_TOKENS), lora_name=name)
-    finished = driver.run()
+    with mock.patch.object(lora_module, "_kernel_available", lambda: kernel):  # off: torch's products, as off CPU
+        finished = driver.run()
     return {name: finished[str(name)].output_token_ids for name in names}
 
 
@@ -58,9 +72,10 @@ def peft_tokens(base: Path, adapters: dict[str, Path]) -> dict[str | None, list[
     return expected
 
 
-def test_mixed_steps_of_base_and_three_adapters_equal_peft(family) -> None:
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_mixed_steps_of_base_and_three_adapters_equal_peft(family, path) -> None:
     base, adapters = family
-    ours = served_tokens(base, adapters)
+    ours = served_tokens(base, adapters, path=path)
     expected = peft_tokens(base, adapters)
     assert ours == expected
     # each adapter changes its request's tokens: the base model on the same prompt answers otherwise
@@ -95,9 +110,10 @@ def test_dropping_the_scaling_breaks_the_tokens(llama_adapters, monkeypatch) -> 
     expected = peft_tokens(base, adapters)
     read = lora_module.read_adapter_config
     monkeypatch.setattr(lora_module, "read_adapter_config", lambda *args: (*read(*args)[:1], 1.0, read(*args)[2]))
-    broken = served_tokens(base, adapters)
-    assert broken[None] == expected[None]
-    assert any(broken[name] != expected[name] for name in adapters)
+    for path in PATHS:
+        broken = served_tokens(base, adapters, path=path)
+        assert broken[None] == expected[None]
+        assert any(broken[name] != expected[name] for name in adapters), path
 
 
 def test_rows_given_another_adapters_weights_break_the_tokens(llama_adapters, monkeypatch) -> None:
@@ -114,8 +130,9 @@ def test_rows_given_another_adapters_weights_break_the_tokens(llama_adapters, mo
         return step
 
     monkeypatch.setattr(StepLora, "of_rows", classmethod(rotated))
-    broken = served_tokens(base, adapters)
-    assert any(broken[name] != expected[name] for name in adapters)
+    for path in PATHS:
+        broken = served_tokens(base, adapters, path=path)
+        assert any(broken[name] != expected[name] for name in adapters), path
 
 
 def test_adapters_we_cannot_apply_are_refused_at_load(llama_adapters, tmp_path) -> None:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c",
-           "gguf_gemm.c", "amx.c", "attention_amx.c", "gguf_amx.c")  # compiled together; they include csrc/*.h
+           "gguf_gemm.c", "amx.c", "attention_amx.c", "gguf_amx.c", "lora.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -202,6 +202,30 @@ class LayerArgs(ctypes.Structure):
     ]
 
 
+LORA_PRODUCTS, LORA_MAX_PARTS, LORA_MAX_RANK = 4, 3, 512  # csrc/entry_points.h's
+
+
+class LoraPart(ctypes.Structure):
+    """Mirror of LoraPart in csrc/entry_points.h: one part (q, k, v, gate, up, o or down) of an
+    adapter's product: out[:, start:start + len] += (x @ a.T) @ bt."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_int64), ("start", ctypes.c_int64),
+                ("len", ctypes.c_int64)]
+
+
+class LoraSegment(ctypes.Structure):
+    """Mirror of LoraSegment: one adapter's parts and the step's rows of it."""
+
+    _fields_ = [("parts", ctypes.POINTER(LoraPart)), ("rows", ctypes.c_void_p)]
+
+
+class LoraStep(ctypes.Structure):
+    """Mirror of LoraStep: a step's adapters (csrc/lora.c)."""
+
+    _fields_ = [("segments", ctypes.POINTER(LoraSegment)), ("first_item", ctypes.c_void_p),
+                ("num_segments", ctypes.c_int64), ("num_layers", ctypes.c_int64)]
+
+
 class ForwardArgs(ctypes.Structure):
     """Mirror of ForwardArgs in csrc/forward.c (same order, same types)."""
 
@@ -225,6 +249,7 @@ class ForwardArgs(ctypes.Structure):
         ("tile_min_rows_bf16", ctypes.c_int64),  # steps from this many rows run on AMX tiles (cpu_isa), 0: never
         ("tile_min_rows_gguf", ctypes.c_int64),
         ("tile_min_rows_gguf_int8", ctypes.c_int64),  # packed Q4_0/Q4_1 on int8 tiles, below tile_min_rows_gguf
+        ("lora", ctypes.POINTER(LoraStep)),  # the step's LoRA adapters (csrc/lora.c), or None
     ]
 
 
@@ -257,7 +282,9 @@ class SampleArgs(ctypes.Structure):
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 LAYOUT_MIRRORS = {"rayllm_layout_attention_args": AttentionArgs, "rayllm_layout_layer_args": LayerArgs,
-                  "rayllm_layout_forward_args": ForwardArgs, "rayllm_layout_sample_args": SampleArgs}
+                  "rayllm_layout_forward_args": ForwardArgs, "rayllm_layout_sample_args": SampleArgs,
+                  "rayllm_layout_lora_part": LoraPart, "rayllm_layout_lora_segment": LoraSegment,
+                  "rayllm_layout_lora_step": LoraStep}
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
     **{entry_point: [_P, _P, _I64] for entry_point in LAYOUT_MIRRORS},  # offsets, names, capacity -> count
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
@@ -303,6 +330,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads
     "rayllm_amx_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],
+    # step, layer, product (LORA_PRODUCTS' index), x, out, N, K, dtype, num_threads
+    "rayllm_lora_add": [ctypes.POINTER(LoraStep), _I64, _I32, _P, _P, _I64, _I64, _I32, _I32],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
 }
 

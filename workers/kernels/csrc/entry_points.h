@@ -117,6 +117,30 @@ int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void
 int rayllm_tile_attention_fits(const AttentionArgs *a);
 int rayllm_tile_attention(const AttentionArgs *a, int64_t min_queries, uint8_t *taken);
 
+/* lora.c: a step's LoRA products, segmented by adapter (workers/lora.py). An adapter's parts
+ * are laid out [num_layers][LORA_PRODUCTS (qkv, o, gate_up, down)][LORA_MAX_PARTS]; rank 0: none. */
+enum { LORA_PRODUCTS = 4, LORA_MAX_PARTS = 3, LORA_MAX_RANK = 512 };
+typedef struct {
+    const float *a;  /* [rank, K] */
+    const float *bt; /* [rank, len]: B transposed, its scaling folded in */
+    int64_t rank, start, len; /* the part's output columns: [start, start + len) */
+} LoraPart;
+typedef struct {
+    const LoraPart *parts; /* the adapter's */
+    const int64_t *rows;   /* the step's rows of this adapter */
+} LoraSegment;
+typedef struct {
+    const LoraSegment *segments;   /* [num_segments] */
+    const int64_t *first_item;     /* [num_segments + 1]: segment s has first_item[s + 1] - first_item[s] rows */
+    int64_t num_segments, num_layers;
+} LoraStep;
+int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const void *x, void *out, int64_t N,
+                    int64_t K, int32_t dtype, int32_t num_threads);
+int rayllm_lora_adapts(const LoraStep *step, int64_t layer, int32_t product);
+int rayllm_layout_lora_part(int64_t *offsets, char *names, int64_t capacity);
+int rayllm_layout_lora_segment(int64_t *offsets, char *names, int64_t capacity);
+int rayllm_layout_lora_step(int64_t *offsets, char *names, int64_t capacity);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);

@@ -70,7 +70,14 @@ typedef struct {
      * (workers/kernels/cpu_isa.py's table): bf16 panels, and GGUF weights in the int8 mode */
     int64_t tile_min_rows_bf16, tile_min_rows_gguf;
     int64_t tile_min_rows_gguf_int8; /* ... and packed Q4_0 / Q4_1 on int8 tiles (gguf_amx.c), below gguf's rows */
+    const LoraStep *lora;    /* the step's LoRA adapters (lora.c), added after each product they adapt; NULL: none */
 } ForwardArgs;
+
+enum { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 }; /* LoraStep's products */
+
+/* linear(), then the step's LoRA adapters' part of the layer's product. */
+static int adapted(const ForwardArgs *a, int64_t l, int32_t product, const void *x, const void *w, int32_t type,
+                   const void *bias, void *out, int64_t N, int64_t K);
 
 static int takes_tiles(int64_t min_rows, int64_t num_tokens) { return min_rows > 0 && num_tokens >= min_rows; }
 
@@ -100,7 +107,15 @@ static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t ty
  * step's bf16 panels (amx.c: the same bits as the two steps, the product never written, as
  * workers/model.py's Python loop does it too), else the product into the gate_up scratch, then
  * rayllm_gated_mul. */
-static int gated(const ForwardArgs *a, const void *x, const LayerArgs *layer, int64_t inter, int64_t hidden) {
+static int gated(const ForwardArgs *a, const void *x, const LayerArgs *layer, int64_t l, int64_t inter,
+                 int64_t hidden) {
+    if (a->lora && rayllm_lora_adapts(a->lora, l, LORA_GATE_UP)) { /* the product itself, then its LoRA */
+        int status = adapted(a, l, LORA_GATE_UP, x, layer->gate_up, layer->gate_up_type, layer->gate_up_bias,
+                             a->gate_up, 2 * inter, hidden);
+        return status ? status
+                      : rayllm_gated_mul(a->gate_up, a->act, a->num_tokens, inter, a->activation, 0.0f, 0.0f, a->dtype,
+                                         a->num_threads);
+    }
     if (layer->gate_up_type && a->gguf_mode == GGUF_INT8 && inter % 32 == 0 &&
         takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
         return rayllm_amx_gguf_gated_gemm(x, layer->gate_up, layer->gate_up_bias, a->act, a->num_tokens, inter, hidden,
@@ -113,6 +128,13 @@ static int gated(const ForwardArgs *a, const void *x, const LayerArgs *layer, in
     if (!status)
         status = rayllm_gated_mul(a->gate_up, a->act, a->num_tokens, inter, a->activation, 0.0f, 0.0f, a->dtype,
                                   a->num_threads);
+    return status;
+}
+
+static int adapted(const ForwardArgs *a, int64_t l, int32_t product, const void *x, const void *w, int32_t type,
+                   const void *bias, void *out, int64_t N, int64_t K) {
+    int status = linear(a, x, w, type, bias, out, N, K);
+    if (!status && a->lora) status = rayllm_lora_add(a->lora, l, product, x, out, N, K, a->dtype, a->num_threads);
     return status;
 }
 
@@ -141,7 +163,8 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         const void *x = layer->input_norm ? a->x : a->residual; /* no norm: the branch reads the stream */
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);
-        if (!status) status = linear(a, x, layer->qkv, layer->qkv_type, layer->qkv_bias, a->qkv, qkv_width, hidden);
+        if (!status)
+            status = adapted(a, l, LORA_QKV, x, layer->qkv, layer->qkv_type, layer->qkv_bias, a->qkv, qkv_width, hidden);
         if (!status && layer->q_norm)
             status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, layer->qk_norm_whole,
                                           a->eps, a->dtype, a->num_threads);
@@ -153,7 +176,8 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
                                      a->slot_mapping, T, KV, D, meta->block_size, a->dtype, meta->kv_dtype,
                                      a->num_threads);
         if (!status) status = rayllm_paged_attention(&attention);
-        if (!status) status = linear(a, a->attended, layer->o, layer->o_type, layer->o_bias, a->delta, hidden, H * D);
+        if (!status)
+            status = adapted(a, l, LORA_O, a->attended, layer->o, layer->o_type, layer->o_bias, a->delta, hidden, H * D);
         if (!status && layer->attn_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->attn_out_norm, a->delta, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
@@ -161,8 +185,10 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         if (!status)
             status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
-        if (!status) status = gated(a, x, layer, inter, hidden);
-        if (!status) status = linear(a, a->act, layer->down, layer->down_type, layer->down_bias, a->delta, hidden, inter);
+        if (!status) status = gated(a, x, layer, l, inter, hidden);
+        if (!status)
+            status = adapted(a, l, LORA_DOWN, a->act, layer->down, layer->down_type, layer->down_bias, a->delta, hidden,
+                             inter);
         if (!status && layer->mlp_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->mlp_out_norm, a->delta, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
@@ -191,7 +217,7 @@ int rayllm_layout_forward_args(int64_t *offsets, char *names, int64_t capacity) 
     FIELD(gate_up) FIELD(act) FIELD(positions) FIELD(slot_mapping) FIELD(cos) FIELD(sin) FIELD(attention)
     FIELD(num_tokens) FIELD(num_layers) FIELD(hidden) FIELD(intermediate) FIELD(rotary_dim) FIELD(eps) FIELD(dtype)
     FIELD(linear) FIELD(num_threads) FIELD(activation) FIELD(gguf_mode) FIELD(tile_min_rows_bf16)
-    FIELD(tile_min_rows_gguf) FIELD(tile_min_rows_gguf_int8)
+    FIELD(tile_min_rows_gguf) FIELD(tile_min_rows_gguf_int8) FIELD(lora)
 #undef FIELD
     return n;
 }

@@ -1,0 +1,212 @@
+/* LoRA products of a step, segmented by adapter (workers/lora.py): after one of a layer's
+ * products, for each adapter in the step and each of its rows r,
+ *
+ *     shrunk = x[r] @ A.T                      (the part's rank values, fp32)
+ *     out[r, start:start + len] += shrunk @ Bt (Bt = B transposed, the scaling folded in)
+ *
+ * for every part of that product the adapter targets (q, k and v are parts of one qkv product,
+ * gate and up of gate_up; o and down have one part). A and Bt are fp32; x and out are the step's
+ * dtype (fp32 or bf16), out rounded once per element. An adapter's rows go in blocks of up to
+ * LORA_ROWS, so each of its weights is read once per block: first every block's shrink, then the
+ * expands, by chunks of output columns. No gather or scatter of rows, and no copy of a weight.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "entry_points.h"
+#include "simd.h"
+
+#include <stdlib.h>
+
+#define LORA_ROWS 16    /* rows of one adapter computed together: each weight read once per block of them */
+#define LORA_CHUNK 256  /* output columns of one expand item */
+
+typedef struct {         /* one item: rows [row0, row0 + num_rows) of a segment, one part, columns [col0, col0 + num_cols) */
+    const LoraPart *part;
+    const int64_t *rows; /* the segment's rows, from row0 */
+    float *shrunk;       /* [num_rows, part rank]: x @ A.T of these rows */
+    int64_t num_rows, col0, num_cols;
+} LoraItem;
+
+typedef struct {
+    const LoraItem *items;
+    const void *x;
+    void *out;
+    int64_t N, K;
+    int32_t dtype;
+} LoraJob;
+
+static float dot_row(const void *x, int32_t dtype, const float *a, int64_t K) {
+    float acc = 0.0f;
+    if (dtype == DTYPE_F32) {
+        const float *xf = (const float *)x;
+        for (int64_t k = 0; k < K; k++) acc += xf[k] * a[k];
+    } else {
+        const uint16_t *xb = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(xb[k]) * a[k];
+    }
+    return acc;
+}
+
+#ifdef __AVX512F__
+/* 16 values of x from k (fewer under the mask) as fp32 */
+static inline __m512 load_x16(const void *x, int32_t dtype, int64_t k, __mmask16 mask) {
+    if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(mask, (const float *)x + k);
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* shrunk[r, j] = x[rows[r]] . a for up to 8 rows at once: one load of a per 8 products, 8 chains */
+static void dot_rows8(const void *x, int32_t dtype, int64_t elem, const int64_t *rows, int64_t num_rows,
+                      const float *a, int64_t K, float *out, int64_t out_stride) {
+    __m512 acc[8];
+    const char *row[8];
+    for (int64_t r = 0; r < num_rows; r++) {
+        acc[r] = _mm512_setzero_ps();
+        row[r] = (const char *)x + rows[r] * K * elem;
+    }
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        const __m512 av = _mm512_maskz_loadu_ps(mask, a + k);
+        for (int64_t r = 0; r < num_rows; r++) acc[r] = _mm512_fmadd_ps(load_x16(row[r], dtype, k, mask), av, acc[r]);
+    }
+    for (int64_t r = 0; r < num_rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+/* shrink: the item's rows times the part's A (each row of A read once for the block of rows) */
+static void shrink_item(void *ctx, int64_t index) {
+    const LoraJob *job = (const LoraJob *)ctx;
+    const LoraItem *item = job->items + index;
+    const int64_t elem = job->dtype == DTYPE_F32 ? 4 : 2, rank = item->part->rank;
+    for (int64_t j = 0; j < rank; j++) {
+        const float *a = item->part->a + j * job->K;
+#ifdef __AVX512F__
+        for (int64_t r0 = 0; r0 < item->num_rows; r0 += 8)
+            dot_rows8(job->x, job->dtype, elem, item->rows + r0, item->num_rows - r0 < 8 ? item->num_rows - r0 : 8, a,
+                      job->K, item->shrunk + r0 * rank + j, rank);
+#else
+        for (int64_t r = 0; r < item->num_rows; r++)
+            item->shrunk[r * rank + j] = dot_row((const char *)job->x + item->rows[r] * job->K * elem, job->dtype, a, job->K);
+#endif
+    }
+}
+
+/* expand: out[rows, start + col0 ...] += shrunk @ Bt over the item's columns (each row of Bt read once) */
+static void expand_item(void *ctx, int64_t index) {
+    const LoraJob *job = (const LoraJob *)ctx;
+    const LoraItem *item = job->items + index;
+    const LoraPart *part = item->part;
+    const int64_t rank = part->rank, width = item->num_cols;
+    float acc[LORA_ROWS][LORA_CHUNK];
+    for (int64_t r = 0; r < item->num_rows; r++)
+        for (int64_t c = 0; c < width; c++) acc[r][c] = 0.0f;
+    for (int64_t j = 0; j < rank; j++) {
+        const float *bt = part->bt + j * part->len + item->col0;
+        for (int64_t r = 0; r < item->num_rows; r++) {
+            const float coefficient = item->shrunk[r * rank + j];
+            for (int64_t c = 0; c < width; c++) acc[r][c] += coefficient * bt[c];
+        }
+    }
+    for (int64_t r = 0; r < item->num_rows; r++) {
+        const int64_t first = item->rows[r] * job->N + part->start + item->col0;
+        if (job->dtype == DTYPE_F32) {
+            float *o = (float *)job->out + first;
+            for (int64_t c = 0; c < width; c++) o[c] += acc[r][c];
+        } else {
+            uint16_t *o = (uint16_t *)job->out + first;
+            for (int64_t c = 0; c < width; c++) o[c] = f32_to_bf16(bf16_to_f32(o[c]) + acc[r][c]);
+        }
+    }
+}
+
+int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const void *x, void *out, int64_t N,
+                    int64_t K, int32_t dtype, int32_t num_threads) {
+    if (step == NULL || step->num_segments == 0) return 0;
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
+    if (product < 0 || product >= LORA_PRODUCTS || layer < 0 || layer >= step->num_layers) return 2;
+    int64_t num_blocks = 0, num_expands = 0, shrunk_floats = 0; /* shrink items (row blocks x parts), expand items */
+    for (int64_t s = 0; s < step->num_segments; s++) {
+        const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
+        const int64_t rows = step->first_item[s + 1] - step->first_item[s], blocks = (rows + LORA_ROWS - 1) / LORA_ROWS;
+        for (int p = 0; p < LORA_MAX_PARTS; p++) {
+            if (parts[p].rank <= 0) continue;
+            if (parts[p].rank > LORA_MAX_RANK || parts[p].start < 0 || parts[p].start + parts[p].len > N) return 3;
+            num_blocks += blocks;
+            num_expands += blocks * ((parts[p].len + LORA_CHUNK - 1) / LORA_CHUNK);
+            shrunk_floats += rows * parts[p].rank;
+        }
+    }
+    if (num_blocks == 0) return 0; /* no adapter of the step targets this product */
+    LoraItem *items = malloc((size_t)(num_blocks + num_expands) * sizeof(LoraItem));
+    float *shrunk = malloc((size_t)shrunk_floats * sizeof(float));
+    if (items == NULL || shrunk == NULL) {
+        free(items);
+        free(shrunk);
+        return 4;
+    }
+    LoraItem *block = items, *expand = items + num_blocks;
+    float *next = shrunk;
+    for (int64_t s = 0; s < step->num_segments; s++) {
+        const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
+        const int64_t rows = step->first_item[s + 1] - step->first_item[s];
+        for (int p = 0; p < LORA_MAX_PARTS; p++) {
+            if (parts[p].rank <= 0) continue;
+            for (int64_t r0 = 0; r0 < rows; r0 += LORA_ROWS) {
+                const int64_t num_rows = rows - r0 < LORA_ROWS ? rows - r0 : LORA_ROWS;
+                *block = (LoraItem){parts + p, step->segments[s].rows + r0, next, num_rows, 0, parts[p].len};
+                for (int64_t c0 = 0; c0 < parts[p].len; c0 += LORA_CHUNK) {
+                    *expand = *block;
+                    expand->col0 = c0;
+                    expand->num_cols = parts[p].len - c0 < LORA_CHUNK ? parts[p].len - c0 : LORA_CHUNK;
+                    expand++;
+                }
+                block++;
+                next += num_rows * parts[p].rank;
+            }
+        }
+    }
+    LoraJob job = {items, x, out, N, K, dtype};
+    rayllm_parallel_for(num_blocks, num_threads, shrink_item, &job);
+    job.items = items + num_blocks;
+    rayllm_parallel_for(num_expands, num_threads, expand_item, &job);
+    free(items);
+    free(shrunk);
+    return 0;
+}
+
+/* Whether any adapter of the step has a part on this layer's product (the fused gate_up paths
+ * skip the product's output, so a step that adapts it takes the plain product then the LoRA). */
+int rayllm_lora_adapts(const LoraStep *step, int64_t layer, int32_t product) {
+    if (step == NULL) return 0;
+    for (int64_t s = 0; s < step->num_segments; s++) {
+        const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
+        for (int p = 0; p < LORA_MAX_PARTS; p++)
+            if (parts[p].rank > 0) return 1;
+    }
+    return 0;
+}
+
+int rayllm_layout_lora_part(int64_t *offsets, char *names, int64_t capacity) {
+    LAYOUT_BEGIN(LoraPart)
+#define FIELD(f) LAYOUT_FIELD(LoraPart, f)
+    FIELD(a) FIELD(bt) FIELD(rank) FIELD(start) FIELD(len)
+#undef FIELD
+    return n;
+}
+
+int rayllm_layout_lora_segment(int64_t *offsets, char *names, int64_t capacity) {
+    LAYOUT_BEGIN(LoraSegment)
+#define FIELD(f) LAYOUT_FIELD(LoraSegment, f)
+    FIELD(parts) FIELD(rows)
+#undef FIELD
+    return n;
+}
+
+int rayllm_layout_lora_step(int64_t *offsets, char *names, int64_t capacity) {
+    LAYOUT_BEGIN(LoraStep)
+#define FIELD(f) LAYOUT_FIELD(LoraStep, f)
+    FIELD(segments) FIELD(first_item) FIELD(num_segments) FIELD(num_layers)
+#undef FIELD
+    return n;
+}
