@@ -116,7 +116,8 @@ class SchedulerActor:
 
     def __init__(self, config: SchedulerConfig, workers: list[Any], eos_token_ids: tuple[int, ...],
                  router_config: RouterConfig | None = None, admission_config: AdmissionConfig | None = None,
-                 worker_labels: list[str] | None = None, elastic: ElasticWorkers | None = None) -> None:
+                 worker_labels: list[str] | None = None, elastic: ElasticWorkers | None = None,
+                 lora_adapters: dict[str, str] | None = None) -> None:
         self._workers = workers
         self._config, self._eos_token_ids = config, eos_token_ids
         for worker in workers:  # after a restart of this actor: drop request states the old one left
@@ -124,7 +125,8 @@ class SchedulerActor:
         runners = [TimedRunner(worker, is_death=is_worker_lost) for worker in workers]
         engines = [Engine(config, runner, eos_token_ids) for runner in runners]
         admission = Admission(admission_config or AdmissionConfig(max_num_seqs=config.max_num_seqs))
-        self._group = EngineGroup(engines, runners, router=Router(router_config), admission=admission)
+        self._group = EngineGroup(engines, runners, router=Router(router_config), admission=admission,
+                                  lora_adapters=lora_adapters)
         self._channels = OutputChannels(abort=self._group.abort, on_finished=self._group.forget)
         self._incarnations: list[str | None] = [None] * len(workers)
         self._channel_incarnations: list[str | None] = [None] * len(workers)  # whose step socket each runner has
@@ -235,6 +237,33 @@ class SchedulerActor:
         """The router's counters: outcomes, requests and steps per worker (EngineGroup.routing_stats)."""
         return self._group.routing_stats()
 
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Serves the PEFT adapter at path as name from now on, once a serving worker has loaded
+        it to check it fits the model ({"rank", "num_bytes", "adapters": name -> path, "version"}). Raises ValueError (the adapter
+        does not fit, or the name is taken) or NoLiveWorkerError."""
+        self._ensure_watching()
+        if name in self._group.lora_paths:
+            self._group.add_lora(name, path)  # raises: the name is taken
+        serving = sorted(self._group.serving())
+        if not serving:
+            raise NoLiveWorkerError("no worker is serving to check the adapter on")
+        try:
+            info = await self._workers[serving[0]].check_lora.remote(name, path)
+        except RayTaskError as error:
+            if isinstance(error.cause, ValueError):  # a LoraError: what does not fit, and why
+                raise ValueError(str(error.cause)) from None
+            raise
+        self._group.add_lora(name, path)
+        logger.info("LoRA adapter %r served from %s (rank %d)", name, path, info["rank"])
+        return {**info, "adapters": dict(self._group.lora_paths), "version": self._group.lora_version}
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        """Stops serving the adapter; requests of it already queued or running finish. Returns
+        {"adapters": name -> path, "version"}; raises UnknownLoraError."""
+        self._group.remove_lora(name)
+        logger.info("LoRA adapter %r no longer served", name)
+        return {"adapters": dict(self._group.lora_paths), "version": self._group.lora_version}
+
     async def _watch_workers(self) -> None:
         """Pings idle workers; a restarted worker (new incarnation) gets an empty cache."""
         while True:
@@ -307,13 +336,15 @@ class SchedulerActor:
         """Metrics and worker states for the ingress (no worker call: never waits on a step)."""
         self._ensure_watching()
         workers = self._refresh_gauges()
-        return PublishedStats(self._metric_store.snapshot(), workers, self._group.status())
+        return PublishedStats(self._metric_store.snapshot(), workers, self._group.status(),
+                              dict(self._group.lora_paths), self._group.lora_version)
 
     def _refresh_gauges(self) -> list[WorkerState]:
         workers = self._worker_states()
         self._metrics.refresh_gauges(workers)
         self._metrics.refresh_workers(workers, self._desired)
         self._metrics.publish_route_counts(self._group.route_counts)
+        self._metrics.publish_lora_counts(self._group.lora_route_counts, *self._group.lora_counts())
         return workers
 
     def _worker_states(self) -> list[WorkerState]:
@@ -332,6 +363,9 @@ class SchedulerActor:
                 num_kv_blocks_total=load.num_usable_blocks, num_steps=runner.num_steps,
                 seconds_since_last_step=since, busy_s=runner.busy_s, gap_s=runner.gap_s,
                 node_id=node.get("node_id"), node_ip=node.get("node_ip"), state=self._group.states[index],
+                lora_adapters=tuple(engine.scheduler.loras.loaded()),
+                num_lora_loads=engine.scheduler.loras.counts.num_loads,
+                num_lora_evictions=engine.scheduler.loras.counts.num_evictions,
             ))
         return states
 
@@ -548,6 +582,7 @@ def create_scheduler(
     admission_config: AdmissionConfig | None = None,
     worker_labels: list[str] | None = None,
     elastic: ElasticWorkers | None = None,
+    lora_adapters: dict[str, str] | None = None,
 ) -> Any:
     """A named SchedulerActor (or the live one of that name); router_config None: defaults.
     worker_labels name the workers in metrics and server info (unique across shards; None: 0..n-1)."""
@@ -559,4 +594,4 @@ def create_scheduler(
         max_restarts=max_restarts,
         max_concurrency=10_000,  # async actor: concurrent streams, not threads
     ).remote(config, workers, eos_token_ids, router_config, admission_config, worker_labels=worker_labels,
-             elastic=elastic)
+             elastic=elastic, lora_adapters=lora_adapters)

@@ -20,6 +20,8 @@ class StepBatch:
     copies: dict[str, tuple[int, int]] = field(default_factory=dict)  # child request_id -> (src, dst) block
     total_num_scheduled_tokens: int = 0  # sum of num_scheduled_tokens
     num_prompt_tokens: int = 0  # scheduled tokens at prompt positions
+    lora_unloads: list[str] = field(default_factory=list)  # adapters the worker drops before the forward
+    lora_loads: dict[str, str] = field(default_factory=dict)  # adapter name -> directory, loaded before the forward
 
     def add(
         self, request: Request, num_tokens: int, new_block_ids: list[int], block_table: Callable[[], list[int]],
@@ -43,6 +45,7 @@ class StepBatch:
                     block_ids=block_table(),
                     num_computed_tokens=start,
                     lora_name=request.lora_name,
+                    lora_path=request.lora_path,
                 )
             )
             request.sent_to_worker = True
@@ -61,6 +64,8 @@ class StepBatch:
             total_num_scheduled_tokens=self.total_num_scheduled_tokens,
             finished_request_ids=finished_request_ids,
             copy_blocks=list(self.copies.values()),
+            lora_unloads=self.lora_unloads,
+            lora_loads=self.lora_loads,
         )
 
 

@@ -31,11 +31,13 @@ HashFn = Callable[["BlockHash | None", Sequence[int]], BlockHash]
 _ROOT = b"rayllm-kv-root"  # parent of block 0
 
 
-def adapter_root(lora_name: str | None) -> BlockHash | None:
-    """Block 0's parent for a request of this LoRA adapter (None: the base model's)."""
+def adapter_root(lora_name: str | None, lora_path: str | None = None) -> BlockHash | None:
+    """Block 0's parent for a request of this LoRA adapter (None: the base model's). The path
+    is part of it: a name unloaded and loaded again from another directory is another adapter."""
     if lora_name is None:
         return None
-    return BlockHash(hashlib.sha256(b"rayllm-kv-lora:" + lora_name.encode()).digest())
+    key = lora_name if lora_path is None else f"{lora_name}\0{lora_path}"
+    return BlockHash(hashlib.sha256(b"rayllm-kv-lora:" + key.encode()).digest())
 
 
 def sha256_block_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:

@@ -48,8 +48,18 @@ class SchedulerConfig:
     # computes it once. Shorter shared runs (a chat template's opening) are computed twice
     # rather than cost the follower the step or two before the blocks are cached. None: never.
     min_shared_prefix_to_wait: int | None = None
+    # LoRA adapters (scheduler/lora_slots.py): at most max_loras distinct adapters among the
+    # running requests, so in any one step; at most max_cpu_loras loaded on the worker, the least
+    # recently used unpinned one evicted for a new one. A request of a further adapter waits,
+    # keeping its place; requests of adapters already running may pass it until it has waited
+    # max_lora_wait_steps steps, then none does (no starvation), and no other new adapter ever does.
+    max_loras: int = 4
+    max_cpu_loras: int = 8
+    max_lora_wait_steps: int = 32
 
     def __post_init__(self) -> None:
+        assert 1 <= self.max_loras <= self.max_cpu_loras, (self.max_loras, self.max_cpu_loras)
+        assert self.max_lora_wait_steps >= 0, self.max_lora_wait_steps
         assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
         assert self.max_num_seqs >= 1, self.max_num_seqs
         assert self.block_size >= 1, self.block_size

@@ -15,6 +15,12 @@
   prefix matches and loads; the policy and its knobs are RouterConfig). Each decision's
   outcome is counted in `route_counts` (RouteOutcome value -> requests) for metrics.
   n>1 requests are routed once: their worker's Scheduler forks the children there.
+- LoRA adapters: the group keeps the registry of adapters served (`lora_paths`, name ->
+  directory: the start-time ones, then add_lora / remove_lora at run time). A request of an
+  adapter gets its directory here, once, and keeps it: removing the adapter refuses new
+  requests of it (UnknownLoraError, HTTP 404) while the ones queued or running finish on the
+  copy their worker holds; each worker unloads it once no request of its uses it.
+  `lora_route_counts` counts adapter hits (routed to a worker holding it) and loads.
 - Dead workers (TimedRunner.alive False) are never chosen; with none alive, add_request
   raises NoLiveWorkerError (the ingress answers 503).
 - Elastic workers (the Ray shell applies scheduler/autoscale.py's decisions): each worker has a
@@ -40,6 +46,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
@@ -61,6 +68,10 @@ logger = logging.getLogger(__name__)
 NUM_REMEMBERED_ABORTS = 4096  # aborts of not-yet-seen request ids kept for the race above
 GAP_WINDOW_S = 1.0  # a pause between steps longer than this is idleness (no work), not a gap
 STARTING, SERVING, DRAINING, RETIRED = "starting", "serving", "draining", "retired"  # a worker's states
+
+
+class UnknownLoraError(ValueError):
+    """The request names a LoRA adapter this server does not serve (HTTP 404)."""
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -203,7 +214,8 @@ class EngineGroup:
 
     def __init__(self, engines: list[Engine], runners: list[TimedRunner],
                  clock: Callable[[], float] = time.monotonic, router: Router | None = None,
-                 admission: Admission | None = None, worker_restart_timeout_s: float = 120.0) -> None:
+                 admission: Admission | None = None, worker_restart_timeout_s: float = 120.0,
+                 lora_adapters: dict[str, str] | None = None) -> None:
         assert engines and len(engines) == len(runners)
         self.engines = engines
         self.runners = runners
@@ -221,6 +233,9 @@ class EngineGroup:
         self.route_counts: Counter[str] = Counter()  # RouteOutcome value -> requests routed so
         self.routed_per_worker: Counter[int] = Counter()  # worker index -> requests routed there
         self.last_route: Route | None = None  # the latest decision (debugging, tests)
+        self.lora_paths: dict[str, str] = dict(lora_adapters or {})  # adapter name -> directory, served now
+        self.lora_version = 0  # add_lora and remove_lora calls so far (ingress replicas keep the newest list)
+        self.lora_route_counts: Counter[str] = Counter()  # "hit" | "load" -> requests of an adapter routed
         self._clock = clock
         self._owner: dict[str, int] = {}  # request_id -> engine index, while streaming
         self._early_aborts: deque[str] = deque(maxlen=NUM_REMEMBERED_ABORTS)
@@ -234,6 +249,12 @@ class EngineGroup:
         if request.request_id in self._early_aborts:
             self._early_aborts.remove(request.request_id)
             return None
+        if request.lora_name is not None and request.lora_path is None:
+            path = self.lora_paths.get(request.lora_name)
+            if path is None:
+                raise UnknownLoraError(f"the model {request.lora_name!r} does not exist; this server serves the "
+                                       f"LoRA adapters {sorted(self.lora_paths)}")
+            request = dataclasses.replace(request, lora_path=path)
         live = [self.engines[index].scheduler.load() for index in sorted(self.serving())]
         self.admission.check(live, len(request.prompt_token_ids))  # DrainingError, QueueFullError
         index = self._pick_engine(request)
@@ -255,10 +276,13 @@ class EngineGroup:
         if not request.prompt_token_ids:  # the scheduler refuses it with a ValueError
             return min(alive)
         schedulers = {i: engine.scheduler for i, engine in enumerate(self.engines)}
-        route = route_request(self.router, schedulers, request.prompt_token_ids, alive, request.lora_name)
+        route = route_request(self.router, schedulers, request.prompt_token_ids, alive, request.lora_name,
+                              request.lora_path)
         assert route is not None and route.worker_id in alive, route
         self.route_counts[route.outcome.value] += 1
         self.routed_per_worker[route.worker_id] += 1
+        if route.adapter_hit is not None:
+            self.lora_route_counts["hit" if route.adapter_hit else "load"] += 1
         self.last_route = route
         return route.worker_id
 
@@ -275,7 +299,39 @@ class EngineGroup:
             "channel_steps_per_worker": [runner.num_channel_steps for runner in self.runners],  # on the step socket
             "prefix_hit_tokens_per_worker": [engine.stats.num_prefix_hit_tokens for engine in self.engines],
             "prefix_query_tokens_per_worker": [engine.stats.num_prefix_query_tokens for engine in self.engines],
+            "lora_route_counts": dict(self.lora_route_counts),  # "hit" | "load" -> adapter requests
+            "lora_adapters_per_worker": [engine.scheduler.loras.loaded() for engine in self.engines],
+            "lora_loads_per_worker": [engine.scheduler.loras.counts.num_loads for engine in self.engines],
         }
+
+    # --- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serves the adapter at path as name from now on (checked by the caller). Raises
+        ValueError if the name is served already (unload it first)."""
+        if name in self.lora_paths:
+            raise ValueError(f"the LoRA adapter {name!r} is loaded already (from {self.lora_paths[name]}); "
+                             "unload it first")
+        self.lora_paths[name] = path
+        self.lora_version += 1
+
+    def remove_lora(self, name: str) -> None:
+        """Stops serving the adapter: new requests of it are refused; queued and running ones
+        finish. Raises UnknownLoraError if it is not served."""
+        if self.lora_paths.pop(name, None) is None:
+            raise UnknownLoraError(f"the LoRA adapter {name!r} cannot be found; this server serves "
+                                   f"{sorted(self.lora_paths)}")
+        self.lora_version += 1
+        for engine in self.engines:
+            engine.scheduler.discard_adapter(name)
+
+    def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(requests, generated tokens) per adapter, summed over the workers, since start."""
+        requests: Counter[str] = Counter()
+        tokens: Counter[str] = Counter()
+        for engine in self.engines:
+            requests.update(engine.scheduler.lora_requests)
+            tokens.update(engine.scheduler.lora_generation_tokens)
+        return dict(requests), dict(tokens)
 
     def owner_of(self, request_id: str) -> int | None:
         """The index of the worker streaming this request, or None."""
@@ -317,7 +373,7 @@ class EngineGroup:
                 part.streams[client_id].fail(RuntimeError(f"{client_id}: lost in migration"))
                 continue
             route = route_request(self.router, schedulers, part.requests[0].prompt_token_ids, alive,
-                                  part.requests[0].lora_name)
+                                  part.requests[0].lora_name, part.requests[0].lora_path)
             target = route.worker_id if route is not None else min(alive)
             if not self.engines[target].has_unfinished_requests():
                 self.runners[target].busy_since = self._clock()

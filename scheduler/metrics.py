@@ -92,6 +92,13 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     _c("prefix_cache_hits", "Prompt tokens found in the prefix cache on admission (whole blocks).", "worker"),
     _c("preemptions", "Sequences preempted (KV blocks freed, recomputed later).", "worker"),
     _c("routing_decisions", "New requests routed to a worker, by the router's outcome.", "outcome"),
+    _c("lora_routing_decisions", "Requests of a LoRA adapter routed to a worker that holds it (hit) or will "
+       "load it (load).", "result"),
+    _c("lora_requests", "Client requests of each LoRA adapter.", "lora_name"),
+    _c("lora_generation_tokens", "Tokens sampled for requests of each LoRA adapter.", "lora_name"),
+    _c("lora_loads", "LoRA adapters loaded by the worker (misses of its adapter LRU).", "worker"),
+    _c("lora_evictions", "LoRA adapters unloaded by the worker (the least recently used, or removed).", "worker"),
+    _g("lora_adapters_loaded", "LoRA adapters the worker holds now.", "worker"),
     _g("num_requests_running", "Sequences in the running batch.", "worker"),
     _g("num_requests_waiting", "Requests queued for admission (preempted ones included).", "worker"),
     _g("kv_cache_blocks_used", "KV cache blocks referenced by requests.", "worker"),
@@ -233,6 +240,9 @@ class WorkerState:
     node_id: str | None = None  # the Ray node the worker runs on; None: not known yet
     node_ip: str | None = None
     state: str = "serving"  # starting | serving | draining (scheduler/engine_group.py)
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters the worker holds, least recently used first
+    num_lora_loads: int = 0  # adapters loaded since start
+    num_lora_evictions: int = 0  # adapters unloaded since start
 
     @property
     def kv_usage(self) -> float:
@@ -246,6 +256,8 @@ class PublishedStats:
     families: list[FamilySnapshot]  # ENGINE_METRICS' values
     workers: list[WorkerState]
     status: object  # the actor's SchedulerStatus at the same moment
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # the adapters served now: name -> directory
+    lora_version: int = 0  # run-time loads and unloads so far (a newer list replaces an older one)
 
 
 _CUMULATIVE_COUNTERS = (  # CumulativeStats field -> counter (per worker)
@@ -299,7 +311,8 @@ class EngineMetrics:
         worker, per finish reason, per routing outcome. Ray's metrics cannot (a counter
         refuses 0); they appear there at the first value, and their gauges at the first refresh."""
         values_of = {"worker": list(worker_labels), "finish_reason": list(FINISH_REASONS),
-                     "outcome": [outcome.value for outcome in RouteOutcome], "state": list(WORKER_STATES)}
+                     "outcome": [outcome.value for outcome in RouteOutcome], "state": list(WORKER_STATES),
+                     "result": ["hit", "load"], "lora_name": []}  # adapters appear with their first request
         for metric in ENGINE_METRICS:
             if metric.labels == ("direction", "reason"):
                 label_sets = list(SCALE_EVENTS)
@@ -321,6 +334,9 @@ class EngineMetrics:
             self._send("set", PREFIX + "kv_cache_blocks_used", gauges.num_kv_blocks_used, labels)
             self._send("set", PREFIX + "kv_cache_blocks_capacity", gauges.num_kv_blocks_total, labels)
             self._send("set", PREFIX + "worker_alive", 1.0 if gauges.alive else 0.0, labels)
+            self._send("set", PREFIX + "lora_adapters_loaded", len(gauges.lora_adapters), labels)
+            self._publish_total(PREFIX + "lora_loads", gauges.worker, gauges.num_lora_loads)
+            self._publish_total(PREFIX + "lora_evictions", gauges.worker, gauges.num_lora_evictions)
 
     def refresh_workers(self, workers: Iterable[WorkerState], desired: int) -> None:
         """Workers by state, and how many the autoscaling policy wants."""
@@ -339,6 +355,16 @@ class EngineMetrics:
         """The router's cumulative decisions by outcome, sent as increments."""
         for outcome, total in route_counts.items():
             self._publish_total(PREFIX + "routing_decisions", outcome, total)
+
+    def publish_lora_counts(self, route_counts: Mapping[str, int], requests: Mapping[str, int],
+                            generation_tokens: Mapping[str, int]) -> None:
+        """Cumulative per-adapter counts (summed over the workers), sent as increments."""
+        for result, total in route_counts.items():
+            self._publish_total(PREFIX + "lora_routing_decisions", result, total)
+        for name, total in requests.items():
+            self._publish_total(PREFIX + "lora_requests", name, total)
+        for name, total in generation_tokens.items():
+            self._publish_total(PREFIX + "lora_generation_tokens", name, total)
 
     def _publish_total(self, counter: str, label: str, total: float) -> None:
         key = (counter, label)

@@ -72,6 +72,7 @@ class NewRequestData:
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # tokens whose KV is already in the pool (prefix hit / fork)
     lora_name: str | None = None  # the LoRA adapter to apply (loaded on the worker); None: the base model
+    lora_path: str | None = None  # where it is, should the worker not hold it (None: the worker's start-time list)
 
 
 @dataclass(slots=True)
@@ -89,6 +90,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens
     finished_request_ids: set[str] = field(default_factory=set)  # drop worker state
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies before the forward
+    # LoRA adapters (scheduler/lora_slots.py), applied before the forward, unloads first:
+    lora_unloads: list[str] = field(default_factory=list)  # adapter names the worker drops
+    lora_loads: dict[str, str] = field(default_factory=dict)  # adapter name -> its directory, to load
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +118,7 @@ class EngineRequest:
     # penalties see them as generated, and seeded sampling keeps each token's output position.
     output_token_ids: tuple[int, ...] = ()
     lora_name: str | None = None  # a LoRA adapter the workers serve (by its served name); None: the base model
+    lora_path: str | None = None  # its directory; None: resolved by the engine group's adapter registry
 
 
 @dataclass(slots=True)

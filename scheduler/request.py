@@ -83,6 +83,7 @@ class Request:
     block_hasher: BlockHasher | None  # hashes full blocks; None: prefix caching is off
     arrival_time: float = 0.0  # seconds, engine clock
     lora_name: str | None = None  # the LoRA adapter the worker applies; None: the base model
+    lora_path: str | None = None  # its directory, as registered when the request arrived
     index: int = 0  # sequence index within n (0 for a fork parent)
     parent_request_id: str | None = None  # set on fork children
     status: RequestStatus = RequestStatus.WAITING
@@ -101,7 +102,7 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids)
         self._block_hashes = []
         if self.block_hasher is not None:
-            self.block_hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name))
+            self.block_hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name, self.lora_path))
 
     # --- read-only views -------------------------------------------------------------
     @property
@@ -160,7 +161,7 @@ class Request:
             self._all_token_ids.extend(token_ids)
         hasher = self.block_hasher
         if hasher is not None and len(self._all_token_ids) >= (len(self._block_hashes) + 1) * hasher.block_size:
-            hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name))
+            hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name, self.lora_path))
 
     def make_fork_child(self, index: int) -> Request:
         """The index-th child of this fork parent: same prompt and hashes, its own params.
@@ -176,6 +177,7 @@ class Request:
             block_hasher=None,  # the parent's hashes are copied below, not recomputed
             arrival_time=self.arrival_time,
             lora_name=self.lora_name,
+            lora_path=self.lora_path,
             index=index,
             parent_request_id=self.request_id,
             num_cached_tokens=self.num_cached_tokens,

@@ -34,6 +34,23 @@ Algorithm (policy `prefix_aware`, the default), for one request of `num_prompt_t
    admitted hold no blocks yet, and comparing free blocks alone sent a whole burst of new
    prompts to one worker while the other idled.
 
+LoRA residency (a request of adapter L; each worker's Scheduler knows exactly which adapters
+its worker holds, scheduler/lora_slots.py), before step 3:
+
+3a. The holders are the live workers that hold L (loaded, pinned or not). If there are
+    holders and the least loaded of them is not imbalanced against the least loaded live
+    worker (the guard of step 3 over those two loads), steps 3 to 5 run over the holders
+    only: the request goes where its adapter is (and, among those, its prefix), so no load.
+3b. If every holder is that busy, the request goes to the least loaded live worker, which loads
+    L there (ties: lowest worker id): outcome ADAPTER_SPREAD. A popular adapter so spreads to
+    a second worker once its first one is loaded beyond the guard, not before.
+3c. With no holder, steps 3 to 5 run over all live workers (a prefix match under L's
+    root means L ran there recently).
+
+Each decision is an adapter hit (the chosen worker holds L) or an adapter load (it will load
+L), counted by the EngineGroup (`lora_route_counts`) whatever the policy, for metrics and
+bench/bench_lora_routing.py.
+
 The other policies, for comparison (bench/bench_routing.py):
 - `round_robin`: the live worker with the next id after the last one chosen (wrapping);
   dead workers are skipped and a worker that comes back rejoins the cycle. ROUND_ROBIN.
@@ -81,6 +98,7 @@ class RouteOutcome(str, enum.Enum):
     PREFIX_HIT = "prefix_hit"  # prefix_aware: the longest match, load balanced enough
     IMBALANCE_FALLBACK = "imbalance_fallback"  # prefix_aware: load imbalanced, least loaded
     NO_MATCH_MOST_FREE = "no_match_most_free"  # prefix_aware: no good match, most free blocks
+    ADAPTER_SPREAD = "adapter_spread"  # prefix_aware: the adapter's holders are busy, least loaded loads it
     ROUND_ROBIN = "round_robin"  # round_robin policy
     LEAST_LOADED = "least_loaded"  # least_loaded policy
 
@@ -116,6 +134,7 @@ class WorkerView:
     num_free_blocks: int  # allocatable KV blocks (cached-but-free included)
     num_usable_blocks: int  # the pool's blocks but the null block
     num_in_flight_matched_tokens: int = 0  # prompt tokens (full blocks) queued/running requests share
+    has_adapter: bool = True  # the worker holds the request's LoRA adapter (True for a base-model request)
     block_size: int = 16  # tokens per KV block
 
     @property
@@ -133,6 +152,7 @@ class Route:
     outcome: RouteOutcome  # why
     num_matched_tokens: int  # prompt tokens the chosen worker matches (cached, or in flight if counted)
     load: int  # the chosen worker's load (tokens) before this request
+    adapter_hit: bool | None = None  # the chosen worker holds the request's adapter; None: a base-model request
 
 
 class Router:
@@ -152,8 +172,9 @@ class Router:
             return max(worker.num_matched_tokens, worker.num_in_flight_matched_tokens)
         return worker.num_matched_tokens
 
-    def route(self, num_prompt_tokens: int, workers: Sequence[WorkerView]) -> Route | None:
-        """The worker for a request of `num_prompt_tokens`, or None if no worker is alive."""
+    def route(self, num_prompt_tokens: int, workers: Sequence[WorkerView], needs_adapter: bool = False) -> Route | None:
+        """The worker for a request of `num_prompt_tokens`, or None if no worker is alive.
+        needs_adapter: the request names a LoRA adapter (WorkerView.has_adapter says where it is)."""
         assert num_prompt_tokens >= 1, num_prompt_tokens
         live = sorted((w for w in workers if w.alive), key=lambda w: w.worker_id)
         if not live:
@@ -161,11 +182,17 @@ class Router:
         assert len({w.worker_id for w in live}) == len(live), "duplicate worker ids"
         policy = self.config.policy
         if policy == RoutingPolicy.ROUND_ROBIN:
-            return self._route_round_robin(live)
-        loads = {w.worker_id: self.load_of(w) for w in live}
-        if policy == RoutingPolicy.LEAST_LOADED:
-            return self._least_loaded(live, loads, RouteOutcome.LEAST_LOADED)
-        return self._route_prefix_aware(num_prompt_tokens, live, loads)
+            route = self._route_round_robin(live)
+        else:
+            loads = {w.worker_id: self.load_of(w) for w in live}
+            if policy == RoutingPolicy.LEAST_LOADED:
+                route = self._least_loaded(live, loads, RouteOutcome.LEAST_LOADED)
+            else:
+                route = self._route_prefix_aware(num_prompt_tokens, live, loads, needs_adapter)
+        if not needs_adapter:
+            return route
+        chosen = next(w for w in live if w.worker_id == route.worker_id)
+        return Route(route.worker_id, route.outcome, route.num_matched_tokens, route.load, chosen.has_adapter)
 
     def is_imbalanced(self, loads: Collection[int]) -> bool:
         """sgl-router's guard: both the absolute gap and the ratio exceed their thresholds."""
@@ -176,8 +203,14 @@ class Router:
         )
 
     # --- policies ----------------------------------------------------------------------
-    def _route_prefix_aware(self, num_prompt_tokens: int, live: list[WorkerView], loads: dict[int, int]) -> Route:
-        if self.is_imbalanced(loads.values()):
+    def _route_prefix_aware(self, num_prompt_tokens: int, live: list[WorkerView], loads: dict[int, int],
+                            needs_adapter: bool = False) -> Route:
+        holders = [w for w in live if w.has_adapter] if needs_adapter else []
+        if holders:
+            if self.is_imbalanced([min(loads[w.worker_id] for w in holders), min(loads.values())]):
+                return self._least_loaded(live, loads, RouteOutcome.ADAPTER_SPREAD)  # 3b
+            live = holders  # 3a
+        if self.is_imbalanced([loads[w.worker_id] for w in live]):
             return self._least_loaded(live, loads, RouteOutcome.IMBALANCE_FALLBACK)
         matched = {w.worker_id: self.matched_tokens_of(w) for w in live}
         best = min(live, key=lambda w: (-matched[w.worker_id], loads[w.worker_id], w.worker_id))
@@ -211,6 +244,8 @@ def worker_views(
     block_hashes: Sequence[BlockHash],
     alive: Collection[int] | None = None,
     match_in_flight: bool = True,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
 ) -> list[WorkerView]:
     """One view per worker for a request whose full-block hashes are `block_hashes`.
 
@@ -241,6 +276,7 @@ def worker_views(
                 num_usable_blocks=load.num_usable_blocks,
                 num_in_flight_matched_tokens=num_in_flight,
                 block_size=scheduler.config.block_size,
+                has_adapter=lora_name is None or scheduler.loras.path_of(lora_name) == (lora_path or ""),
             )
         )
     return views
@@ -252,6 +288,7 @@ def route_request(
     prompt_token_ids: Sequence[int],
     alive: Collection[int] | None = None,
     lora_name: str | None = None,
+    lora_path: str | None = None,
 ) -> Route | None:
     """Hashes the prompt once (under its LoRA adapter's root) and routes it: the scheduler
     actor's one-line call."""
@@ -259,9 +296,9 @@ def route_request(
         return None
     hashers = {s.block_hasher for s in schedulers.values()}
     assert len(hashers) == 1, "every worker's scheduler must share block size and hash"
-    block_hashes = next(iter(hashers)).hash_tokens(prompt_token_ids, adapter_root(lora_name))
-    views = worker_views(schedulers, block_hashes, alive, router.config.match_in_flight)
-    return router.route(len(prompt_token_ids), views)
+    block_hashes = next(iter(hashers)).hash_tokens(prompt_token_ids, adapter_root(lora_name, lora_path))
+    views = worker_views(schedulers, block_hashes, alive, router.config.match_in_flight, lora_name, lora_path)
+    return router.route(len(prompt_token_ids), views, needs_adapter=lora_name is not None)
 
 
 def _num_in_flight_matched_blocks(scheduler: Scheduler, block_hashes: Sequence[BlockHash]) -> int:

@@ -17,6 +17,16 @@ One currency, `num_computed_tokens`, and one token budget per step. Each step:
    whose next min_shared_prefix_to_wait prompt tokens a running request is computing (one
    system prompt in a burst) is passed over, its place kept, until they are cached.
 
+LoRA adapters (scheduler/lora_slots.py): the scheduler keeps the worker's loaded adapters as an
+exact LRU (`self.loras`, at most max_cpu_loras). Admitting a request of an adapter that is not
+loaded puts it in that step's `lora_loads` (and the adapters evicted for it in `lora_unloads`);
+the adapters of running requests are pinned. At most max_loras distinct adapters run at once,
+hence in any step. A request whose adapter cannot be admitted (max_loras reached, or every
+loaded adapter pinned) keeps its place; younger requests of the base model, and of adapters
+already running, pass it until it has waited max_lora_wait_steps steps; no younger request of
+another new adapter ever does. So adapters start in arrival order, and the running ones drain
+(each request ends by max_tokens) until the oldest waiting one gets its slot.
+
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops
 the decodes beside it. Preempted and migrated requests keep their generated tokens, and the
 worker recomputes prompt + those tokens, so their output streams go on without a duplicate or
@@ -46,6 +56,7 @@ from scheduler.block_hash import BlockHash, BlockHasher, HashFn, sha256_block_ha
 from scheduler.block_pool import KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
+from scheduler.lora_slots import LoraSlots, SlotPlan
 from scheduler.outputs import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import CumulativeStats, StepStats
@@ -89,6 +100,10 @@ class Scheduler:
         self._left_over_through = -1
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens the step being decided may still compute
         self._long_left: int | None = None  # tokens long prompts may still compute in it (None: no such cap)
+        self.loras = LoraSlots(config.max_cpu_loras)  # the worker's loaded adapters, exactly
+        self._lora_unloads: list[str] = []  # adapters the worker must drop, not sent yet
+        self.lora_requests: dict[str, int] = {}  # adapter name -> client requests added
+        self.lora_generation_tokens: dict[str, int] = {}  # adapter name -> tokens sampled
 
     # --- queries -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -124,7 +139,10 @@ class Scheduler:
             block_hasher=self.block_hasher,
             arrival_time=engine_request.arrival_time,
             lora_name=engine_request.lora_name,
+            lora_path=engine_request.lora_path,
         )
+        if request.lora_name is not None:
+            self.lora_requests[request.lora_name] = self.lora_requests.get(request.lora_name, 0) + 1
         if resumed:
             request.append_output_token_ids(list(resumed))
         if params.n > 1 and len(prompt) == 1:
@@ -187,6 +205,7 @@ class Scheduler:
         for request in requests:
             request.reset_for_recompute()
         self.kv.reset()
+        self._lora_unloads.extend(self.loras.reset())  # a live worker (fail_all) drops them with the next step
         self.requests.clear()
         self.seqs_of_client.clear()
         self.waiting.clear()
@@ -282,12 +301,31 @@ class Scheduler:
         finished: set[str] = set()
         if batch.total_num_scheduled_tokens > 0:
             finished, self.finished_for_worker = self.finished_for_worker, set()
+            self._hand_out_loras(batch)
         output = batch.build(finished)
         self._fill_schedule_stats(stats, batch)
         if not output.is_empty:
             self._in_flight.append((output, batch.scheduled, stats))
             self._num_steps_handed_out += 1
         return output
+
+    def _hand_out_loras(self, batch: StepBatch) -> None:
+        """The step's adapter unloads (evictions decided now or earlier) and recency."""
+        if self._lora_unloads:
+            batch.lora_unloads[:0] = self._lora_unloads
+            self._lora_unloads = []
+        names = {r.lora_name for r in batch.scheduled.values() if r.lora_name is not None}
+        assert len(names) <= self.config.max_loras, names
+        for name in names:
+            self.loras.touch(name)
+
+    def discard_adapter(self, name: str) -> bool:
+        """The adapter was removed from the server: unloaded with the next step if no running
+        request uses it (else it stays until the LRU evicts it). True if it is unloaded."""
+        if any(request.lora_name == name for request in self.running) or not self.loras.discard(name):
+            return False
+        self._lora_unloads.append(name)
+        return True
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -311,6 +349,9 @@ class Scheduler:
                 continue
             assert token_id is not None, f"{rid} computed every token but sampled none"
             request.append_output_token_ids(token_id)
+            if request.lora_name is not None:
+                tokens = self.lora_generation_tokens
+                tokens[request.lora_name] = tokens.get(request.lora_name, 0) + 1
             status = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
             outputs.append(self._token_output(request, token_id, runner_output, status))
             if status is not None:
@@ -390,10 +431,19 @@ class Scheduler:
         out_of_budget = False
         being_computed: set[BlockHash] | None = None  # built on first need
         deferred: list[Request] = []
+        active = {r.lora_name for r in self.running if r.lora_name is not None}  # pinned adapters
+        lora_blocked: Request | None = None  # the oldest request left waiting for an adapter slot
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
+            plan = None
+            if request.lora_name is not None:
+                plan = self._adapter_plan(request, active, lora_blocked)
+                if plan is None:
+                    lora_blocked = lora_blocked or request
+                    deferred.append(self.waiting.popleft())
+                    continue
             computed = self.kv.get_computed_blocks(request, landing)
             if self._may_wait_for_prefix(request, computed):
                 if being_computed is None:
@@ -414,6 +464,9 @@ class Scheduler:
                 break
             self._charge_prefill(num_left, num_new, request)
             self.waiting.popleft()
+            if plan is not None:
+                self._commit_adapter(plan, batch)
+                active.add(plan.name)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_tokens
             request.status = RequestStatus.RUNNING
@@ -430,6 +483,28 @@ class Scheduler:
         if self.waiting and (out_of_budget or budget == 0):
             self._left_over_through = self._num_steps_handed_out
         return budget
+
+    def _adapter_plan(self, request: Request, active: set[str], blocked: Request | None) -> SlotPlan | None:
+        """How the request's adapter gets onto the worker now, or None if the request waits
+        (the module doc: max_loras, pinned slots, and the order among new adapters)."""
+        name = request.lora_name
+        assert name is not None
+        if blocked is not None and (name not in active or self._lora_wait_is_over(blocked)):
+            return None
+        if name not in active and len(active) >= self.config.max_loras:
+            return None
+        return self.loras.plan(name, request.lora_path or "", active)
+
+    def _lora_wait_is_over(self, blocked: Request) -> bool:
+        """Whether the request waiting for an adapter slot has waited long enough that no
+        younger adapter request passes it any more."""
+        return self._num_steps_handed_out - blocked.queued_at_step >= self.config.max_lora_wait_steps
+
+    def _commit_adapter(self, plan: SlotPlan, batch: StepBatch) -> None:
+        self.loras.commit(plan)
+        batch.lora_unloads.extend(plan.evict)  # never one loaded in this step: those are pinned
+        if plan.load:
+            batch.lora_loads[plan.name] = plan.path
 
     def _may_wait_for_prefix(self, request: Request, computed: ComputedBlocks) -> bool:
         """Whether waiting could give the request a prefix hit of min_shared_prefix_to_wait more tokens."""

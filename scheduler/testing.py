@@ -86,6 +86,10 @@ class FakeRunner:
         # that ran after the failure may have named some already (Engine.fail_all): runners
         # that inject failures set this; otherwise an id named twice is a bookkeeping bug.
         self.forgets_may_repeat = False
+        self.loras: dict[str, str] = {}  # LoRA adapter name -> path, as the steps loaded them
+        self.lora_of: dict[str, str] = {}  # request_id -> its adapter, for requests of one
+        self.num_lora_loads = 0  # adapters loaded, ever
+        self.loras_per_step: list[set[str]] = []  # per step: the distinct adapters it ran
 
     def default_next_token(self, digest: int, params: SamplingParams, position: int) -> int:
         if params.is_greedy:
@@ -105,8 +109,20 @@ class FakeRunner:
             assert rid in self.requests or rid not in self.registered or self.forgets_may_repeat, (
                 f"finished {rid} twice")
             self.requests.pop(rid, None)
+        for name in so.lora_unloads:  # unloads first: a name may come back from another path
+            assert name in self.loras, f"unloads adapter {name!r} it never loaded"
+            del self.loras[name]
+        for name, path in so.lora_loads.items():
+            assert name not in self.loras, f"loads adapter {name!r} twice"
+            self.loras[name] = path
+            self.num_lora_loads += 1
         for new in so.new_requests:
             self._add(new)
+            if new.lora_name is not None:
+                self.lora_of[new.request_id] = new.lora_name
+        step_loras = {self.lora_of[rid] for rid in so.num_scheduled_tokens if rid in self.lora_of}
+        assert step_loras <= set(self.loras), f"runs adapters {step_loras - set(self.loras)} it has not loaded"
+        self.loras_per_step.append(step_loras)
         for cached in so.cached_requests:
             seq = self.requests[cached.request_id]
             assert cached.num_computed_tokens == seq.num_computed_tokens, (cached, seq.num_computed_tokens)

@@ -3,7 +3,8 @@
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's Responses API,
 serve_app/responses.py), /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API,
 serve_app/messages.py), /v1/models, /tokenize, /detokenize, /health, /version, and
-(serve_app/observability.py) /metrics, /live, /v1/server_info. Later layers (auth, metrics,
+(serve_app/observability.py) /metrics, /live, /v1/server_info, and with run-time LoRA updates
+allowed, /v1/load_lora_adapter and /v1/unload_lora_adapter (serve_app/lora_api.py). Later layers (auth, metrics,
 body limits) add middleware or routes to the app that create_api returns.
 """
 
@@ -33,6 +34,7 @@ from serve_app.errors import (
     install_error_handlers,
 )
 from serve_app.limits import BodySizeLimitMiddleware
+from serve_app.lora_api import install_lora_routes
 from serve_app.observability import install_observability
 from serve_app.protocol import (
     ChatCompletionRequest,
@@ -191,5 +193,7 @@ def create_api(ctx: ServingContext, api_keys: Sequence[str] = ()) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": ctx.version}
 
+    if ctx.allow_runtime_lora_updates:
+        install_lora_routes(app, ctx)
     install_observability(app, ctx)  # /metrics, /live, /v1/server_info; its middleware goes outermost
     return app

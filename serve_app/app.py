@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -48,6 +49,7 @@ from serve_app.data_plane import report_data_plane
 from serve_app.engine_client_ray import RayEngineClient
 from serve_app.health import HealthConfig, HealthMonitor
 from serve_app.metrics import INGRESS_METRICS, EngineStatsCache, IngressMetrics
+from serve_app.lora_api import sync_adapters
 from serve_app.model_card import ModelCard
 from serve_app.observability import Observability
 from serve_app.reasoning import THINK_CLOSE, THINK_OPEN, choose_reasoning_parser
@@ -169,6 +171,7 @@ class EngineSupervisor:
                 name=scheduler_actor_name(args.name, shard), num_cpus=args.scheduler_num_cpus,
                 router_config=args.router_config(), admission_config=args.admission_config(),
                 worker_labels=[str(index) for index in indices], elastic=self._elastic_workers(shard),
+                lora_adapters=dict(args.lora_adapters),
             )
             for shard, indices in enumerate(args.shard_worker_indices())
         ]
@@ -249,7 +252,9 @@ class OpenAIIngress:
                                    limits=self._args.server_limits(), observability=observability,
                                    stream_interval=self._args.stream_interval,
                                    fast_data_plane=report_data_plane().as_json(),  # warns once when off
-                                   prefill_rules=engine.get("prefill_rules"))
+                                   prefill_rules=engine.get("prefill_rules"),
+                                   allow_runtime_lora_updates=self._args.allow_runtime_lora_updates)
+        observability.engine_stats.on_refresh = functools.partial(sync_adapters, self._ctx)
         # Startup objects (tokenizer, FastAPI, Ray, transformers: ~10^5) leave the GC's scans:
         # a full collection over them paused this replica's loop for 100-300 ms under load.
         gc.freeze()

@@ -57,10 +57,20 @@ class AppArgs(BaseModel):
         default_factory=dict,
         description="LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), as "
         "{name: local directory}: each is listed by /v1/models with the base model as its parent, and a request "
-        "selects one with \"model\": \"<name>\". Every worker loads them all at start (docs/lora.md).",
+        "selects one with \"model\": \"<name>\". Each is checked at start; a worker loads one when a request needs it, "
+        "keeping at most max_cpu_loras (docs/lora.md).",
     )
     max_lora_rank: int = Field(64, ge=1, le=512, description="The highest LoRA rank a worker loads; an adapter of "
                                "a higher rank is refused at start.")
+    max_loras: int = Field(4, ge=1, le=256, description="LoRA adapters one engine step may run at most (distinct "
+                           "adapters among a worker's running requests); a request of a further adapter waits, "
+                           "keeping its place in the queue (docs/lora.md).")
+    max_cpu_loras: int = Field(8, ge=1, le=1024, description="LoRA adapters a worker holds loaded at most; when a "
+                               "request needs another, the least recently used one no running request uses is "
+                               "unloaded. At least max_loras.")
+    allow_runtime_lora_updates: bool = Field(False, description="Serve POST /v1/load_lora_adapter and "
+                                             "/v1/unload_lora_adapter (vLLM's API), behind the API keys when set; "
+                                             "off: those paths are 404.")
     name: str = Field(
         "rayllm", pattern=r"^[A-Za-z0-9_.-]+$",
         description="Prefix of the Ray actor names; unique per application in a cluster.",
@@ -406,6 +416,9 @@ class AppArgs(BaseModel):
         for name in self.lora_adapters:
             if not name or name == self.served_model_name:
                 raise ValueError(f"LoRA adapter name {name!r} must be non-empty and differ from served_model_name")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}: a "
+                             "worker holds every adapter its step runs")
         return self
 
     @model_validator(mode="after")
@@ -461,6 +474,8 @@ class AppArgs(BaseModel):
             max_waiting_steps=self.max_waiting_steps,
             hold_while_finishing_steps=rules["hold_while_finishing_steps"],
             min_shared_prefix_to_wait=self.min_shared_prefix_to_wait,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
         )
 
     def prefill_rules(self, step_costs: StepCosts | None, block_size: int) -> dict[str, Any]:

@@ -36,6 +36,8 @@ class ServingContext:
     fast_data_plane: dict[str, Any] | None = None  # serve_app.data_plane's verdict; None: not checked
     # the scheduler's prompt-batching knobs in effect: name -> {"value", "from": config | step costs | default}
     prefill_rules: dict[str, Any] | None = None
+    allow_runtime_lora_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter exist
+    lora_version: int = 0  # the newest adapter list the card has (serve_app/lora_api.py)
 
     def start_run(
         self,

@@ -49,7 +49,7 @@ from serve_app.errors import (
 )
 from scheduler.admission import DrainingError, QueueFullError
 from scheduler.actor import is_actor_death
-from scheduler.engine_group import NoLiveWorkerError
+from scheduler.engine_group import NoLiveWorkerError, UnknownLoraError
 from scheduler.output_channel import ChannelItem, RequestFailed
 from scheduler.outputs import EngineRequest, RequestOutput
 from scheduler.step_channel import encode_frame, read_frame
@@ -57,6 +57,8 @@ from scheduler.step_channel import encode_frame, read_frame
 
 def engine_error(error: Exception) -> OpenAIError:
     cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+    if isinstance(cause, UnknownLoraError):
+        return OpenAIError(str(cause), 404, param="model", code="model_not_found")
     if isinstance(cause, ValueError):
         return OpenAIError(f"the engine refused the request: {cause}", 400, code="invalid_request")
     if isinstance(cause, NoLiveWorkerError):
@@ -221,6 +223,22 @@ class RayEngineClient:
 
     async def status(self) -> EngineStatus:
         return await self._scheduler.status.remote()
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """The scheduler serves the adapter from now on (serve_app/lora_api.py); OpenAIError
+        400 when it does not fit the model or the name is taken."""
+        try:
+            return await self._scheduler.load_lora.remote(name, path)
+        except RayTaskError as error:
+            if isinstance(error.cause, ValueError) and not isinstance(error.cause, UnknownLoraError):
+                raise OpenAIError(str(error.cause), 400, param="lora_path", code="invalid_lora_adapter") from None
+            raise engine_error(error) from None
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        try:
+            return await self._scheduler.unload_lora.remote(name)
+        except RayTaskError as error:
+            raise engine_error(error) from None
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Returns once the scheduler answers again (Ray restarts a dead one, max_restarts);

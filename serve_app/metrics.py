@@ -116,6 +116,7 @@ class EngineStatsCache:
         self.last_error: str | None = None
         self.text = b""  # the merged engine families of `latest`, in Prometheus text
         self._render_executor: ThreadPoolExecutor | None = None
+        self.on_refresh: Callable[[list[PublishedStats | None]], None] | None = None  # after each refresh
 
     def age_s(self) -> float | None:
         """Seconds since the OLDEST shard's stats arrived; None before every shard answered."""
@@ -136,6 +137,8 @@ class EngineStatsCache:
                 continue
             self.latest[shard] = result
             self._fetched_at[shard] = self._clock()
+        if self.on_refresh is not None:
+            self.on_refresh(self.latest)
         published = [stats.families for stats in self.latest if stats is not None]
         if self._render_executor is None:
             self._render_executor = ThreadPoolExecutor(1, thread_name_prefix="metrics-render")

@@ -230,6 +230,9 @@ def worker_json(worker: Any) -> dict[str, Any]:
         "seconds_since_last_step": worker.seconds_since_last_step,
         "busy_s": round(worker.busy_s, 3),  # a step in flight
         "gap_s": round(worker.gap_s, 3),  # between a step's return and the next one's submission
+        "lora_adapters": list(getattr(worker, "lora_adapters", ())),  # held now, least recently used first
+        "lora_loads": getattr(worker, "num_lora_loads", 0),
+        "lora_evictions": getattr(worker, "num_lora_evictions", 0),
     }
 
 

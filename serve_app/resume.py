@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 from serve_app.engine_client import EngineClient, EngineStatus
 from serve_app.errors import SchedulerGoneError
@@ -90,6 +91,12 @@ class ResumingEngineClient:
 
     async def status(self) -> EngineStatus:
         return await self._inner.status()
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        return await self._inner.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        return await self._inner.unload_lora(name)
 
 
 def continuation(request: EngineRequest, index: int, streamed: list[int], attempt: int) -> EngineRequest:

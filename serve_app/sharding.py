@@ -49,6 +49,22 @@ class ShardedEngineClient:
     async def status(self) -> EngineStatus:
         return merge_statuses(await asyncio.gather(*(shard.status() for shard in self.shards)))
 
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Every shard serves the adapter, or none: a shard's refusal unloads it from those before."""
+        results = []
+        for index, shard in enumerate(self.shards):
+            try:
+                results.append(await shard.load_lora(name, path))
+            except BaseException:
+                for done in self.shards[:index]:
+                    await done.unload_lora(name)
+                raise
+        return results[0]
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        results = [await shard.unload_lora(name) for shard in self.shards]
+        return results[0]
+
 
 def merge_statuses(statuses: Sequence[Any]) -> Any:
     """One status of the same dataclass type: numbers summed, the worst time since a step."""

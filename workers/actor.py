@@ -117,6 +117,12 @@ class WorkerActor:
         return self._runner.model_info
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    def check_lora(self, name: str, path: str) -> dict[str, int]:
+        """Loads the adapter at path to check it fits this model, and drops it (a run-time load
+        is checked here before any request may name it). Raises LoraError with the reason."""
+        return self._runner.check_lora(name, path)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> str:
         return self._incarnation
 

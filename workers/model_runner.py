@@ -150,7 +150,8 @@ class RunnerConfig:
     # rules from them (scheduler/step_costs.py); the served app turns it on, tests and tools need not
     measure_step_costs: bool = False
     # LoRA adapters in PEFT's format (workers/lora.py), as (name, directory) pairs: a request
-    # names one by lora_name; all are loaded at start
+    # names one by lora_name. Each is checked at start (a bad one fails the start) and loaded
+    # when a step's lora_loads says so (the scheduler keeps the LRU: scheduler/lora_slots.py)
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
 
@@ -285,8 +286,11 @@ class ModelRunner:
             self.model_config, config.block_size, config.kv_cache_memory_bytes, kv_dtype
         )
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
-        self.lora_adapters = {name: load_adapter(name, path, self.model_config, dtype, self.device, config.max_lora_rank)
-                              for name, path in config.lora_adapters}
+        self.lora_paths = dict(config.lora_adapters)  # name -> directory, for a request whose step did not load it
+        for name, path in config.lora_adapters:  # checked now, loaded when a step needs it
+            load_adapter(name, path, self.model_config, dtype, self.device, config.max_lora_rank)
+        self.lora_adapters: dict[str, LoraAdapter] = {}  # the adapters loaded now, by name
+        self.num_lora_loads = 0  # adapters loaded by steps (or for a request whose step did not)
         self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
         graph_sizes = resolve_graph_sizes(config.cuda_graph_batch_sizes, self.device, self.attention_backend)
         if graph_sizes:
@@ -387,6 +391,10 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
+        for name in scheduler_output.lora_unloads:  # first: a name may come back from another directory
+            self.lora_adapters.pop(name, None)
+        for name, path in scheduler_output.lora_loads.items():
+            self.load_lora(name, path)
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._new_state(new)
         for cached in scheduler_output.cached_requests:
@@ -411,14 +419,34 @@ class ModelRunner:
         if new.lora_name is None:
             return None
         adapter = self.lora_adapters.get(new.lora_name)
-        if adapter is None:
+        if adapter is not None:
+            return adapter
+        path = new.lora_path or self.lora_paths.get(new.lora_name)  # no step loaded it: a driver without a scheduler
+        if path is None:
             raise ValueError(f"request {new.request_id!r} names LoRA adapter {new.lora_name!r}, which this worker "
                              f"has not loaded (it has: {sorted(self.lora_adapters)})")
+        return self.load_lora(new.lora_name, path)
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Loads the adapter at path as name (replacing one of that name); raises LoraError."""
+        adapter = load_adapter(name, path, self.model_config, DTYPES[self.dtype_name], self.device,
+                               self.config.max_lora_rank)
+        self.lora_adapters[name] = adapter
+        self.num_lora_loads += 1
         return adapter
 
+    def check_lora(self, name: str, path: str) -> dict[str, int]:
+        """Loads the adapter to check that it fits this model, and drops it: {"rank", "num_bytes"}.
+        Raises LoraError with the reason."""
+        adapter = load_adapter(name, path, self.model_config, DTYPES[self.dtype_name], self.device,
+                               self.config.max_lora_rank)
+        return {"rank": adapter.rank, "num_bytes": adapter.num_bytes}
+
     def reset(self) -> None:
-        """Forgets every request (their KV blocks are the scheduler's to reuse)."""
+        """Forgets every request (their KV blocks are the scheduler's to reuse) and every loaded
+        adapter (a new scheduler starts with none loaded)."""
         self.requests.clear()
+        self.lora_adapters.clear()
 
     def _update_cached(self, cached: CachedRequestData) -> None:
         state = self.requests.get(cached.request_id)

@@ -75,7 +75,8 @@ async def test_failed_requests_are_logged_and_counted_by_status(caplog) -> None:
 
 async def test_metrics_show_tokenization_and_engine_stats_from_the_cache() -> None:
     store = MetricStore(ENGINE_METRICS)
-    workers = [WorkerState("0", True, 2, 1, 10, 100, num_steps=7, node_id="n1", node_ip="127.0.0.1")]
+    workers = [WorkerState("0", True, 2, 1, 10, 100, num_steps=7, node_id="n1", node_ip="127.0.0.1",
+                           lora_adapters=("b", "a"), num_lora_loads=3, num_lora_evictions=1)]
     EngineMetrics([store]).refresh_gauges(workers)
 
     async def fetch() -> PublishedStats:
@@ -100,6 +101,7 @@ async def test_metrics_show_tokenization_and_engine_stats_from_the_cache() -> No
         "worker": "0", "state": "busy", "lifecycle": "serving", "node_id": "n1", "node_ip": "127.0.0.1", "num_running": 2,
         "num_waiting": 1, "kv_blocks_used": 10, "kv_blocks_total": 100, "kv_usage": 0.1, "num_steps": 7,
         "seconds_since_last_step": None, "busy_s": 0.0, "gap_s": 0.0,
+        "lora_adapters": ["b", "a"], "lora_loads": 3, "lora_evictions": 1,
     }
     assert info["model"] == "test-model"
 
