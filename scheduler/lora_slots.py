@@ -60,6 +60,10 @@ class LoraSlots:
         """The loaded adapters, least recently used first."""
         return list(self._loaded)
 
+    def has_free_slot(self) -> bool:
+        """Whether one more adapter fits without an eviction."""
+        return len(self._loaded) < self.max_loaded
+
     def path_of(self, name: str) -> str | None:
         return self._loaded.get(name)
 

@@ -44,8 +44,10 @@ its worker holds, scheduler/lora_slots.py), before step 3:
 3b. If every holder is that busy, the request goes to the least loaded live worker, which loads
     L there (ties: lowest worker id): outcome ADAPTER_SPREAD. A popular adapter so spreads to
     a second worker once its first one is loaded beyond the guard, not before.
-3c. With no holder, steps 3 to 5 run over all live workers (a prefix match under L's
-    root means L ran there recently).
+3c. With no holder, steps 3 to 5 run over the live workers with a free adapter slot (loading
+    L there evicts nothing), or over all live workers when none has one (a prefix match under
+    L's root means L ran there recently). Without this, a run of new adapters would all go to
+    the worker with the most KV room, thrashing its LRU while the other's slots stayed empty.
 
 Each decision is an adapter hit (the chosen worker holds L) or an adapter load (it will load
 L), counted by the EngineGroup (`lora_route_counts`) whatever the policy, for metrics and
@@ -135,6 +137,7 @@ class WorkerView:
     num_usable_blocks: int  # the pool's blocks but the null block
     num_in_flight_matched_tokens: int = 0  # prompt tokens (full blocks) queued/running requests share
     has_adapter: bool = True  # the worker holds the request's LoRA adapter (True for a base-model request)
+    has_free_adapter_slot: bool = True  # loading one more adapter there would evict none
     block_size: int = 16  # tokens per KV block
 
     @property
@@ -210,6 +213,8 @@ class Router:
             if self.is_imbalanced([min(loads[w.worker_id] for w in holders), min(loads.values())]):
                 return self._least_loaded(live, loads, RouteOutcome.ADAPTER_SPREAD)  # 3b
             live = holders  # 3a
+        elif needs_adapter:  # 3c
+            live = [w for w in live if w.has_free_adapter_slot] or live
         if self.is_imbalanced([loads[w.worker_id] for w in live]):
             return self._least_loaded(live, loads, RouteOutcome.IMBALANCE_FALLBACK)
         matched = {w.worker_id: self.matched_tokens_of(w) for w in live}
@@ -277,6 +282,7 @@ def worker_views(
                 num_in_flight_matched_tokens=num_in_flight,
                 block_size=scheduler.config.block_size,
                 has_adapter=lora_name is None or scheduler.loras.path_of(lora_name) == (lora_path or ""),
+                has_free_adapter_slot=scheduler.loras.has_free_slot(),
             )
         )
     return views

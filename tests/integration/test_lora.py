@@ -4,24 +4,33 @@ base and for three adapters, sent at once (so they share steps), give peft's own
 in fp32; a repeated prompt hits the prefix cache under its own adapter and never under
 another's; an unknown adapter is a 404 in OpenAI's shape, and the next request goes on.
 
-The app is this module's own (route prefix /lora), deleted at the end."""
+A second app has 2 workers, 8 adapters and room for 4 on each worker: requests go where their
+adapter is loaded, so each adapter is loaded once; an adapter loaded at run time
+(/v1/load_lora_adapter) serves peft's tokens, and once unloaded it is a 404.
+
+The apps are this module's own (route prefixes /lora and /lora2), deleted at the end."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from hf_oracle import HfOracle, prompts_of_lengths, token_ids_of_texts
-from lora_adapters import ADAPTERS, build_adapters
+from lora_adapters import ADAPTERS, build_adapter, build_adapters
 
 from workers.config import ModelConfig
 
 pytestmark = pytest.mark.slow
 
 APP, PREFIX = "lora", "rayllm-lora"
+ROUTED_APP, ROUTED_PREFIX = "lora2", "rayllm-lora2"
+SMALL_APP = {"served_model_name": "tiny", "worker_placement": "none", "ingress_num_cpus": 0.1,
+             "scheduler_num_cpus": 0.1, "num_kv_blocks": 128, "block_size": 16, "dtype": "float32"}
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [6, 21, 35, 18]  # the base, then each adapter in ADAPTERS' order
 
@@ -33,12 +42,8 @@ def lora_app(server, tiny_model_dir: Path, tmp_path_factory) -> Iterator[tuple[o
     from serve_app.app import build_app
 
     adapters = build_adapters(tiny_model_dir, tmp_path_factory.mktemp("adapters"))
-    app = build_app({
-        "model": str(tiny_model_dir), "served_model_name": "tiny", "name": PREFIX, "num_workers": 1,
-        "worker_num_cpus": 0.5, "worker_placement": "none", "ingress_num_cpus": 0.1, "scheduler_num_cpus": 0.1,
-        "num_kv_blocks": 128, "block_size": 16, "dtype": "float32",
-        "lora_adapters": {name: str(path) for name, path in adapters.items()},
-    })
+    app = build_app({"model": str(tiny_model_dir), "name": PREFIX, "num_workers": 1, "worker_num_cpus": 0.5,
+                     "lora_adapters": {name: str(path) for name, path in adapters.items()}, **SMALL_APP})
     serve.run(app, name=APP, route_prefix=f"/{APP}")
     client = openai.OpenAI(base_url=f"{server.direct_url_of(APP)}/{APP}/v1", api_key="unused", max_retries=0,
                            timeout=120)
@@ -100,3 +105,73 @@ def test_an_unknown_adapter_is_a_404_and_the_next_request_goes_on(lora_app) -> N
     reply = client.chat.completions.create(model="mlp", max_tokens=4, temperature=0.0,
                                            messages=[{"role": "user", "content": "Hello"}])
     assert reply.model == "mlp" and reply.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.fixture(scope="module")
+def routed_app(server, tiny_model_dir: Path, tmp_path_factory) -> Iterator[tuple[str, dict[str, Path], Path]]:
+    """(base url, 8 adapters served from the start, one more to load at run time)"""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    root = tmp_path_factory.mktemp("adapters8")
+    adapters = {f"l{i}": build_adapter(tiny_model_dir, root / f"l{i}", ("q_proj", "v_proj"), 4, 8, seed=i)
+                for i in range(8)}
+    late = build_adapter(tiny_model_dir, root / "late", ("o_proj", "down_proj"), 8, 16, seed=99)
+    app = build_app({"model": str(tiny_model_dir), "name": ROUTED_PREFIX, "num_workers": 2, "worker_num_cpus": 0.25,
+                     "max_cpu_loras": 4, "max_loras": 4, "allow_runtime_lora_updates": True,
+                     "lora_adapters": {name: str(path) for name, path in adapters.items()}, **SMALL_APP})
+    serve.run(app, name=ROUTED_APP, route_prefix=f"/{ROUTED_APP}")
+    try:
+        yield f"{server.direct_url_of(ROUTED_APP)}/{ROUTED_APP}", adapters, late
+    finally:
+        if ROUTED_APP in serve.status().applications:
+            serve.delete(ROUTED_APP)
+
+
+def routing_stats() -> dict:
+    import ray
+
+    from scheduler.actor import ACTOR_NAMESPACE, scheduler_actor_name
+
+    scheduler = ray.get_actor(scheduler_actor_name(ROUTED_PREFIX, 0), namespace=ACTOR_NAMESPACE)
+    return ray.get(scheduler.routing_stats.remote(), timeout=60)
+
+
+def test_requests_go_where_their_adapter_is_loaded_and_load_only_on_misses(routed_app) -> None:
+    url, adapters, _ = routed_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    order = [name for _ in range(3) for name in random.Random(5).sample(sorted(adapters), len(adapters))]
+    for name in order:  # one at a time: each adapter's first request is its only miss
+        completion = client.completions.create(model=name, prompt=f"Adapter {name} says", max_tokens=2,
+                                               temperature=0.0)
+        assert completion.model == name
+    stats = routing_stats()
+    held = stats["lora_adapters_per_worker"]
+    assert sorted(len(names) for names in held) == [4, 4] and set(held[0]) | set(held[1]) == set(adapters), held
+    assert stats["lora_route_counts"] == {"load": 8, "hit": 16}, stats["lora_route_counts"]
+    assert sum(stats["lora_loads_per_worker"]) == 8, stats["lora_loads_per_worker"]
+    print(f"adapter hit rate {16 / len(order):.2f} over {len(order)} requests (8 adapters, 2 workers x 4 slots)")
+
+
+def test_an_adapter_loaded_at_run_time_serves_pefts_tokens_until_unloaded(routed_app, tiny_model_dir: Path) -> None:
+    url, _, late = routed_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "nope", "lora_path": str(late.parent / "none")})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path", bad.text
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(late)})
+        assert loaded.status_code == 200, loaded.text
+        assert "late" in {model.id for model in client.models.list().data}
+        [prompt] = prompts_of_lengths([19], ModelConfig.from_model_dir(tiny_model_dir).vocab_size, seed=13)
+        completion = client.completions.create(model="late", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                               logprobs=0, extra_body={"ignore_eos": True})
+        ids_of = token_ids_of_texts(tiny_model_dir)
+        tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
+        assert tokens == HfOracle(tiny_model_dir, late).greedy(prompt, MAX_TOKENS).token_ids
+        unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
+    assert "late" not in {model.id for model in client.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt="Hello", max_tokens=2)

@@ -5,10 +5,11 @@ loads are counted."""
 from scheduler.router import RouteOutcome, Router, RouterConfig, WorkerView
 
 
-def view(worker_id, has_adapter, waiting_tokens=0, matched=0, free_blocks=100):
+def view(worker_id, has_adapter, waiting_tokens=0, matched=0, free_blocks=100, free_slot=True):
     return WorkerView(worker_id=worker_id, alive=True, num_matched_tokens=matched, num_running_seqs=0,
                       num_waiting_reqs=0, num_waiting_tokens=waiting_tokens, num_running_tokens_to_compute=0,
-                      num_free_blocks=free_blocks, num_usable_blocks=100, has_adapter=has_adapter)
+                      num_free_blocks=free_blocks, num_usable_blocks=100, has_adapter=has_adapter,
+                      has_free_adapter_slot=free_slot)
 
 
 ROUTER = RouterConfig(balance_abs_threshold=100, balance_rel_threshold=1.5)
@@ -43,3 +44,14 @@ def test_round_robin_ignores_residency_but_reports_it():
     views = [view(0, True), view(1, False)]
     assert [(r.worker_id, r.adapter_hit) for r in (router.route(8, views, True), router.route(8, views, True))] == [
         (0, True), (1, False)]
+
+
+def test_a_new_adapter_goes_where_a_slot_is_free_before_any_other_rule():
+    # worker 0 has more KV room and the prefix, but its adapter slots are full: loading there would evict
+    route = Router(ROUTER).route(32, [view(0, False, matched=16, free_slot=False), view(1, False, free_blocks=10)],
+                                 needs_adapter=True)
+    assert route.worker_id == 1 and route.adapter_hit is False
+    # every worker full: the usual rules among all of them
+    route = Router(ROUTER).route(32, [view(0, False, matched=16, free_slot=False), view(1, False, free_slot=False)],
+                                 needs_adapter=True)
+    assert route.worker_id == 0
