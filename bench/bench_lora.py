@@ -27,7 +27,6 @@ import torch  # noqa: E402
 
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 from workers.loader import resolve_model_path  # noqa: E402
-from workers.lora import load_adapter  # noqa: E402
 from workers.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from workers.simple_driver import SimpleDriver  # noqa: E402
 
@@ -119,7 +118,7 @@ def main() -> None:
     loads = []
     for _ in range(args.repeats):
         started = time.perf_counter()
-        load_adapter("cold", adapters[names[0]], runner.model_config, runner.model.dtype, "cpu")
+        runner.load_lora("cold", str(adapters[names[0]]))
         loads.append(time.perf_counter() - started)
     print(f"cold load of one adapter: {statistics.median(loads) * 1e3:.1f} ms (median of {args.repeats})")
 

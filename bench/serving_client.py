@@ -271,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", help="model id to send (default: the server's first /v1/models id)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapter names: request i names the (i mod count)-th, as vLLM's benchmark spreads them")
     p.add_argument("--tokenizer", help="local tokenizer dir or tokenizer.json (default: --model if a dir)")
     p.add_argument("--label", default=None, help="name of this run in combined reports")
     p.add_argument("--dataset", choices=["random", "shared-prefix", "long-prompt"], default="random")
@@ -338,6 +340,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
         disable_tqdm=args.disable_tqdm, extra_body=args.extra_body,
     )
     requests = build_requests(args)
+    for index, request in enumerate(requests if args.lora_modules else ()):
+        request.extra = {**request.extra, "model": args.lora_modules[index % len(args.lora_modules)]}
     load_start = list(os.getloadavg())
     cpu_before = cpu_now(args.server_pid)
     results, duration = await run_requests(cfg, requests)

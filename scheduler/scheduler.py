@@ -22,9 +22,9 @@ exact LRU (`self.loras`, at most max_cpu_loras). Admitting a request of an adapt
 loaded puts it in that step's `lora_loads` (and the adapters evicted for it in `lora_unloads`);
 the adapters of running requests are pinned. At most max_loras distinct adapters run at once,
 hence in any step. A request whose adapter cannot be admitted (max_loras reached, or every
-loaded adapter pinned) keeps its place; younger requests of the base model, and of adapters
-already running, pass it until it has waited max_lora_wait_steps steps; no younger request of
-another new adapter ever does. So adapters start in arrival order, and the running ones drain
+loaded adapter pinned) keeps its place; younger requests of the base model pass it (they take
+no adapter slot), those of adapters already running only until it has waited
+max_lora_wait_steps steps, and those of another new adapter never. So adapters start in arrival order, and the running ones drain
 (each request ends by max_tokens) until the oldest waiting one gets its slot.
 
 Decodes (1 token each) and prefill chunks share the same batch, so a long prompt never stops

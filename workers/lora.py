@@ -58,8 +58,8 @@ class LoraPart:
     """One targeted module of a product: y[:, start:start + len] += (x @ a.T) @ bt, in fp32 (the C kernel's)."""
 
     start: int  # the module's first output column in our product
-    a: torch.Tensor  # [rank, in] fp32
-    bt: torch.Tensor  # [rank, len] fp32: B transposed, times the scaling
+    a: torch.Tensor  # [rank, in], fp32 or bf16 (load_adapter's kernel_dtype)
+    bt: torch.Tensor  # [rank, len]: B transposed, times the scaling, as a
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class LoraAdapter:
     def native_parts(self) -> ctypes.Array:
         """Its parts as csrc/lora.c reads them: [layers][products][LORA_MAX_PARTS] LoraParts (rank 0: none)."""
         if self._native_parts is None:
-            from workers.kernels.native import LORA_MAX_PARTS, LORA_PRODUCTS, LoraPart as CPart
+            from workers.kernels.native import DTYPE_CODES, LORA_MAX_PARTS, LORA_PRODUCTS, LoraPart as CPart
 
             parts = (CPart * (len(self.layers) * LORA_PRODUCTS * LORA_MAX_PARTS))()
             for index, layer in enumerate(self.layers):
@@ -97,7 +97,8 @@ class LoraAdapter:
                     pair = layer.get(product)
                     for k, part in enumerate(pair.parts if pair is not None else ()):
                         parts[(index * LORA_PRODUCTS + p) * LORA_MAX_PARTS + k] = CPart(
-                            part.a.data_ptr(), part.bt.data_ptr(), part.a.shape[0], part.start, part.bt.shape[1])
+                            part.a.data_ptr(), part.bt.data_ptr(), part.a.shape[0], part.start, part.bt.shape[1],
+                            DTYPE_CODES[part.a.dtype])
             self._native_parts = parts
         return self._native_parts
 
@@ -149,8 +150,11 @@ def read_adapter_config(path: Path, max_rank: int = DEFAULT_MAX_LORA_RANK) -> tu
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", max_rank: int = DEFAULT_MAX_LORA_RANK) -> LoraAdapter:
-    """The adapter at path, checked against the base model's config and kept as our products' pairs."""
+                 device: str | torch.device = "cpu", max_rank: int = DEFAULT_MAX_LORA_RANK,
+                 kernel_dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """The adapter at path, checked against the base model's config and kept as our products' pairs
+    (in dtype), and on CPU as our kernel's parts (in kernel_dtype: fp32 beside the exact fp32 model,
+    bf16 beside bf16 or quantized weights, half the bytes each step reads)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -175,7 +179,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
                 raise LoraError(f"{path}: layer {index}'s MLP is a mixture of experts here, and LoRA on experts is "
                                 "not supported")
             multiplier = scaling * (residual if product in ("o", "down") else 1.0)
-            layer[product] = _pair(path, index, found, inputs[product], multiplier, dtype, device)
+            layer[product] = _pair(path, index, found, inputs[product], multiplier, dtype, device, kernel_dtype)
         layers.append(layer)
     if tensors:
         leftover = sorted({key.rsplit(".lora_", 1)[0] for key in tensors})
@@ -198,7 +202,7 @@ def _module_key(key: str) -> str:
 
 
 def _pair(path: Path, index: int, found: list, in_features: int, multiplier: float, dtype: torch.dtype,
-          device: str | torch.device) -> LoraPair:
+          device: str | torch.device, kernel_dtype: torch.dtype = torch.float32) -> LoraPair:
     """Our product's pair from its parts' (module, out rows, A or None, B or None)."""
     a_parts, b_blocks, parts = [], [], []
     total_out = sum(rows for _, rows, _, _ in found)
@@ -214,7 +218,8 @@ def _pair(path: Path, index: int, found: list, in_features: int, multiplier: flo
                             f"base model needs A [rank, {in_features}] and B [{rows}, rank]: an adapter of another base")
         a_parts.append(a.float())
         b_blocks.append((module, b.float()))
-        parts.append(LoraPart(start - rows, a.float().contiguous(), (b.float() * multiplier).T.contiguous()))
+        parts.append(LoraPart(start - rows, a.to(kernel_dtype).contiguous(),
+                              (b.float() * multiplier).T.to(kernel_dtype).contiguous()))
     rank_total = sum(a.shape[0] for a in a_parts)
     b = torch.zeros(total_out, rank_total)
     row, column = 0, 0

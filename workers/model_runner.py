@@ -288,7 +288,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.lora_paths = dict(config.lora_adapters)  # name -> directory, for a request whose step did not load it
         for name, path in config.lora_adapters:  # checked now, loaded when a step needs it
-            load_adapter(name, path, self.model_config, dtype, self.device, config.max_lora_rank)
+            self._read_adapter(name, path)
         self.lora_adapters: dict[str, LoraAdapter] = {}  # the adapters loaded now, by name
         self.num_lora_loads = 0  # adapters loaded by steps (or for a request whose step did not)
         self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
@@ -429,8 +429,7 @@ class ModelRunner:
 
     def load_lora(self, name: str, path: str) -> LoraAdapter:
         """Loads the adapter at path as name (replacing one of that name); raises LoraError."""
-        adapter = load_adapter(name, path, self.model_config, DTYPES[self.dtype_name], self.device,
-                               self.config.max_lora_rank)
+        adapter = self._read_adapter(name, path)
         self.lora_adapters[name] = adapter
         self.num_lora_loads += 1
         return adapter
@@ -438,9 +437,15 @@ class ModelRunner:
     def check_lora(self, name: str, path: str) -> dict[str, int]:
         """Loads the adapter to check that it fits this model, and drops it: {"rank", "num_bytes"}.
         Raises LoraError with the reason."""
-        adapter = load_adapter(name, path, self.model_config, DTYPES[self.dtype_name], self.device,
-                               self.config.max_lora_rank)
+        adapter = self._read_adapter(name, path)
         return {"rank": adapter.rank, "num_bytes": adapter.num_bytes}
+
+    def _read_adapter(self, name: str, path: str) -> LoraAdapter:
+        """The adapter in the activations' dtype; our LoRA kernel's copy in fp32 beside the exact fp32
+        model, else in bf16 (half the bytes a step reads; the base is bf16 or quantized there)."""
+        exact = self.dtype_name == "float32" and self.model.quantization == "none"
+        return load_adapter(name, path, self.model_config, DTYPES[self.dtype_name], self.device,
+                            self.config.max_lora_rank, torch.float32 if exact else torch.bfloat16)
 
     def reset(self) -> None:
         """Forgets every request (their KV blocks are the scheduler's to reuse) and every loaded

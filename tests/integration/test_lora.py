@@ -4,11 +4,12 @@ base and for three adapters, sent at once (so they share steps), give peft's own
 in fp32; a repeated prompt hits the prefix cache under its own adapter and never under
 another's; an unknown adapter is a 404 in OpenAI's shape, and the next request goes on.
 
-A second app has 2 workers, 8 adapters and room for 4 on each worker: requests go where their
+The same holds for Qwen3 and Gemma 3 checkpoints, each served as its own app with an adapter
+on all seven projections. A further app has 2 workers, 8 adapters and room for 4 on each worker: requests go where their
 adapter is loaded, so each adapter is loaded once; an adapter loaded at run time
 (/v1/load_lora_adapter) serves peft's tokens, and once unloaded it is a 404.
 
-The apps are this module's own (route prefixes /lora and /lora2), deleted at the end."""
+The apps are this module's own (route prefixes /lora...), deleted at the end."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from families_catalog import FAMILIES
 from hf_oracle import HfOracle, prompts_of_lengths, token_ids_of_texts
-from lora_adapters import ADAPTERS, build_adapter, build_adapters
+from lora_adapters import ADAPTERS, ALL_TARGETS, build_adapter, build_adapters
+from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig
 
@@ -81,6 +84,30 @@ def test_base_and_three_adapters_at_once_give_pefts_greedy_tokens(lora_app, tiny
         tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
         oracle = HfOracle(tiny_model_dir, None if name == "tiny" else adapters[name])
         assert tokens == oracle.greedy(prompt, MAX_TOKENS).token_ids, name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_other_families_serve_pefts_tokens(server, family: str, tmp_path: Path) -> None:
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    base = build_tiny_model_dir(tmp_path / family, **FAMILIES[family])
+    adapter = build_adapter(base, tmp_path / "adapter", ALL_TARGETS, 8, 16, seed=3)
+    app_name = f"lora-{family.replace('_', '-')}"
+    serve.run(build_app({"model": str(base), "name": f"rayllm-{app_name}", "num_workers": 1, "worker_num_cpus": 0.25,
+                         "lora_adapters": {"ft": str(adapter)}, **SMALL_APP}), name=app_name, route_prefix=f"/{app_name}")
+    try:
+        client = openai.OpenAI(base_url=f"{server.direct_url_of(app_name)}/{app_name}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        [prompt] = prompts_of_lengths([23], ModelConfig.from_model_dir(base).vocab_size, seed=17)
+        completion = client.completions.create(model="ft", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                               logprobs=0, extra_body={"ignore_eos": True})
+        ids_of = token_ids_of_texts(base)
+        tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
+        assert tokens == HfOracle(base, adapter).greedy(prompt, MAX_TOKENS).token_ids
+    finally:
+        serve.delete(app_name)
 
 
 def test_a_prefix_is_cached_under_its_own_adapter_only(lora_app, tiny_model_dir: Path) -> None:

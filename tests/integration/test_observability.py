@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sse_lines import sse_lines
 
 from serve_app.metrics import parse_families
 
@@ -114,7 +115,7 @@ def test_metrics_count_k_requests_of_m_tokens_and_return_to_zero_after_end_and_a
         async with http.stream("POST", "/v1/completions", json=body) as response:
             # 200 for all: one client leaving must not cancel the step its neighbours ride in
             assert response.status_code == 200, (await response.aread())[:300]
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if line.startswith("data: {") and '"text":""' not in line:
                     return
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+from sse_lines import sse_lines, sse_lines_sync
 
 NUM_STREAMS = 16
 NUM_TOKENS = 64  # long enough that streams arriving over ~100 steps (a loaded 2-core machine) still overlap
@@ -25,7 +26,7 @@ async def stream_tokens(http: httpx.AsyncClient, i: int) -> int:
     num_chunks = 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 num_chunks += sum(1 for choice in event["choices"] if choice["text"])
@@ -72,7 +73,7 @@ def test_a_stream_whose_client_left_is_aborted_and_frees_its_blocks(server) -> N
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 num_events = 0
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     num_events += line.startswith("data: {")
                     if num_events == 3:
                         break  # closes the connection mid-stream
@@ -88,7 +89,7 @@ def stream_text(url: str, body: dict) -> tuple[int, str, int, bytes]:
     events = []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         status = response.status_code
-        for line in response.iter_lines():
+        for line in sse_lines_sync(response):
             if line.startswith("data: "):
                 events.append(line[6:])
     chunks = [json.loads(event) for event in events if event.startswith("{")]

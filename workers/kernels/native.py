@@ -210,7 +210,7 @@ class LoraPart(ctypes.Structure):
     adapter's product: out[:, start:start + len] += (x @ a.T) @ bt."""
 
     _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_int64), ("start", ctypes.c_int64),
-                ("len", ctypes.c_int64)]
+                ("len", ctypes.c_int64), ("dtype", ctypes.c_int32)]  # dtype: a's and bt's (DTYPE_CODES)
 
 
 class LoraSegment(ctypes.Structure):

@@ -121,9 +121,10 @@ int rayllm_tile_attention(const AttentionArgs *a, int64_t min_queries, uint8_t *
  * are laid out [num_layers][LORA_PRODUCTS (qkv, o, gate_up, down)][LORA_MAX_PARTS]; rank 0: none. */
 enum { LORA_PRODUCTS = 4, LORA_MAX_PARTS = 3, LORA_MAX_RANK = 512 };
 typedef struct {
-    const float *a;  /* [rank, K] */
-    const float *bt; /* [rank, len]: B transposed, its scaling folded in */
+    const void *a;  /* [rank, K] */
+    const void *bt; /* [rank, len]: B transposed, its scaling folded in */
     int64_t rank, start, len; /* the part's output columns: [start, start + len) */
+    int32_t dtype;  /* a's and bt's: DTYPE_F32 or DTYPE_BF16 */
 } LoraPart;
 typedef struct {
     const LoraPart *parts; /* the adapter's */

@@ -5,8 +5,9 @@
  *     out[r, start:start + len] += shrunk @ Bt (Bt = B transposed, the scaling folded in)
  *
  * for every part of that product the adapter targets (q, k and v are parts of one qkv product,
- * gate and up of gate_up; o and down have one part). A and Bt are fp32; x and out are the step's
- * dtype (fp32 or bf16), out rounded once per element. An adapter's rows go in blocks of up to
+ * gate and up of gate_up; o and down have one part). A and Bt are fp32 (the exact fp32 model's)
+ * or bf16 (half the bytes to read, beside bf16 or quantized weights); x and out are the step's
+ * dtype (fp32 or bf16), the sums in fp32, out rounded once per element. An adapter's rows go in blocks of up to
  * LORA_ROWS, so each of its weights is read once per block: first every block's shrink, then the
  * expands, by chunks of output columns. No gather or scatter of rows, and no copy of a weight.
  */
@@ -36,14 +37,14 @@ typedef struct {
     int32_t dtype;
 } LoraJob;
 
-static float dot_row(const void *x, int32_t dtype, const float *a, int64_t K) {
+/* x . a without AVX-512 (the compiler vectorizes the fp32 case) */
+static float dot_row(const void *x, int32_t dtype, const void *a, int32_t wdtype, int64_t K) {
     float acc = 0.0f;
-    if (dtype == DTYPE_F32) {
-        const float *xf = (const float *)x;
-        for (int64_t k = 0; k < K; k++) acc += xf[k] * a[k];
+    if (dtype == DTYPE_F32 && wdtype == DTYPE_F32) {
+        const float *xf = (const float *)x, *af = (const float *)a;
+        for (int64_t k = 0; k < K; k++) acc += xf[k] * af[k];
     } else {
-        const uint16_t *xb = (const uint16_t *)x;
-        for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(xb[k]) * a[k];
+        for (int64_t k = 0; k < K; k++) acc += load_element(x, k, dtype) * load_element(a, k, wdtype);
     }
     return acc;
 }
@@ -56,22 +57,41 @@ static inline __m512 load_x16(const void *x, int32_t dtype, int64_t k, __mmask16
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* shrunk[r, j] = x[rows[r]] . a for up to 8 rows at once: one load of a per 8 products, 8 chains */
-static void dot_rows8(const void *x, int32_t dtype, int64_t elem, const int64_t *rows, int64_t num_rows,
-                      const float *a, int64_t K, float *out, int64_t out_stride) {
-    __m512 acc[8];
-    const char *row[8];
-    for (int64_t r = 0; r < num_rows; r++) {
-        acc[r] = _mm512_setzero_ps();
-        row[r] = (const char *)x + rows[r] * K * elem;
+/* shrunk[r, j] = x[rows[r]] . a for R rows at once (R a constant, so the chains stay in registers):
+ * one load of a per R products */
+#define DOT_ROWS(R)                                                                                                \
+    static void dot_rows##R(const void *x, int32_t dtype, int64_t elem, const int64_t *rows, const void *a,      \
+                            int32_t wdtype, int64_t K, float *out, int64_t out_stride) {                         \
+        __m512 acc[R];                                                                                           \
+        const char *row[R];                                                                                      \
+        for (int r = 0; r < R; r++) {                                                                            \
+            acc[r] = _mm512_setzero_ps();                                                                        \
+            row[r] = (const char *)x + rows[r] * K * elem;                                                       \
+        }                                                                                                        \
+        int64_t k = 0;                                                                                           \
+        if (dtype == DTYPE_F32) {                                                                                \
+            for (; k + 16 <= K; k += 16) {                                                                       \
+                const __m512 av = load_x16(a, wdtype, k, 0xffff);                                                \
+                for (int r = 0; r < R; r++)                                                                      \
+                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)row[r] + k), av, acc[r]);           \
+            }                                                                                                    \
+        } else {                                                                                                 \
+            for (; k + 16 <= K; k += 16) {                                                                       \
+                const __m512 av = load_x16(a, wdtype, k, 0xffff);                                                \
+                for (int r = 0; r < R; r++)                                                                      \
+                    acc[r] = _mm512_fmadd_ps(load_x16(row[r], DTYPE_BF16, k, 0xffff), av, acc[r]);             \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (k < K) {                                                                                             \
+            const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);                                             \
+            const __m512 av = load_x16(a, wdtype, k, mask);                                                      \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(load_x16(row[r], dtype, k, mask), av, acc[r]); \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);                          \
     }
-    for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
-        const __m512 av = _mm512_maskz_loadu_ps(mask, a + k);
-        for (int64_t r = 0; r < num_rows; r++) acc[r] = _mm512_fmadd_ps(load_x16(row[r], dtype, k, mask), av, acc[r]);
-    }
-    for (int64_t r = 0; r < num_rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
-}
+DOT_ROWS(8)
+DOT_ROWS(4)
+DOT_ROWS(1)
 #endif
 
 /* shrink: the item's rows times the part's A (each row of A read once for the block of rows) */
@@ -79,15 +99,21 @@ static void shrink_item(void *ctx, int64_t index) {
     const LoraJob *job = (const LoraJob *)ctx;
     const LoraItem *item = job->items + index;
     const int64_t elem = job->dtype == DTYPE_F32 ? 4 : 2, rank = item->part->rank;
+    const int32_t wdtype = item->part->dtype;
     for (int64_t j = 0; j < rank; j++) {
-        const float *a = item->part->a + j * job->K;
+        const void *a = (const char *)item->part->a + j * job->K * (wdtype == DTYPE_F32 ? 4 : 2);
 #ifdef __AVX512F__
-        for (int64_t r0 = 0; r0 < item->num_rows; r0 += 8)
-            dot_rows8(job->x, job->dtype, elem, item->rows + r0, item->num_rows - r0 < 8 ? item->num_rows - r0 : 8, a,
-                      job->K, item->shrunk + r0 * rank + j, rank);
+        int64_t r0 = 0;
+        for (; r0 + 8 <= item->num_rows; r0 += 8)
+            dot_rows8(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
+        for (; r0 + 4 <= item->num_rows; r0 += 4)
+            dot_rows4(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
+        for (; r0 < item->num_rows; r0++)
+            dot_rows1(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
 #else
         for (int64_t r = 0; r < item->num_rows; r++)
-            item->shrunk[r * rank + j] = dot_row((const char *)job->x + item->rows[r] * job->K * elem, job->dtype, a, job->K);
+            item->shrunk[r * rank + j] = dot_row((const char *)job->x + item->rows[r] * job->K * elem, job->dtype, a,
+                                                 wdtype, job->K);
 #endif
     }
 }
@@ -102,10 +128,20 @@ static void expand_item(void *ctx, int64_t index) {
     for (int64_t r = 0; r < item->num_rows; r++)
         for (int64_t c = 0; c < width; c++) acc[r][c] = 0.0f;
     for (int64_t j = 0; j < rank; j++) {
-        const float *bt = part->bt + j * part->len + item->col0;
-        for (int64_t r = 0; r < item->num_rows; r++) {
-            const float coefficient = item->shrunk[r * rank + j];
-            for (int64_t c = 0; c < width; c++) acc[r][c] += coefficient * bt[c];
+        if (part->dtype == DTYPE_F32) {
+            const float *bt = (const float *)part->bt + j * part->len + item->col0;
+            for (int64_t r = 0; r < item->num_rows; r++) {
+                const float coefficient = item->shrunk[r * rank + j];
+                for (int64_t c = 0; c < width; c++) acc[r][c] += coefficient * bt[c];
+            }
+        } else {
+            const uint16_t *bt = (const uint16_t *)part->bt + j * part->len + item->col0;
+            float row[LORA_CHUNK];
+            for (int64_t c = 0; c < width; c++) row[c] = bf16_to_f32(bt[c]);
+            for (int64_t r = 0; r < item->num_rows; r++) {
+                const float coefficient = item->shrunk[r * rank + j];
+                for (int64_t c = 0; c < width; c++) acc[r][c] += coefficient * row[c];
+            }
         }
     }
     for (int64_t r = 0; r < item->num_rows; r++) {
@@ -190,7 +226,7 @@ int rayllm_lora_adapts(const LoraStep *step, int64_t layer, int32_t product) {
 int rayllm_layout_lora_part(int64_t *offsets, char *names, int64_t capacity) {
     LAYOUT_BEGIN(LoraPart)
 #define FIELD(f) LAYOUT_FIELD(LoraPart, f)
-    FIELD(a) FIELD(bt) FIELD(rank) FIELD(start) FIELD(len)
+    FIELD(a) FIELD(bt) FIELD(rank) FIELD(start) FIELD(len) FIELD(dtype)
 #undef FIELD
     return n;
 }
