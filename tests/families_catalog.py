@@ -60,6 +60,10 @@ MOE_FAMILIES = {
     # 4 layers: 0 and 2 dense (mlp_only_layers, width 128), 1 and 3 MoE (top 3 of 5, renormalised)
     "qwen3_moe-dense-layers": dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=5, num_experts_per_tok=3,
                                    moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[0, 2]),
+    # qwen3_moe's routing (top 2 of 5, not renormalised) with q, k, v biases and a gated shared expert of width
+    # 56 in layers 1 and 2; layer 0 dense
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40,
+                      shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[0]),
     # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
     # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
     # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
@@ -70,7 +74,7 @@ MOE_FAMILIES = {
 }
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
-SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "gpt_oss")}
+SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

@@ -32,6 +32,10 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     qwen3_moe   qwen3's attention; MoE MLPs (softmax, top k, renormalised iff `norm_topk_prob`)
                 in every `decoder_sparse_step`-th layer except `mlp_only_layers`, which keep a
                 dense MLP of `intermediate_size`
+    qwen2_moe   qwen2's attention (q, k, v biases iff `qkv_bias`); qwen3_moe's MoE layers, each
+                with a shared expert beside the routed ones: a dense MLP of
+                `shared_expert_intermediate_size` on every token, its output scaled by
+                sigmoid(x . shared_expert_gate) and added
     gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
                 (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
                 yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
@@ -102,6 +106,10 @@ class MoeTraits:
     activation: str | None = None  # the experts' gated activation (workers/layer_ops.py); None: the model's
     swiglu_alpha: float = 1.702  # activation "swiglu_oai": the sigmoid's gain
     swiglu_limit: float = 7.0  # activation "swiglu_oai": the clamp on gate (above) and up (both sides)
+    # a shared expert: a dense gated MLP of this width on every token, beside the routed experts
+    # (model.layers.N.{block}.shared_expert.{gate,up,down}_proj); 0: none
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # the shared expert's output x sigmoid(x . {block}.shared_expert_gate.weight)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -222,6 +230,19 @@ def _mixtral(raw: dict) -> FamilyTraits:
 
 
 def _qwen3_moe(raw: dict) -> FamilyTraits:
+    return replace(_qwen3(raw), moe=_qwen_moe(raw))
+
+
+def _qwen2_moe(raw: dict) -> FamilyTraits:
+    if raw.get("use_sliding_window", False):
+        raise FamilyError("qwen2_moe with use_sliding_window=true is not supported")
+    shared = int(raw.get("shared_expert_intermediate_size", 0))
+    moe = _qwen_moe(raw, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+    return FamilyTraits(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False, moe=moe)
+
+
+def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
+    """Qwen's MoE layers: every decoder_sparse_step-th layer but mlp_only_layers (None: no MoE layer)."""
     num_layers = int(raw["num_hidden_layers"])
     num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))  # transformers 5 saves the latter
     step = int(raw.get("decoder_sparse_step", 1))
@@ -229,14 +250,13 @@ def _qwen3_moe(raw: dict) -> FamilyTraits:
         raise FamilyError(f"decoder_sparse_step {step} is not a positive layer interval")
     dense = {int(layer) for layer in raw.get("mlp_only_layers") or ()}
     layers = tuple(num_experts > 0 and layer not in dense and (layer + 1) % step == 0 for layer in range(num_layers))
-    moe = None
-    if any(layers):
-        moe = MoeTraits(
-            num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)),
-            intermediate_size=int(raw.get("moe_intermediate_size", 768)), layers=layers,
-            renormalize=bool(raw.get("norm_topk_prob", False)),
-        )
-    return replace(_qwen3(raw), moe=moe)
+    if not any(layers):
+        return None
+    return MoeTraits(
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)),
+        intermediate_size=int(raw.get("moe_intermediate_size", 768)), layers=layers,
+        renormalize=bool(raw.get("norm_topk_prob", False)), **shared,
+    )
 
 
 def _gpt_oss(raw: dict) -> FamilyTraits:
@@ -267,6 +287,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "gemma3_text": _gemma3_text,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
     "gpt_oss": _gpt_oss,
 }
 

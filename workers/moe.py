@@ -19,6 +19,10 @@ The experts (only those this step's tokens chose run; an expert with no token co
                                                    (each with its bias where the family has one: gpt-oss)
     delta[token] += weight(token, slot) * out_e    one index_add_ in fp32, in expert order per token
 
+A shared expert (Qwen2-MoE: MoeTraits.shared_intermediate_size) runs on every token beside them,
+a dense gated MLP whose output, times sigmoid(x . shared_gate) where the family has that gate,
+is added to the routed experts' sum.
+
 The per-expert loop reads each expert's token count on the host, so it cannot be captured in
 a CUDA graph (it says so). On CUDA, read_moe_weights also keeps the experts stacked
 (MoeWeights.stacked; the per-expert weights are views of them, no second copy) and moe_mlp runs
@@ -51,6 +55,9 @@ class MoeWeights:
     # CUDA only: (gate_up [E, 2 * intermediate, hidden], down [E, hidden, intermediate]) for the fused
     # Triton kernel, gate_up and down above being views of them; None elsewhere (the per-expert loop)
     stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    shared_gate_up: object | None = None  # the shared expert's [2 * shared width, hidden], packed; None: none
+    shared_down: object | None = None  # [hidden, shared width], packed
+    shared_gate: object | None = None  # [1, hidden], packed: its output's sigmoid gate; None: ungated
 
 
 def route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,17 +83,25 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activatio
     """The MoE MLP of the normed hidden states x [tokens, hidden] -> [tokens, hidden] in x's dtype."""
     traits = weights.traits
     routing, expert_ids = route(router_logits(x, weights, linear_backend), traits)
-    if weights.stacked is not None and x.is_cuda:
-        from workers.kernels.triton_moe import fused_moe  # triton only where CUDA runs
-
-        return fused_moe(x, *weights.stacked, routing, expert_ids, traits.activation or activation)
     if traits.activation == "swiglu_oai":
         def act_mul(gate_up):
             return ops.gated_mul(gate_up, "swiglu_oai", alpha=traits.swiglu_alpha, limit=traits.swiglu_limit)
     else:
         def act_mul(gate_up):
             return ops.gated_mul(gate_up, traits.activation or activation)
-    return run_experts(x, routing, expert_ids, weights, linear_backend.linear, act_mul)
+    if weights.stacked is not None and x.is_cuda:
+        from workers.kernels.triton_moe import fused_moe  # triton only where CUDA runs
+
+        routed = fused_moe(x, *weights.stacked, routing, expert_ids, traits.activation or activation)
+    else:
+        routed = run_experts(x, routing, expert_ids, weights, linear_backend.linear, act_mul)
+    if weights.shared_gate_up is None:
+        return routed
+    linear = linear_backend.linear
+    shared = linear(act_mul(linear(x, weights.shared_gate_up, None)), weights.shared_down, None).float()
+    if weights.shared_gate is not None:
+        shared = shared * torch.sigmoid(linear_backend.logits(x, weights.shared_gate))
+    return (routed.float() + shared).to(x.dtype)
 
 
 def run_experts(x: torch.Tensor, routing: torch.Tensor, expert_ids: torch.Tensor, weights: MoeWeights,
@@ -142,8 +157,17 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
     if torch.device(reader.device).type == "cuda" and gate_up_bias is None and traits.activation != "swiglu_oai":
         stacked = (torch.stack(gate_up), torch.stack(down))
         gate_up, down = list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
+    shared_gate_up = shared_down = shared_gate = None
+    if traits.shared_intermediate_size:
+        shared, width = f"{prefix}{traits.block}.shared_expert", traits.shared_intermediate_size
+        shared_gate_up = reader.pack(reader.take_fused([f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"],
+                                                       [(width, hidden)] * 2))
+        shared_down = reader.pack(reader.residual_branch(reader.take(f"{shared}.down_proj.weight", (hidden, width))))
+        if traits.shared_expert_gate:
+            shared_gate = reader.pack(reader.take(f"{shared}_gate.weight", (1, hidden)))
     return MoeWeights(
         traits=traits, router=reader.pack(router), router_bias=router_bias,
+        shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate,
         gate_up=tuple(reader.pack(w.contiguous()) for w in gate_up),
         down=tuple(reader.pack(w.contiguous()) for w in down),
         gate_up_bias=None if gate_up_bias is None else tuple(b.contiguous() for b in gate_up_bias),

@@ -57,6 +57,21 @@ def lora_app(server, tiny_model_dir: Path, tmp_path_factory) -> Iterator[tuple[o
             serve.delete(APP)
 
 
+def greedy(client: openai.OpenAI, model: str, prompt: list[int]):
+    """One greedy completion of a token prompt, with the sampled tokens' texts."""
+    return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+
+
+def assert_pefts_tokens(completion, model: str, prompt: list[int], base: Path, adapter: Path | None) -> None:
+    """The completion's greedy tokens of prompt under model equal peft's with the adapter (None:
+    transformers' base model)."""
+    assert completion.model == model
+    ids_of = token_ids_of_texts(base)
+    tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
+    assert tokens == HfOracle(base, adapter).greedy(prompt, MAX_TOKENS).token_ids, model
+
+
 def test_models_lists_each_adapter_with_the_base_as_its_parent(lora_app) -> None:
     client, adapters = lora_app
     models = {model.id: model for model in client.models.list().data}
@@ -71,19 +86,10 @@ def test_base_and_three_adapters_at_once_give_pefts_greedy_tokens(lora_app, tiny
     names = ["tiny", *adapters]
     prompts = prompts_of_lengths(PROMPT_LENGTHS, ModelConfig.from_model_dir(tiny_model_dir).vocab_size, seed=11)
 
-    def complete(name_and_prompt):
-        name, prompt = name_and_prompt
-        return client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                                         logprobs=0, extra_body={"ignore_eos": True})
-
     with ThreadPoolExecutor(len(names)) as pool:
-        completions = list(pool.map(complete, zip(names, prompts)))
-    ids_of = token_ids_of_texts(tiny_model_dir)
+        completions = list(pool.map(lambda pair: greedy(client, *pair), zip(names, prompts)))
     for name, prompt, completion in zip(names, prompts, completions):
-        assert completion.model == name
-        tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
-        oracle = HfOracle(tiny_model_dir, None if name == "tiny" else adapters[name])
-        assert tokens == oracle.greedy(prompt, MAX_TOKENS).token_ids, name
+        assert_pefts_tokens(completion, name, prompt, tiny_model_dir, adapters.get(name))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
@@ -101,11 +107,7 @@ def test_other_families_serve_pefts_tokens(server, family: str, tmp_path: Path) 
         client = openai.OpenAI(base_url=f"{server.direct_url_of(app_name)}/{app_name}/v1", api_key="unused",
                                max_retries=0, timeout=120)
         [prompt] = prompts_of_lengths([23], ModelConfig.from_model_dir(base).vocab_size, seed=17)
-        completion = client.completions.create(model="ft", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                                               logprobs=0, extra_body={"ignore_eos": True})
-        ids_of = token_ids_of_texts(base)
-        tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
-        assert tokens == HfOracle(base, adapter).greedy(prompt, MAX_TOKENS).token_ids
+        assert_pefts_tokens(greedy(client, "ft", prompt), "ft", prompt, base, adapter)
     finally:
         serve.delete(app_name)
 
@@ -191,11 +193,7 @@ def test_an_adapter_loaded_at_run_time_serves_pefts_tokens_until_unloaded(routed
         assert loaded.status_code == 200, loaded.text
         assert "late" in {model.id for model in client.models.list().data}
         [prompt] = prompts_of_lengths([19], ModelConfig.from_model_dir(tiny_model_dir).vocab_size, seed=13)
-        completion = client.completions.create(model="late", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                                               logprobs=0, extra_body={"ignore_eos": True})
-        ids_of = token_ids_of_texts(tiny_model_dir)
-        tokens = [ids_of[text] for text in completion.choices[0].logprobs.tokens]
-        assert tokens == HfOracle(tiny_model_dir, late).greedy(prompt, MAX_TOKENS).token_ids
+        assert_pefts_tokens(greedy(client, "late", prompt), "late", prompt, tiny_model_dir, late)
         unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert unloaded.status_code == 200, unloaded.text
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
