@@ -43,7 +43,7 @@ import torch
 
 from workers.config import ModelConfig
 
-PRODUCTS = ("qkv", "o", "gate_up", "down")  # our LoRA-able products, in the order a layer runs them
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in the order it runs them (csrc: LayerArgs, LoraStep)
 PEFT_PREFIX = "base_model.model."  # PEFT's prefix on every tensor name
 _TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")  # a multimodal base's text model
 DEFAULT_MAX_LORA_RANK = 64

@@ -32,9 +32,9 @@ from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODE
                                     check_status, native_library)
 from workers.layer_ops import NativeOps
 from workers.linear import within_row_limit
+from workers.lora import PRODUCTS  # a layer's products, in LayerArgs' order (and in LoraStep's)
 
 SMALL_STEP_ROWS = 64  # steps of up to this many rows share one scratch (NativeForward._args)
-PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's weights, in LayerArgs' order
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
