@@ -40,6 +40,14 @@ FAMILIES = {
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # norms after each branch, q/k norms over the whole projection
     "olmo2": dict(model_type="olmo2"),
+    # olmo2's norms, sliding windows of 8 on layers 0 and 1 (prompts run past them), full attention on layer 2
+    # with a linearly scaled RoPE, the sliding layers' RoPE of another base
+    "olmo3": dict(model_type="olmo3", sliding_window=8,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                  rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=5e5),
+                                       sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+    # q, k and v biases, an o bias and MLP biases, a head_dim that is not hidden / heads
+    "seed_oss": dict(model_type="seed_oss", attention_out_bias=True, mlp_bias=True, head_dim=24),
     # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
     # (the attention factor scales cos and sin everywhere)
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,

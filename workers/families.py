@@ -24,6 +24,11 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 sliding-window layers (layer_types); attention and final logits soft-capped
     gemma3_text as gemma2, plus per-head q/k norms, no soft-capping by default, and a second
                 RoPE base (rope_local_base_freq) on the sliding-window layers
+    olmo3       as olmo2, plus sliding-window layers (layer_types; by default three of every four)
+                whose RoPE is rope_parameters' sliding_attention entry (the full-attention layers'
+                may be scaled)
+    seed_oss    llama's layer with q, k and v biases (`attention_bias`, on by default), an o bias
+                only with `attention_out_bias`, and MLP biases with `mlp_bias`
     phi3        q, k and v in one checkpoint tensor (qkv_proj), gate and up in another
                 (gate_up_proj); partial rotary (partial_rotary_factor) and longrope scaling are
                 read by workers/config.py for every family; `sliding_window` caps the context
@@ -173,6 +178,19 @@ def _olmo2(raw: dict) -> FamilyTraits:
     return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="projection", norms="post")
 
 
+def _olmo3(raw: dict) -> FamilyTraits:
+    default_types = ["sliding_attention" if (layer + 1) % 4 else "full_attention"
+                     for layer in range(int(raw["num_hidden_layers"]))]  # transformers' Olmo3Config
+    windows = _layer_windows(raw, default_types)
+    return replace(_olmo2(raw), layer_windows=windows,
+                   local_rope_layers=tuple(window is not None for window in windows))
+
+
+def _seed_oss(raw: dict) -> FamilyTraits:
+    return FamilyTraits(qkv_bias=bool(raw.get("attention_bias", True)),
+                        o_bias=bool(raw.get("attention_out_bias", False)))
+
+
 def _phi3(raw: dict) -> FamilyTraits:
     window = raw.get("sliding_window")
     return FamilyTraits(qkv_bias=False, o_bias=False, sliding_window=None if window is None else int(window),
@@ -282,6 +300,8 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,
+    "olmo3": _olmo3,
+    "seed_oss": _seed_oss,
     "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,

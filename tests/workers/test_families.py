@@ -71,8 +71,10 @@ def test_traits_read_from_the_config(family_dir):
     config = ModelConfig.from_model_dir(family_dir)
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
-    assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "gemma3_text": "head"}.get(config.model_type)
-    assert config.traits.norms == {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(config.model_type, "pre")
+    assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
+                                     "gemma3_text": "head"}.get(config.model_type)
+    assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "gemma2": "sandwich",
+                                   "gemma3_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type.startswith("gemma"):
         assert config.text_model_of == ("gemma3" if family_dir.name == "gemma3" else None)
         assert config.traits.layer_windows == (8, None, 8) and config.activation == "gelu_tanh"
@@ -86,6 +88,11 @@ def test_traits_read_from_the_config(family_dir):
     if config.model_type == "phi3":
         assert config.traits.fused_projections and config.rotary_dim == config.head_dim // 2
         assert config.rope_scaling.rope_type == "longrope" and config.rope_scaling.attention_factor > 1.0
+    if config.model_type == "olmo3":
+        assert config.traits.layer_windows == (8, 8, None) and config.traits.local_rope_layers == (True, True, False)
+        assert (config.rope_theta, config.rope_scaling.rope_type, config.local_rope_theta) == (5e5, "linear", 1e4)
+    if config.model_type == "seed_oss":
+        assert (config.traits.qkv_bias, config.traits.o_bias, config.mlp_bias) == (True, True, True)
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type == "granite":
