@@ -46,6 +46,9 @@ FAMILIES = {
                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                   rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=5e5),
                                        sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+    # norms after each branch, per-head q/k norms, windows of 8 with RoPE on layers 0 and 1, layer 2 full and NoPE
+    "exaone4": dict(model_type="exaone4", sliding_window=8,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     # q, k and v biases, an o bias and MLP biases, a head_dim that is not hidden / heads
     "seed_oss": dict(model_type="seed_oss", attention_out_bias=True, mlp_bias=True, head_dim=24),
     # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions

@@ -27,6 +27,9 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     olmo3       as olmo2, plus sliding-window layers (layer_types; by default three of every four)
                 whose RoPE is rope_parameters' sliding_attention entry (the full-attention layers'
                 may be scaled)
+    exaone4     norms after each branch (as olmo2), per-head q/k norms (as qwen3), sliding-window
+                layers per layer_types (by default three of every sliding_window_pattern) with
+                RoPE, and full-attention layers without it (none when sliding_window is null)
     seed_oss    llama's layer with q, k and v biases (`attention_bias`, on by default), an o bias
                 only with `attention_out_bias`, and MLP biases with `mlp_bias`
     phi3        q, k and v in one checkpoint tensor (qkv_proj), gate and up in another
@@ -186,6 +189,17 @@ def _olmo3(raw: dict) -> FamilyTraits:
                    local_rope_layers=tuple(window is not None for window in windows))
 
 
+def _exaone4(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    if not raw.get("sliding_window"):  # every layer full, every layer with RoPE
+        return FamilyTraits(qkv_bias=False, o_bias=False, qk_norm="head", norms="post")
+    pattern = int(raw.get("sliding_window_pattern") or 4)
+    default_types = ["sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(num_layers)]
+    windows = _layer_windows(raw, default_types)
+    return FamilyTraits(qkv_bias=False, o_bias=False, qk_norm="head", norms="post", layer_windows=windows,
+                        rope_layers=tuple(window is not None for window in windows))  # global layers: NoPE
+
+
 def _seed_oss(raw: dict) -> FamilyTraits:
     return FamilyTraits(qkv_bias=bool(raw.get("attention_bias", True)),
                         o_bias=bool(raw.get("attention_out_bias", False)))
@@ -302,6 +316,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "olmo2": _olmo2,
     "olmo3": _olmo3,
     "seed_oss": _seed_oss,
+    "exaone4": _exaone4,
     "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,

@@ -72,8 +72,8 @@ def test_traits_read_from_the_config(family_dir):
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
-                                     "gemma3_text": "head"}.get(config.model_type)
-    assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "gemma2": "sandwich",
+                                     "gemma3_text": "head", "exaone4": "head"}.get(config.model_type)
+    assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "exaone4": "post", "gemma2": "sandwich",
                                    "gemma3_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type.startswith("gemma"):
         assert config.text_model_of == ("gemma3" if family_dir.name == "gemma3" else None)
@@ -91,6 +91,8 @@ def test_traits_read_from_the_config(family_dir):
     if config.model_type == "olmo3":
         assert config.traits.layer_windows == (8, 8, None) and config.traits.local_rope_layers == (True, True, False)
         assert (config.rope_theta, config.rope_scaling.rope_type, config.local_rope_theta) == (5e5, "linear", 1e4)
+    if config.model_type == "exaone4":
+        assert config.traits.layer_windows == (8, 8, None) and config.traits.rope_layers == (True, True, False)
     if config.model_type == "seed_oss":
         assert (config.traits.qkv_bias, config.traits.o_bias, config.mlp_bias) == (True, True, True)
     if config.model_type == "smollm3":
