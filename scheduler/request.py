@@ -95,14 +95,16 @@ class Request:
     _output_token_ids: list[int] = field(init=False)  # generated tokens, in order
     _all_token_ids: list[int] = field(init=False)  # prompt + generated
     _block_hashes: list[BlockHash] = field(init=False)  # hash of each full block of _all_token_ids
+    _hash_root: BlockHash | None = field(init=False)  # block 0's parent: its adapter's (None: the base model's)
 
     def __post_init__(self) -> None:
         assert len(self.prompt_token_ids) >= 1, self.request_id
         self._output_token_ids = []
         self._all_token_ids = list(self.prompt_token_ids)
         self._block_hashes = []
+        self._hash_root = adapter_root(self.lora_name, self.lora_path)
         if self.block_hasher is not None:
-            self.block_hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name, self.lora_path))
+            self.block_hasher.extend(self._block_hashes, self._all_token_ids, self._hash_root)
 
     # --- read-only views -------------------------------------------------------------
     @property
@@ -161,7 +163,7 @@ class Request:
             self._all_token_ids.extend(token_ids)
         hasher = self.block_hasher
         if hasher is not None and len(self._all_token_ids) >= (len(self._block_hashes) + 1) * hasher.block_size:
-            hasher.extend(self._block_hashes, self._all_token_ids, adapter_root(self.lora_name, self.lora_path))
+            hasher.extend(self._block_hashes, self._all_token_ids, self._hash_root)
 
     def make_fork_child(self, index: int) -> Request:
         """The index-th child of this fork parent: same prompt and hashes, its own params.

@@ -204,35 +204,27 @@ def _module_key(key: str) -> str:
 def _pair(path: Path, index: int, found: list, in_features: int, multiplier: float, dtype: torch.dtype,
           device: str | torch.device, kernel_dtype: torch.dtype = torch.float32) -> LoraPair:
     """Our product's pair from its parts' (module, out rows, A or None, B or None)."""
-    a_parts, b_blocks, parts = [], [], []
-    total_out = sum(rows for _, rows, _, _ in found)
+    present = []  # (first output row, A, B times the multiplier) of each part the adapter targets
     start = 0
     for module, rows, a, b in found:
-        start += rows
         if (a is None) != (b is None):
             raise LoraError(f"{path}: layer {index} {module} has lora_{'B' if a is None else 'A'} without its pair")
-        if a is None:
-            continue
-        if a.shape[1] != in_features or b.shape[0] != rows or a.shape[0] != b.shape[1]:
-            raise LoraError(f"{path}: layer {index} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but the "
-                            f"base model needs A [rank, {in_features}] and B [{rows}, rank]: an adapter of another base")
-        a_parts.append(a.float())
-        b_blocks.append((module, b.float()))
-        parts.append(LoraPart(start - rows, a.to(kernel_dtype).contiguous(),
-                              (b.float() * multiplier).T.to(kernel_dtype).contiguous()))
-    rank_total = sum(a.shape[0] for a in a_parts)
-    b = torch.zeros(total_out, rank_total)
-    row, column = 0, 0
-    blocks = dict(b_blocks)
-    for module, rows, _, _ in found:
-        block = blocks.get(module)
-        if block is not None:
-            b[row:row + rows, column:column + block.shape[1]] = block * multiplier
-            column += block.shape[1]
-        row += rows
-    on_cpu = torch.device(device).type == "cpu"
-    return LoraPair(torch.cat(a_parts).to(device=device, dtype=dtype).contiguous(),
-                    b.to(device=device, dtype=dtype).contiguous(), tuple(parts) if on_cpu else ())
+        if a is not None:
+            if a.shape[1] != in_features or b.shape[0] != rows or a.shape[0] != b.shape[1]:
+                raise LoraError(f"{path}: layer {index} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but "
+                                f"the base model needs A [rank, {in_features}] and B [{rows}, rank]: an adapter of "
+                                "another base")
+            present.append((start, a.float(), b.float() * multiplier))
+        start += rows
+    b_diagonal = torch.zeros(start, sum(a.shape[0] for _, a, _ in present))  # start: the product's output rows
+    column = 0
+    for first, a, b in present:
+        b_diagonal[first:first + b.shape[0], column:column + a.shape[0]] = b
+        column += a.shape[0]
+    parts = () if torch.device(device).type != "cpu" else tuple(
+        LoraPart(first, a.to(kernel_dtype).contiguous(), b.T.to(kernel_dtype).contiguous()) for first, a, b in present)
+    return LoraPair(torch.cat([a for _, a, _ in present]).to(device=device, dtype=dtype).contiguous(),
+                    b_diagonal.to(device=device, dtype=dtype).contiguous(), parts)
 
 
 @dataclass(slots=True)
@@ -271,12 +263,10 @@ class StepLora:
             from workers.kernels.native import LoraSegment, LoraStep
 
             rows = [torch.arange(self.num_rows) if rows is None else rows for _, rows in self.segments]
-            counts = torch.tensor([0] + [len(r) for r in rows])
-            first_item = counts.cumsum(0)
-            segments = (LoraSegment * len(rows))(*(LoraSegment(adapter.native_parts(), r.data_ptr())
+            segments = (LoraSegment * len(rows))(*(LoraSegment(adapter.native_parts(), r.data_ptr(), len(r))
                                                    for (adapter, _), r in zip(self.segments, rows)))
-            step = LoraStep(segments, first_item.data_ptr(), len(rows), len(self.segments[0][0].layers))
-            self._native = (step, (segments, rows, first_item))
+            step = LoraStep(segments, len(rows), len(self.segments[0][0].layers))
+            self._native = (step, (segments, rows))
         return self._native[0]
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:

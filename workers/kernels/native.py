@@ -216,14 +216,14 @@ class LoraPart(ctypes.Structure):
 class LoraSegment(ctypes.Structure):
     """Mirror of LoraSegment: one adapter's parts and the step's rows of it."""
 
-    _fields_ = [("parts", ctypes.POINTER(LoraPart)), ("rows", ctypes.c_void_p)]
+    _fields_ = [("parts", ctypes.POINTER(LoraPart)), ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64)]
 
 
 class LoraStep(ctypes.Structure):
     """Mirror of LoraStep: a step's adapters (csrc/lora.c)."""
 
-    _fields_ = [("segments", ctypes.POINTER(LoraSegment)), ("first_item", ctypes.c_void_p),
-                ("num_segments", ctypes.c_int64), ("num_layers", ctypes.c_int64)]
+    _fields_ = [("segments", ctypes.POINTER(LoraSegment)), ("num_segments", ctypes.c_int64),
+                ("num_layers", ctypes.c_int64)]
 
 
 class ForwardArgs(ctypes.Structure):

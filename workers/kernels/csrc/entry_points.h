@@ -128,11 +128,11 @@ typedef struct {
 } LoraPart;
 typedef struct {
     const LoraPart *parts; /* the adapter's */
-    const int64_t *rows;   /* the step's rows of this adapter */
+    const int64_t *rows;   /* [num_rows]: the step's rows of this adapter */
+    int64_t num_rows;
 } LoraSegment;
 typedef struct {
     const LoraSegment *segments;   /* [num_segments] */
-    const int64_t *first_item;     /* [num_segments + 1]: segment s has first_item[s + 1] - first_item[s] rows */
     int64_t num_segments, num_layers;
 } LoraStep;
 int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const void *x, void *out, int64_t N,

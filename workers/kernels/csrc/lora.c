@@ -164,7 +164,7 @@ int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const 
     int64_t num_blocks = 0, num_expands = 0, shrunk_floats = 0; /* shrink items (row blocks x parts), expand items */
     for (int64_t s = 0; s < step->num_segments; s++) {
         const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
-        const int64_t rows = step->first_item[s + 1] - step->first_item[s], blocks = (rows + LORA_ROWS - 1) / LORA_ROWS;
+        const int64_t rows = step->segments[s].num_rows, blocks = (rows + LORA_ROWS - 1) / LORA_ROWS;
         for (int p = 0; p < LORA_MAX_PARTS; p++) {
             if (parts[p].rank <= 0) continue;
             if (parts[p].rank > LORA_MAX_RANK || parts[p].start < 0 || parts[p].start + parts[p].len > N) return 3;
@@ -185,7 +185,7 @@ int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const 
     float *next = shrunk;
     for (int64_t s = 0; s < step->num_segments; s++) {
         const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
-        const int64_t rows = step->first_item[s + 1] - step->first_item[s];
+        const int64_t rows = step->segments[s].num_rows;
         for (int p = 0; p < LORA_MAX_PARTS; p++) {
             if (parts[p].rank <= 0) continue;
             for (int64_t r0 = 0; r0 < rows; r0 += LORA_ROWS) {
@@ -234,7 +234,7 @@ int rayllm_layout_lora_part(int64_t *offsets, char *names, int64_t capacity) {
 int rayllm_layout_lora_segment(int64_t *offsets, char *names, int64_t capacity) {
     LAYOUT_BEGIN(LoraSegment)
 #define FIELD(f) LAYOUT_FIELD(LoraSegment, f)
-    FIELD(parts) FIELD(rows)
+    FIELD(parts) FIELD(rows) FIELD(num_rows)
 #undef FIELD
     return n;
 }
@@ -242,7 +242,7 @@ int rayllm_layout_lora_segment(int64_t *offsets, char *names, int64_t capacity) 
 int rayllm_layout_lora_step(int64_t *offsets, char *names, int64_t capacity) {
     LAYOUT_BEGIN(LoraStep)
 #define FIELD(f) LAYOUT_FIELD(LoraStep, f)
-    FIELD(segments) FIELD(first_item) FIELD(num_segments) FIELD(num_layers)
+    FIELD(segments) FIELD(num_segments) FIELD(num_layers)
 #undef FIELD
     return n;
 }
