@@ -252,7 +252,7 @@ class StepLora:
         for adapter, rows in by_adapter.values():
             whole = len(rows) == num_rows  # the step's every row: no gather, no scatter
             segments.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(segments, num_rows, use_kernel=device.type == "cpu" and _kernel_available())
+        return cls(segments, num_rows, use_kernel=device.type == "cpu" and lora_kernel_available())
 
     def adapts(self, layer: int, product: str) -> bool:
         return any(product in adapter.layers[layer] for adapter, _ in self.segments)
@@ -290,7 +290,8 @@ class StepLora:
         return y
 
 
-def _kernel_available() -> bool:
+def lora_kernel_available() -> bool:
+    """Whether our C kernels (csrc/lora.c among them) built here."""
     from workers.kernels.native import native_available
 
     return native_available()

@@ -40,7 +40,7 @@ from workers.grammar import GrammarMatchers
 from workers.kernels import cpu_attention, resolve_attention_backend_name
 from workers.kernels.cpu_isa import cpu_plan
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
-from workers.lora import LoraAdapter, StepLora, load_adapter
+from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
@@ -182,6 +182,7 @@ class ModelInfo:
     # weights), "attention", and "gguf" (a GGUF checkpoint's products); {} on a GPU
     isa: dict[str, str] = field(default_factory=dict)
     step_costs: StepCosts | None = None  # measured at start (RunnerConfig.measure_step_costs), else None
+    lora: str = ""  # how a step with LoRA adapters runs their products (workers/lora.py), in words
 
 
 @dataclass(slots=True)
@@ -335,7 +336,16 @@ class ModelRunner:
             quantization=self.model.quantization,
             isa=self._isa(),
             step_costs=self.step_costs,
+            lora=self._lora_path(),
         )
+
+    def _lora_path(self) -> str:
+        """ModelInfo.lora: where a step's adapter products run, and what such a step gives up."""
+        if self.device.type == "cpu" and lora_kernel_available():
+            kernel = "our C kernel, " + ("fp32" if self._lora_kernel_dtype() == torch.float32 else "bf16") + " weights"
+            return kernel + (", in the C layer loop" if self.model.native_forward is not None else "")
+        graphs = ", eager (no CUDA graphs)" if self.decode_graphs is not None else ""
+        return "torch products" + graphs + (" (our C kernels did not build)" if self.device.type == "cpu" else "")
 
     def _isa(self) -> dict[str, str]:
         """ModelInfo.isa: the plan's words where the path runs our C kernels, else the backend's name."""
@@ -441,11 +451,15 @@ class ModelRunner:
         return {"rank": adapter.rank, "num_bytes": adapter.num_bytes}
 
     def _read_adapter(self, name: str, path: str) -> LoraAdapter:
-        """The adapter in the activations' dtype; our LoRA kernel's copy in fp32 beside the exact fp32
-        model, else in bf16 (half the bytes a step reads; the base is bf16 or quantized there)."""
-        exact = self.dtype_name == "float32" and self.model.quantization == "none"
+        """The adapter in the activations' dtype, and our LoRA kernel's copy in _lora_kernel_dtype."""
         return load_adapter(name, path, self.model_config, DTYPES[self.dtype_name], self.device,
-                            self.config.max_lora_rank, torch.float32 if exact else torch.bfloat16)
+                            self.config.max_lora_rank, self._lora_kernel_dtype())
+
+    def _lora_kernel_dtype(self) -> torch.dtype:
+        """fp32 beside the exact fp32 model, else bf16 (half the bytes a step reads; the base is bf16 or
+        quantized there)."""
+        exact = self.dtype_name == "float32" and self.model.quantization == "none"
+        return torch.float32 if exact else torch.bfloat16
 
     def reset(self) -> None:
         """Forgets every request (their KV blocks are the scheduler's to reuse) and every loaded

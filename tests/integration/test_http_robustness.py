@@ -35,6 +35,7 @@ def test_health_version_models(server) -> None:
                                     "attention_backend": "cpu",
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",
                                     "layer_ops": "native", "linear_backend": "native", "quantization": "none",
+                                    "lora": "our C kernel, fp32 weights, in the C layer loop",
                                     "reasoning_parser": None, "tool_call_parser": "hermes",
                                     "sampling_defaults": {}}  # the tiny model's generation_config sets none
 

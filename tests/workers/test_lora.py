@@ -57,7 +57,7 @@ def served_tokens(base: Path, adapters: dict[str, Path], token_budget: int = 16,
     driver = SimpleDriver(runner, token_budget=token_budget)  # chunked prompts beside decodes, every adapter mixed
     for name, prompt in zip(names, prompts):
         driver.add_request(str(name), prompt, greedy(MAX_TOKENS), lora_name=name)
-    with mock.patch.object(lora_module, "_kernel_available", lambda: kernel):  # off: torch's products, as off CPU
+    with mock.patch.object(lora_module, "lora_kernel_available", lambda: kernel):  # off: torch's products, as off CPU
         finished = driver.run()
     return {name: finished[str(name)].output_token_ids for name in names}
 
