@@ -10,6 +10,8 @@
  * dtype (fp32 or bf16), the sums in fp32, out rounded once per element. An adapter's rows go in blocks of up to
  * LORA_ROWS, so each of its weights is read once per block: first every block's shrink, then the
  * expands, by chunks of output columns. No gather or scatter of rows, and no copy of a weight.
+ * With AVX-512 the sums stay in registers: a shrink computes 4 rows x 4 ranks at once, an expand
+ * 8 rows x 32 columns over the whole rank, so out is read and written once per element.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -57,71 +59,140 @@ static inline __m512 load_x16(const void *x, int32_t dtype, int64_t k, __mmask16
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* shrunk[r, j] = x[rows[r]] . a for R rows at once (R a constant, so the chains stay in registers):
- * one load of a per R products */
-#define DOT_ROWS(R)                                                                                                \
-    static void dot_rows##R(const void *x, int32_t dtype, int64_t elem, const int64_t *rows, const void *a,      \
-                            int32_t wdtype, int64_t K, float *out, int64_t out_stride) {                         \
-        __m512 acc[R];                                                                                           \
-        const char *row[R];                                                                                      \
+/* shrunk[r, j0 + j] = x[rows[r]] . a_(j0 + j) for R rows and J of the part's ranks at once (constants,
+ * so the R x J chains stay in registers): each load of x serves J products and each load of a, R. */
+#define DOT_BLOCK(R, J)                                                                                          \
+    static void dot_block##R##x##J(const void *x, int32_t dtype, int64_t elem, const int64_t *rows,            \
+                                   const void *a, int32_t wdtype, int64_t K, float *out, int64_t out_stride) {   \
+        __m512 acc[R][J];                                                                                        \
+        const char *row[R], *arow[J];                                                                            \
+        const int64_t welem = wdtype == DTYPE_F32 ? 4 : 2;                                                       \
         for (int r = 0; r < R; r++) {                                                                            \
-            acc[r] = _mm512_setzero_ps();                                                                        \
             row[r] = (const char *)x + rows[r] * K * elem;                                                       \
+            for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                         \
         }                                                                                                        \
+        for (int j = 0; j < J; j++) arow[j] = (const char *)a + j * K * welem;                                   \
         int64_t k = 0;                                                                                           \
-        if (dtype == DTYPE_F32) {                                                                                \
-            for (; k + 16 <= K; k += 16) {                                                                       \
-                const __m512 av = load_x16(a, wdtype, k, 0xffff);                                                \
-                for (int r = 0; r < R; r++)                                                                      \
-                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)row[r] + k), av, acc[r]);           \
-            }                                                                                                    \
-        } else {                                                                                                 \
-            for (; k + 16 <= K; k += 16) {                                                                       \
-                const __m512 av = load_x16(a, wdtype, k, 0xffff);                                                \
-                for (int r = 0; r < R; r++)                                                                      \
-                    acc[r] = _mm512_fmadd_ps(load_x16(row[r], DTYPE_BF16, k, 0xffff), av, acc[r]);             \
+        for (; k + 16 <= K; k += 16) {                                                                           \
+            __m512 av[J];                                                                                        \
+            for (int j = 0; j < J; j++) av[j] = load_x16(arow[j], wdtype, k, 0xffff);                            \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 xv = load_x16(row[r], dtype, k, 0xffff);                                            \
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_fmadd_ps(xv, av[j], acc[r][j]);                   \
             }                                                                                                    \
         }                                                                                                        \
         if (k < K) {                                                                                             \
             const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);                                             \
-            const __m512 av = load_x16(a, wdtype, k, mask);                                                      \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(load_x16(row[r], dtype, k, mask), av, acc[r]); \
+            __m512 av[J];                                                                                        \
+            for (int j = 0; j < J; j++) av[j] = load_x16(arow[j], wdtype, k, mask);                              \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 xv = load_x16(row[r], dtype, k, mask);                                              \
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_fmadd_ps(xv, av[j], acc[r][j]);                   \
+            }                                                                                                    \
         }                                                                                                        \
-        for (int r = 0; r < R; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);                          \
+        for (int r = 0; r < R; r++)                                                                              \
+            for (int j = 0; j < J; j++) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r][j]);               \
     }
-DOT_ROWS(8)
-DOT_ROWS(4)
-DOT_ROWS(1)
+DOT_BLOCK(4, 4)
+DOT_BLOCK(1, 4)
+DOT_BLOCK(4, 1)
+DOT_BLOCK(1, 1)
+
+/* out[r, 32 columns from c] += shrunk[r] @ Bt[:, those columns] for R rows at once (m0, m1: the
+ * columns that exist), the sums in registers over the rank; then one read-add-write of out. */
+static inline void add_to_out(void *out, int32_t dtype, int64_t first, __m512 sum, __mmask16 mask) {
+    if (dtype == DTYPE_F32) {
+        float *o = (float *)out + first;
+        _mm512_mask_storeu_ps(o, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), sum));
+    } else { /* bf16: the sum rounded once, to nearest even as f32_to_bf16 does */
+        uint16_t *o = (uint16_t *)out + first;
+        const __m512i bits = _mm512_castps_si512(_mm512_add_ps(load_x16(o, DTYPE_BF16, 0, mask), sum));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+        _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+#define EXPAND_ROWS(R)                                                                                           \
+    static void expand_rows##R(const LoraJob *job, const LoraItem *item, int64_t r0, int64_t c, __mmask16 m0,   \
+                               __mmask16 m1) {                                                                   \
+        const LoraPart *part = item->part;                                                                       \
+        const int64_t rank = part->rank, welem = part->dtype == DTYPE_F32 ? 4 : 2;                               \
+        const float *coefficients = item->shrunk + r0 * rank;                                                    \
+        __m512 low[R], high[R];                                                                                  \
+        for (int r = 0; r < R; r++) low[r] = high[r] = _mm512_setzero_ps();                                      \
+        for (int64_t j = 0; j < rank; j++) {                                                                     \
+            const char *bt = (const char *)part->bt + (j * part->len + item->col0 + c) * welem;                  \
+            const __m512 b0 = load_x16(bt, part->dtype, 0, m0), b1 = load_x16(bt, part->dtype, 16, m1);          \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 coefficient = _mm512_set1_ps(coefficients[r * rank + j]);                           \
+                low[r] = _mm512_fmadd_ps(coefficient, b0, low[r]);                                               \
+                high[r] = _mm512_fmadd_ps(coefficient, b1, high[r]);                                             \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                            \
+            const int64_t first = item->rows[r0 + r] * job->N + part->start + item->col0 + c;                    \
+            add_to_out(job->out, job->dtype, first, low[r], m0);                                                 \
+            add_to_out(job->out, job->dtype, first + 16, high[r], m1);                                           \
+        }                                                                                                        \
+    }
+EXPAND_ROWS(8)
+EXPAND_ROWS(4)
+EXPAND_ROWS(1)
 #endif
 
-/* shrink: the item's rows times the part's A (each row of A read once for the block of rows) */
+/* shrink: the item's rows times the part's A (each row of A read once per block of 4 rows) */
 static void shrink_item(void *ctx, int64_t index) {
     const LoraJob *job = (const LoraJob *)ctx;
     const LoraItem *item = job->items + index;
     const int64_t elem = job->dtype == DTYPE_F32 ? 4 : 2, rank = item->part->rank;
     const int32_t wdtype = item->part->dtype;
-    for (int64_t j = 0; j < rank; j++) {
-        const void *a = (const char *)item->part->a + j * job->K * (wdtype == DTYPE_F32 ? 4 : 2);
+    const int64_t a_row = job->K * (wdtype == DTYPE_F32 ? 4 : 2);
 #ifdef __AVX512F__
+    for (int64_t j = 0; j < rank;) {
+        const void *a = (const char *)item->part->a + j * a_row;
+        const void *x = job->x;
+        float *out = item->shrunk + j;
         int64_t r0 = 0;
-        for (; r0 + 8 <= item->num_rows; r0 += 8)
-            dot_rows8(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
-        for (; r0 + 4 <= item->num_rows; r0 += 4)
-            dot_rows4(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
-        for (; r0 < item->num_rows; r0++)
-            dot_rows1(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
+        if (j + 4 <= rank) {
+            for (; r0 + 4 <= item->num_rows; r0 += 4)
+                dot_block4x4(x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, out + r0 * rank, rank);
+            for (; r0 < item->num_rows; r0++)
+                dot_block1x4(x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, out + r0 * rank, rank);
+            j += 4;
+        } else {
+            for (; r0 + 4 <= item->num_rows; r0 += 4)
+                dot_block4x1(x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, out + r0 * rank, rank);
+            for (; r0 < item->num_rows; r0++)
+                dot_block1x1(x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, out + r0 * rank, rank);
+            j += 1;
+        }
+    }
 #else
+    for (int64_t j = 0; j < rank; j++) {
+        const void *a = (const char *)item->part->a + j * a_row;
         for (int64_t r = 0; r < item->num_rows; r++)
             item->shrunk[r * rank + j] = dot_row((const char *)job->x + item->rows[r] * job->K * elem, job->dtype, a,
                                                  wdtype, job->K);
-#endif
     }
+#endif
 }
 
 /* expand: out[rows, start + col0 ...] += shrunk @ Bt over the item's columns (each row of Bt read once) */
 static void expand_item(void *ctx, int64_t index) {
     const LoraJob *job = (const LoraJob *)ctx;
     const LoraItem *item = job->items + index;
+#ifdef __AVX512F__
+    for (int64_t c = 0; c < item->num_cols; c += 32) {
+        const int64_t left = item->num_cols - c;
+        const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        int64_t r0 = 0;
+        for (; r0 + 8 <= item->num_rows; r0 += 8) expand_rows8(job, item, r0, c, m0, m1);
+        for (; r0 + 4 <= item->num_rows; r0 += 4) expand_rows4(job, item, r0, c, m0, m1);
+        for (; r0 < item->num_rows; r0++) expand_rows1(job, item, r0, c, m0, m1);
+    }
+#else
     const LoraPart *part = item->part;
     const int64_t rank = part->rank, width = item->num_cols;
     float acc[LORA_ROWS][LORA_CHUNK];
@@ -154,6 +225,7 @@ static void expand_item(void *ctx, int64_t index) {
             for (int64_t c = 0; c < width; c++) o[c] = f32_to_bf16(bf16_to_f32(o[c]) + acc[r][c]);
         }
     }
+#endif
 }
 
 int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const void *x, void *out, int64_t N,
