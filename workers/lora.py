@@ -53,13 +53,40 @@ class LoraError(ValueError):
     """An adapter we cannot apply as it is: the message says why, and what to do."""
 
 
+# the C kernel's panels (csrc/lora.c): A by 4 ranks x 16 inputs, Bt by 32 columns x the whole rank
+A_PANEL_RANKS, A_PANEL_INPUTS, BT_PANEL_COLUMNS = 4, 16, 32
+
+
 @dataclass(frozen=True, slots=True)
 class LoraPart:
-    """One targeted module of a product: y[:, start:start + len] += (x @ a.T) @ bt, in fp32 (the C kernel's)."""
+    """One targeted module of a product, y[:, start:start + len] += (x @ A.T) @ Bt in fp32, as the C
+    kernel reads it: A and Bt (B transposed, times the scaling) cut into zero-padded panels, so that
+    each is read front to back, one stream, however the kernel walks its rows and columns."""
 
     start: int  # the module's first output column in our product
-    a: torch.Tensor  # [rank, in], fp32 or bf16 (load_adapter's kernel_dtype)
-    bt: torch.Tensor  # [rank, len]: B transposed, times the scaling, as a
+    rank: int
+    len: int  # its output columns
+    a_panels: torch.Tensor  # [ceil(rank / 4), ceil(in / 16), 4, 16], fp32 or bf16 (load_adapter's kernel_dtype)
+    bt_panels: torch.Tensor  # [ceil(len / 32), rank rounded up to 4, 32], as a_panels
+
+    @classmethod
+    def of(cls, start: int, a: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype) -> LoraPart:
+        """From A [rank, in] and Bt [rank, len]."""
+        rank, inputs = a.shape
+        length = bt.shape[1]
+        ranks = -(-rank // A_PANEL_RANKS) * A_PANEL_RANKS
+        a = torch.nn.functional.pad(a, (0, -inputs % A_PANEL_INPUTS, 0, ranks - rank))
+        a_panels = a.reshape(ranks // A_PANEL_RANKS, A_PANEL_RANKS, -1, A_PANEL_INPUTS).transpose(1, 2)
+        bt = torch.nn.functional.pad(bt, (0, -length % BT_PANEL_COLUMNS, 0, ranks - rank))
+        bt_panels = bt.reshape(ranks, -1, BT_PANEL_COLUMNS).transpose(0, 1)
+        return cls(start, rank, length, a_panels.to(dtype).contiguous(), bt_panels.to(dtype).contiguous())
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rank, in rounded up to 16] and Bt [rank, len] back from the panels."""
+        blocks, chunks = self.a_panels.shape[:2]
+        a = self.a_panels.transpose(1, 2).reshape(blocks * A_PANEL_RANKS, chunks * A_PANEL_INPUTS)
+        bt = self.bt_panels.transpose(0, 1).reshape(self.bt_panels.shape[1], -1)
+        return a[:self.rank], bt[:self.rank, :self.len]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +111,7 @@ class LoraAdapter:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
-                   for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a, part.bt))))
+                   for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a_panels, part.bt_panels))))
 
     def native_parts(self) -> ctypes.Array:
         """Its parts as csrc/lora.c reads them: [layers][products][LORA_MAX_PARTS] LoraParts (rank 0: none)."""
@@ -97,8 +124,8 @@ class LoraAdapter:
                     pair = layer.get(product)
                     for k, part in enumerate(pair.parts if pair is not None else ()):
                         parts[(index * LORA_PRODUCTS + p) * LORA_MAX_PARTS + k] = CPart(
-                            part.a.data_ptr(), part.bt.data_ptr(), part.a.shape[0], part.start, part.bt.shape[1],
-                            DTYPE_CODES[part.a.dtype])
+                            part.a_panels.data_ptr(), part.bt_panels.data_ptr(), part.rank, part.start, part.len,
+                            DTYPE_CODES[part.a_panels.dtype])
             self._native_parts = parts
         return self._native_parts
 
@@ -222,7 +249,7 @@ def _pair(path: Path, index: int, found: list, in_features: int, multiplier: flo
         b_diagonal[first:first + b.shape[0], column:column + a.shape[0]] = b
         column += a.shape[0]
     parts = () if torch.device(device).type != "cpu" else tuple(
-        LoraPart(first, a.to(kernel_dtype).contiguous(), b.T.to(kernel_dtype).contiguous()) for first, a, b in present)
+        LoraPart.of(first, a, b.T, kernel_dtype) for first, a, b in present)
     return LoraPair(torch.cat([a for _, a, _ in present]).to(device=device, dtype=dtype).contiguous(),
                     b_diagonal.to(device=device, dtype=dtype).contiguous(), parts)
 
