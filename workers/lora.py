@@ -113,7 +113,8 @@ class LoraAdapter:
 
     def stacks(self) -> tuple[LoraStack | None, ...]:
         """Per product (PRODUCTS' order): its LoraStack, or None where no layer has the product. Built
-        once, on the pairs' device (the worker builds them at load on CUDA), freed with the adapter."""
+        once, on the pairs' device (the worker builds them at load on CUDA), freed with the adapter.
+        The pairs stay beside them (torch's products: the fallback), so a CUDA adapter is held twice."""
         if self._stacks is None:
             self._stacks = tuple(self._stack(product) for product in PRODUCTS)
         return self._stacks

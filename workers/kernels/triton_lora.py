@@ -12,7 +12,7 @@ at load and freed with the adapter: A [layers, parts, rank, in], Bt [layers, par
 (each part's first output column and its columns; 0 columns: no such part in that layer). Nothing
 is copied per step: the step's weight table holds their addresses.
 
-The step's tables (LoraStepTable.build; three small host-to-device copies per step, not per product):
+The step's tables (LoraStepTable.build, once per step, not per product: two small host-to-device copies):
 
     row_ids   int32 [num_adapter_rows]      the rows of every segment, segment after segment:
               [ 3 4 9 | 0 1 2 7 8 | 5 6 ]     (rows need not be contiguous; base rows appear nowhere)
