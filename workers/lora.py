@@ -27,8 +27,12 @@ the base model (an adapter trained on another base).
 A step's rows are grouped by adapter (StepLora): every product adds, per adapter in the step,
 the shrink (x[rows] @ A.T) and the expand (@ B.T) over that adapter's rows only. On CPU that is
 one call of our C kernel per product (workers/kernels/csrc/lora.c: each part on its own, so the
-block diagonal's zeros cost nothing), which the C layer loop makes too; elsewhere one pair of
-torch products per adapter in the step. Never a loop over requests, never a merged weight.
+block diagonal's zeros cost nothing), which the C layer loop makes too. On CUDA it is one launch
+of our Triton shrink and one of our expand per product, over every adapter and part of the step
+(workers/kernels/triton_lora.py), reading each adapter's LoraStacks: its parts stacked per
+product over the layers, built when the worker loads it. Elsewhere (or without triton) one pair
+of torch products per adapter in the step, which is also the kernels' oracle. Never a loop over
+requests, never a merged weight.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -96,6 +101,24 @@ class LoraPair:
     a: torch.Tensor  # [sum of the parts' ranks, in]: the parts' A, stacked (the model's dtype and device)
     b: torch.Tensor  # [out, sum of ranks]: the parts' B on the block diagonal, times the scaling
     parts: tuple[LoraPart, ...] = ()  # the same, part by part (CPU)
+    columns: tuple[tuple[int, int], ...] = ()  # per targeted part, in a's order: (first output column, columns)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraStack:
+    """One product's LoRA over every layer, as our Triton kernels read it (workers/kernels/triton_lora.py):
+    part k of layer l is y[:, start:start + columns] += (x @ a[l, k].T) @ bt[l, k, :, :columns],
+    with (start, columns) = spans[l, k]. A layer's parts are packed from k = 0 in output order; the
+    slots past them (a layer without the product: all of them) have 0 columns and zero weights."""
+
+    a: torch.Tensor  # [layers, parts, rank, in]: each part's A (the pair's dtype and device)
+    bt: torch.Tensor  # [layers, parts, rank, width]: its B transposed, times the scaling, zero-padded to width
+    spans: torch.Tensor  # int32 [layers, parts, 2]: (first output column, columns) of each part
+    num_columns: int  # the product's output columns its parts reach (the largest start + columns)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, self.bt, self.spans))
 
 
 @dataclass(slots=True)
@@ -107,11 +130,41 @@ class LoraAdapter:
     target_modules: tuple[str, ...]  # as its checkpoint names them: q_proj, v_proj, ...
     layers: list[dict[str, LoraPair]] = field(default_factory=list)  # per layer: product -> its pair
     _native_parts: ctypes.Array | None = None  # the C kernel's LoraPart array, built on first use
+    _stacks: tuple[LoraStack | None, ...] | None = None  # per product in PRODUCTS order (Triton), built on first use
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
-                   for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a_panels, part.bt_panels))))
+        stacked = sum(stack.num_bytes for stack in self._stacks or () if stack is not None)
+        return stacked + sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
+                             for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a_panels, part.bt_panels))))
+
+    def stacks(self) -> tuple[LoraStack | None, ...]:
+        """Per product (PRODUCTS' order): its LoraStack, or None where no layer has the product. Built
+        once, on the pairs' device (the worker builds them at load on CUDA), freed with the adapter.
+        The pairs stay beside them (torch's products: the fallback), so a CUDA adapter is held twice."""
+        if self._stacks is None:
+            self._stacks = tuple(self._stack(product) for product in PRODUCTS)
+        return self._stacks
+
+    def _stack(self, product: str) -> LoraStack | None:
+        pairs = [layer.get(product) for layer in self.layers]
+        present = [pair for pair in pairs if pair is not None]
+        if not present:
+            return None
+        num_parts = max(len(pair.columns) for pair in present)
+        width = max(columns for pair in present for _, columns in pair.columns)
+        num_columns = max(start + columns for pair in present for start, columns in pair.columns)
+        like = present[0].a
+        a = torch.zeros(len(pairs), num_parts, self.rank, like.shape[1], dtype=like.dtype, device=like.device)
+        bt = torch.zeros(len(pairs), num_parts, self.rank, width, dtype=like.dtype, device=like.device)
+        spans = [[[0, 0]] * num_parts for _ in pairs]
+        for index, pair in enumerate(pairs):
+            for k, (start, columns) in enumerate(pair.columns if pair is not None else ()):
+                ranks = slice(k * self.rank, (k + 1) * self.rank)
+                a[index, k] = pair.a[ranks]
+                bt[index, k, :, :columns] = pair.b[start:start + columns, ranks].T
+                spans[index][k] = [start, columns]
+        return LoraStack(a, bt, torch.tensor(spans, dtype=torch.int32, device=like.device), num_columns)
 
     def native_parts(self) -> ctypes.Array:
         """Its parts as csrc/lora.c reads them: [layers][products][LORA_MAX_PARTS] LoraParts (rank 0: none)."""
@@ -251,7 +304,8 @@ def _pair(path: Path, index: int, found: list, in_features: int, multiplier: flo
     parts = () if torch.device(device).type != "cpu" else tuple(
         LoraPart.of(first, a, b.T, kernel_dtype) for first, a, b in present)
     return LoraPair(torch.cat([a for _, a, _ in present]).to(device=device, dtype=dtype).contiguous(),
-                    b_diagonal.to(device=device, dtype=dtype).contiguous(), parts)
+                    b_diagonal.to(device=device, dtype=dtype).contiguous(), parts,
+                    tuple((first, b.shape[0]) for first, _, b in present))
 
 
 @dataclass(slots=True)
@@ -262,7 +316,9 @@ class StepLora:
     segments: list[tuple[LoraAdapter, torch.Tensor | None]]  # (adapter, its rows; None: every row of the step)
     num_rows: int  # the step's rows
     use_kernel: bool = False  # CPU: our C kernel runs the products (csrc/lora.c), and the C layer loop may too
+    triton: ModuleType | None = None  # CUDA: workers.kernels.triton_lora, whose kernels run the products
     _native: tuple | None = None  # (LoraStep, what it points into), built on first use
+    _triton_table: object | None = None  # the Triton kernels' LoraStepTable of the step, built on first use
 
     @classmethod
     def of_rows(cls, row_adapters: list[tuple[LoraAdapter | None, int, int]], device: torch.device) -> StepLora | None:
@@ -279,7 +335,9 @@ class StepLora:
         for adapter, rows in by_adapter.values():
             whole = len(rows) == num_rows  # the step's every row: no gather, no scatter
             segments.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(segments, num_rows, use_kernel=device.type == "cpu" and lora_kernel_available())
+        triton = lora_triton_kernels(device)
+        return cls(segments, num_rows, use_kernel=triton is None and device.type == "cpu" and lora_kernel_available(),
+                   triton=triton)
 
     def adapts(self, layer: int, product: str) -> bool:
         return any(product in adapter.layers[layer] for adapter, _ in self.segments)
@@ -296,8 +354,19 @@ class StepLora:
             self._native = (step, (segments, rows))
         return self._native[0]
 
+    def triton_table(self) -> object:
+        """The step as the Triton kernels read it (triton_lora.LoraStepTable), built once per step."""
+        if self._triton_table is None:
+            self._triton_table = self.triton.LoraStepTable.build(
+                [(rows, adapter.stacks()) for adapter, rows in self.segments], self.num_rows)
+        return self._triton_table
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:
         """y [rows, out] += each adapter's LoRA of x [rows, in] over its rows, in place; returns y."""
+        if self.triton is not None and self.triton.takes(x, y):
+            if self.adapts(layer, product):
+                self.triton.lora_add(y, x, self.triton_table(), layer, PRODUCTS.index(product))
+            return y
         if self.use_kernel and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and y.is_contiguous():
             from workers.kernels.native import DTYPE_CODES, check_status, native_library
 
@@ -315,6 +384,17 @@ class StepLora:
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ pair.a.T) @ pair.b.T)
         return y
+
+
+def lora_triton_kernels(device: torch.device) -> ModuleType | None:
+    """workers.kernels.triton_lora where its kernels run a step's products (CUDA, triton installed), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from workers.kernels import triton_lora
+    except ImportError:  # no triton: torch's products
+        return None
+    return triton_lora
 
 
 def lora_kernel_available() -> bool:

@@ -40,7 +40,7 @@ from workers.grammar import GrammarMatchers
 from workers.kernels import cpu_attention, resolve_attention_backend_name
 from workers.kernels.cpu_isa import cpu_plan
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
-from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available
+from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available, lora_triton_kernels
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
@@ -341,10 +341,12 @@ class ModelRunner:
 
     def _lora_path(self) -> str:
         """ModelInfo.lora: where a step's adapter products run, and what such a step gives up."""
+        graphs = ", eager (no CUDA graphs)" if self.decode_graphs is not None else ""
+        if lora_triton_kernels(self.device) is not None:  # CUDA: as StepLora.of_rows chooses
+            return "triton shrink and expand kernels, one launch each per product" + graphs
         if self.device.type == "cpu" and lora_kernel_available():
             kernel = "our C kernel, " + ("fp32" if self._lora_kernel_dtype() == torch.float32 else "bf16") + " weights"
             return kernel + (", in the C layer loop" if self.model.native_forward is not None else "")
-        graphs = ", eager (no CUDA graphs)" if self.decode_graphs is not None else ""
         return "torch products" + graphs + (" (our C kernels did not build)" if self.device.type == "cpu" else "")
 
     def _isa(self) -> dict[str, str]:
@@ -440,6 +442,8 @@ class ModelRunner:
     def load_lora(self, name: str, path: str) -> LoraAdapter:
         """Loads the adapter at path as name (replacing one of that name); raises LoraError."""
         adapter = self._read_adapter(name, path)
+        if lora_triton_kernels(self.device) is not None:
+            adapter.stacks()  # the Triton kernels' copy, now rather than in a step (freed with the adapter)
         self.lora_adapters[name] = adapter
         self.num_lora_loads += 1
         return adapter
