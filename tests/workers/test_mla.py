@@ -2,7 +2,8 @@
 
 The catalog's tiny deepseek_v3 checkpoints (tests/families_catalog.py) equal transformers in
 tests/workers/test_families.py; here: the pool holds one latent and one RoPE key per token and
-layer, and so admits more tokens for the same memory; the scheduler's prefix-cache hits, n>1 forks and preemption give
+layer, and so admits more tokens for the same memory; decodes absorbed into latent space equal
+the expanded form; the scheduler's prefix-cache hits, n>1 forks and preemption give
 transformers' tokens over latent blocks; a latent written to the wrong block fails them; and a
 config with MoE layers is refused in one line."""
 
@@ -66,6 +67,36 @@ def test_the_runner_sizes_its_pool_by_the_latent(model_dir):
     assert sum(p.numel() * p.element_size() for p, _ in runner.kv_caches) == runner.num_blocks * 4 * per_token
     info = runner.model_info
     assert (info.attention_backend, info.layer_loop) == ("torch", "python")
+
+
+def test_absorbed_decodes_equal_the_expanded_form(model_dir, monkeypatch):
+    prompts = prompts_of_lengths([3, 17, 40], ModelConfig.from_model_dir(model_dir).vocab_size, seed=4)
+    absorbed = run_requests(make_runner(model_dir), prompts, greedy(10), token_budget=16)
+    expanded_steps = []
+    original = mla.MlaStep.__init__
+
+    def expanded_only(self, metadata, scale, absorb_decodes=True):
+        original(self, metadata, scale, absorb_decodes=False)
+        expanded_steps.append(self.absorbed is None)
+
+    monkeypatch.setattr(mla.MlaStep, "__init__", expanded_only)
+    expanded = run_requests(make_runner(model_dir), prompts, greedy(10), token_budget=16)
+    assert expanded_steps and all(expanded_steps)
+    assert absorbed == expanded
+
+
+def test_a_step_splits_decodes_from_prompt_rows():
+    from workers.model import AttentionMetadata
+
+    metadata = AttentionMetadata(slot_mapping=torch.zeros(7, dtype=torch.long),
+                                 block_tables=torch.tensor([[1, 2], [3, 0], [4, 5]], dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, 1, 6, 7], dtype=torch.int32),
+                                 seq_lens=torch.tensor([6, 5, 7], dtype=torch.int32))
+    step = mla.MlaStep(metadata, 1.0)
+    assert step.absorbed.rows.tolist() == [0, 6] and step.absorbed.seq_lens.tolist() == [6, 7]
+    assert step.absorbed.query_start_loc.tolist() == [0, 1, 2]
+    assert step.expanded.rows.tolist() == [1, 2, 3, 4, 5] and step.expanded.query_start_loc.tolist() == [0, 5]
+    assert step.blocks.tolist() == [0, 3] and step.compact_tables.tolist() == [[1, 0]]
 
 
 def engine_of(runner, **overrides) -> Engine:
