@@ -15,6 +15,8 @@ multiplier, a residual multiplier (folded into the o_proj and down_proj weights 
 attention scale and a logits scale (Granite).
 In some or all layers a mixture of experts takes the dense MLP's place (Mixtral, Qwen3-MoE,
 gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
+DeepSeek V3's layers run multi-head latent attention instead of q/k/v heads, over a pool of one
+latent per token (workers/mla.py's mla_attention, torch ops whatever the attention backend).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py), or kept in its GGUF type (a GgufWeight,
@@ -278,6 +280,8 @@ class PagedLlamaModel:
         embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         layers = [weights.layer(index) for index in range(config.num_layers)]
         final_norm = weights.take_norm("model.", "norm")
+        if config.traits.mla is not None:  # DeepSeek's multi-token prediction layers, after the last: not served
+            weights.discard_layers_from(config.num_layers)
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
             embed = _for_kernels(embed, logits=True)  # a GGUF table: one packed copy serves the lm_head and the lookups
@@ -390,6 +394,13 @@ class _WeightReader:
 
     def discard(self, name: str) -> None:
         self.tensors.pop(name, None)
+
+    def discard_layers_from(self, first: int) -> None:
+        """Drops the tensors of layers first, first + 1, ... (model.layers.N. with N >= first)."""
+        for name in list(self.tensors):
+            parts = name.split(".")
+            if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= first:
+                del self.tensors[name]
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))

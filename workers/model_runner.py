@@ -157,6 +157,9 @@ class RunnerConfig:
     max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
 
 
+PER_HEAD_KV = "keys and values per head"  # ModelInfo.kv_cache_kind of every family but the MLA ones
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the engine needs to know about the worker's model and pool."""
@@ -184,6 +187,8 @@ class ModelInfo:
     isa: dict[str, str] = field(default_factory=dict)
     step_costs: StepCosts | None = None  # measured at start (RunnerConfig.measure_step_costs), else None
     lora: str = ""  # how a step with LoRA adapters runs their products (workers/lora.py), in words
+    # what the pool keeps per token and layer, and where its attention runs (an MLA family's: workers/mla.py)
+    kv_cache_kind: str = "keys and values per head"  # PER_HEAD_KV
 
 
 @dataclass(slots=True)
@@ -349,7 +354,16 @@ class ModelRunner:
             isa=self._isa(),
             step_costs=self.step_costs,
             lora=self._lora_path(),
+            kv_cache_kind=self._kv_cache_kind(),
         )
+
+    def _kv_cache_kind(self) -> str:
+        """ModelInfo.kv_cache_kind, in words."""
+        mla = self.model_config.traits.mla
+        if mla is None:
+            return PER_HEAD_KV
+        return (f"MLA latent: {mla.kv_lora_rank} + {mla.qk_rope_head_dim} values per token and layer; its attention "
+                "runs on the torch path (prompts expanded, decodes absorbed), not on our C loop or kernels")
 
     def _lora_path(self) -> str:
         """ModelInfo.lora: where a step's adapter products run, and what such a step gives up."""

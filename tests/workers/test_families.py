@@ -117,6 +117,9 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
     info = family_runner(family_dir, "torch").model_info
     assert info.model_type == FAMILIES[family_dir.name]["model_type"]
     assert (info.layer_loop, info.layer_ops, info.linear_backend) == ("python", "torch", "torch")
+    assert info.kv_cache_kind == ("keys and values per head" if info.model_type != "deepseek_v3" else
+                                  "MLA latent: 16 + 8 values per token and layer; its attention runs on the torch path "
+                                  "(prompts expanded, decodes absorbed), not on our C loop or kernels")
 
 
 def test_longrope_past_the_original_context_uses_long_factor():

@@ -67,6 +67,7 @@ def test_the_runner_sizes_its_pool_by_the_latent(model_dir):
     assert sum(p.numel() * p.element_size() for p, _ in runner.kv_caches) == runner.num_blocks * 4 * per_token
     info = runner.model_info
     assert (info.attention_backend, info.layer_loop) == ("torch", "python")
+    assert info.kv_cache_kind.startswith("MLA latent: 16 + 8 values per token and layer") and "torch path" in info.kv_cache_kind
 
 
 def test_absorbed_decodes_equal_the_expanded_form(model_dir, monkeypatch):
@@ -151,3 +152,28 @@ def test_moe_layers_are_refused_in_one_line():
     assert "not supported yet" in message and "first_k_dense_replace" in message
     dense = ModelConfig.from_dict(dict(DEEPSEEK_V3, n_routed_experts=0, first_k_dense_replace=0))
     assert dense.traits.moe is None and dense.traits.mla.kv_lora_rank == 512
+
+
+def test_multi_token_prediction_layers_are_skipped_at_load(model_dir, tmp_path):
+    """Published DeepSeek V3 checkpoints hold a multi-token prediction layer after the last
+    (model.layers.61.*): not served, dropped at load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with_mtp = tmp_path / "with_mtp"
+    shutil.copytree(model_dir, with_mtp)
+    tensors = load_file(with_mtp / "model.safetensors")
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 22, 16)
+    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    prompts = prompts_of_lengths([9], ModelConfig.from_model_dir(model_dir).vocab_size, seed=6)
+    assert run_requests(make_runner(with_mtp), prompts, greedy(6)) == run_requests(make_runner(model_dir), prompts,
+                                                                                  greedy(6))
+
+
+def test_lora_adapters_are_refused_in_one_line(model_dir):
+    from workers.lora import LoraError
+
+    with pytest.raises(LoraError, match=r"latent attention \(deepseek_v3\) are not supported yet"):
+        make_runner(model_dir, lora_adapters=(("adapter", str(model_dir / "adapter")),))
