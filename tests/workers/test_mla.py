@@ -70,6 +70,15 @@ def test_the_runner_sizes_its_pool_by_the_latent(model_dir):
     assert info.kv_cache_kind.startswith("MLA latent: 16 + 8 values per token and layer") and "torch path" in info.kv_cache_kind
 
 
+def test_copying_a_block_copies_its_latents_and_rope_keys(model_dir):
+    """The runner copies blocks (a fork's partial last block) as it does any pool's."""
+    runner = make_runner(model_dir)
+    for pool, _ in runner.kv_caches:
+        pool[3].normal_()
+    runner._copy_blocks([(3, 7)])
+    assert all(torch.equal(pool[7], pool[3]) and pool[7].abs().sum() > 0 for pool, _ in runner.kv_caches)
+
+
 def test_absorbed_decodes_equal_the_expanded_form(model_dir, monkeypatch):
     prompts = prompts_of_lengths([3, 17, 40], ModelConfig.from_model_dir(model_dir).vocab_size, seed=4)
     absorbed = run_requests(make_runner(model_dir), prompts, greedy(10), token_budget=16)
