@@ -34,6 +34,7 @@
 #define PANEL_RANKS 4   /* A's panels: 4 ranks ... */
 #define PANEL_INPUTS 16 /* ... by 16 inputs */
 #define PANEL_COLUMNS 32 /* Bt's panels: 32 columns by the whole (padded) rank */
+#define PREFETCH_AHEAD 1024 /* bytes of a weight's stream asked for ahead of its loads */
 
 static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -77,6 +78,8 @@ static inline __m512 load_x16(const void *x, int32_t dtype, int64_t k, __mmask16
         const char *a = (const char *)panel;                                                                     \
         for (int64_t k = 0; k < K; k += PANEL_INPUTS, a += step) {                                               \
             const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);                      \
+            _mm_prefetch(a + PREFETCH_AHEAD, _MM_HINT_T0);                                                      \
+            _mm_prefetch(a + PREFETCH_AHEAD + 64, _MM_HINT_T0);                                                 \
             __m512 av[PANEL_RANKS];                                                                              \
             for (int j = 0; j < PANEL_RANKS; j++) av[j] = load_x16(a, wdtype, j * PANEL_INPUTS, 0xffff);        \
             for (int r = 0; r < R; r++) {                                                                        \
@@ -118,6 +121,7 @@ static inline void add_to_out(void *out, int32_t dtype, int64_t first, __m512 su
         for (int r = 0; r < R; r++) low[r] = high[r] = _mm512_setzero_ps();                                      \
         const char *b = (const char *)panel;                                                                     \
         for (int64_t j = 0; j < rank4; j++, b += step) {                                                         \
+            _mm_prefetch(b + PREFETCH_AHEAD, _MM_HINT_T0);                                                      \
             const __m512 b0 = load_x16(b, part->dtype, 0, 0xffff), b1 = load_x16(b, part->dtype, 16, 0xffff);    \
             for (int r = 0; r < R; r++) {                                                                        \
                 const __m512 coefficient = _mm512_set1_ps(coefficients[r * rank4 + j]);                          \
