@@ -88,7 +88,7 @@ class FamilyTraits:
     moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
 
 
-ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")
+ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax")
 EXPERT_LAYOUTS = ("stacked", "gpt_oss")
 
 
@@ -103,8 +103,17 @@ class MoeTraits:
     intermediate_size: int  # each expert's gated-SiLU width
     layers: tuple[bool, ...]  # per layer: True: the MoE MLP; False: the dense MLP (ModelConfig.intermediate_size)
     scoring: str = "softmax_topk"  # "softmax_topk": softmax over every expert's logit, then the top k;
+    #                                "sigmoid_topk": each logit's sigmoid, then the top k;
     #                                "topk_softmax": the top k logits, then softmax over those k
-    renormalize: bool = True  # softmax_topk: the k weights are divided by their sum
+    renormalize: bool = True  # softmax_topk, sigmoid_topk: the k weights are divided by their sum
+    # a per-expert bias added to the scores only to choose the k (the weights stay unbiased), the tensor's
+    # name under the block (GLM-4.5: "gate.e_score_correction_bias"); None: none
+    correction_bias: str | None = None
+    # group-limited top k: the experts are num_groups equal groups, each scored by the sum of its two best
+    # (biased) scores, and only the experts of the topk_groups best groups can be chosen; 1: no groups
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the k weights' multiplier (after renormalising)
     router_bias: bool = False  # the router's logits carry a bias (its tensor {block}.{router}.bias)
     router: str = "gate"  # the router's name: model.layers.N.{block}.{router}.weight
     block: str = "mlp"  # classic names: model.layers.N.{block}.gate.weight, {block}.experts.E.{projection}.weight
@@ -115,8 +124,9 @@ class MoeTraits:
     swiglu_alpha: float = 1.702  # activation "swiglu_oai": the sigmoid's gain
     swiglu_limit: float = 7.0  # activation "swiglu_oai": the clamp on gate (above) and up (both sides)
     # a shared expert: a dense gated MLP of this width on every token, beside the routed experts
-    # (model.layers.N.{block}.shared_expert.{gate,up,down}_proj); 0: none
+    # (model.layers.N.{block}.{shared_expert}.{gate,up,down}_proj); 0: none
     shared_intermediate_size: int = 0
+    shared_expert: str = "shared_expert"  # its name (GLM-4.5's n_shared_experts are one MLP: "shared_experts")
     shared_expert_gate: bool = False  # the shared expert's output x sigmoid(x . {block}.shared_expert_gate.weight)
 
     def __post_init__(self) -> None:
@@ -126,6 +136,14 @@ class MoeTraits:
             raise FamilyError(f"router scoring {self.scoring!r} is not one of {ROUTER_SCORINGS}")
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise FamilyError(f"expert layout {self.expert_layout!r} is not one of {EXPERT_LAYOUTS}")
+        if self.num_groups > 1:
+            group_size = self.num_experts // self.num_groups
+            if self.num_experts % self.num_groups or group_size < 2:
+                raise FamilyError(f"{self.num_experts} experts do not split into n_group {self.num_groups} groups "
+                                  "of two or more")
+            if not 0 < self.topk_groups <= self.num_groups or self.top_k > self.topk_groups * group_size:
+                raise FamilyError(f"top {self.top_k} experts from topk_group {self.topk_groups} of {self.num_groups} "
+                                  f"groups of {group_size}")
 
 
 def _llama(raw: dict) -> FamilyTraits:
@@ -332,6 +350,9 @@ MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+# tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
+# differences between experts decide the choice, and bf16 would round them away
+FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)
 MXFP4_FAMILIES = frozenset({"gpt_oss"})  # MXFP4 checkpoints: its experts only
 GGUF_NATIVE_FAMILIES = frozenset({"llama"})  # GGUF files whose blocks the CPU kernels serve as they ship
 

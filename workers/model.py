@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
+from workers.families import FP32_TENSOR_SUFFIXES
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -338,8 +339,8 @@ class _WeightReader:
         self.device = device
         self.linear = linear
         # the activations' dtype: the plain tensors' (a GGUF checkpoint's norms are in it too)
-        self.dtype = next((t.dtype for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
-                          torch.float32)
+        self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:

@@ -38,43 +38,77 @@ PATHS = {
 }
 
 
-def float64_route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
+def float64_route(logits: torch.Tensor, traits: MoeTraits,
+                  correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing of the module docstring, row by row in float64 with Python's sort."""
     all_weights, all_ids = [], []
+    num_experts = logits.shape[1]
+    bias = torch.zeros(num_experts, dtype=torch.float64) if correction_bias is None else correction_bias.double()
     for row in logits.double():
-        ranked = sorted(range(row.shape[0]), key=lambda expert: -float(row[expert]))[:traits.top_k]
         if traits.scoring == "topk_softmax":
-            weights = torch.softmax(row[ranked], dim=0)
-        else:
-            weights = torch.softmax(row, dim=0)[ranked]
-            if traits.renormalize:
-                weights = weights / weights.sum()
-        all_weights.append(weights)
+            ranked = sorted(range(num_experts), key=lambda expert: -float(row[expert]))[:traits.top_k]
+            all_weights.append(torch.softmax(row[ranked], dim=0))
+            all_ids.append(ranked)
+            continue
+        scores = torch.sigmoid(row) if traits.scoring == "sigmoid_topk" else torch.softmax(row, dim=0)
+        choice = [float(score) for score in scores + bias]
+        size = num_experts // traits.num_groups
+        groups = [list(range(group * size, (group + 1) * size)) for group in range(traits.num_groups)]
+        if traits.num_groups > 1:  # the groups whose two best choice scores sum highest
+            groups.sort(key=lambda experts: -sum(sorted((choice[e] for e in experts), reverse=True)[:2]))
+        allowed = [expert for experts in groups[:traits.topk_groups] for expert in experts]
+        ranked = sorted(allowed, key=lambda expert: -choice[expert])[:traits.top_k]
+        weights = scores[ranked]
+        if traits.renormalize:
+            weights = weights / weights.sum()
+        all_weights.append(weights * traits.routed_scaling_factor)
         all_ids.append(ranked)
     return torch.stack(all_weights), torch.tensor(all_ids)
 
 
 def traits_of(scoring: str = "softmax_topk", renormalize: bool = True, num_experts: int = 16,
-              top_k: int = 4, router_bias: bool = False) -> MoeTraits:
+              top_k: int = 4, router_bias: bool = False, **routing) -> MoeTraits:
     return MoeTraits(num_experts=num_experts, top_k=top_k, intermediate_size=8, layers=(True,), scoring=scoring,
-                     renormalize=renormalize, router_bias=router_bias)
+                     renormalize=renormalize, router_bias=router_bias, **routing)
 
 
-@pytest.mark.parametrize("scoring,renormalize", [("softmax_topk", True), ("softmax_topk", False),
-                                                 ("topk_softmax", False)])
-def test_routing_equals_float64(scoring, renormalize):
-    traits = traits_of(scoring, renormalize)
-    logits = torch.randn(64, traits.num_experts, generator=torch.Generator().manual_seed(0)) * 3
-    weights, expert_ids = route(logits, traits)
-    expected_weights, expected_ids = float64_route(logits, traits)
+GROUPED = dict(num_groups=4, topk_groups=2, routed_scaling_factor=2.5)  # GLM-4.5's and DeepSeek V3's shape
+GROUPED_CONFIG = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)  # the same in a config.json
+
+
+CORRECTED = dict(biased=True)  # a correction bias on the choice (e_score_correction_bias)
+
+
+@pytest.mark.parametrize("scoring,renormalize,routing", [
+    ("softmax_topk", True, {}), ("softmax_topk", False, {}), ("topk_softmax", False, {}), ("sigmoid_topk", True, {}),
+    ("softmax_topk", True, CORRECTED), ("sigmoid_topk", True, CORRECTED), ("sigmoid_topk", False, GROUPED),
+    ("sigmoid_topk", True, dict(GROUPED, **CORRECTED)), ("sigmoid_topk", False, dict(GROUPED, **CORRECTED)),
+], ids=["softmax", "softmax-not-renormalised", "topk_softmax", "sigmoid", "softmax-corrected", "sigmoid-corrected",
+        "sigmoid-grouped", "sigmoid-grouped-corrected", "sigmoid-grouped-corrected-not-renormalised"])
+def test_routing_equals_float64(scoring, renormalize, routing):
+    routing = dict(routing)
+    biased = routing.pop("biased", False)
+    traits = traits_of(scoring, renormalize, **routing)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, traits.num_experts, generator=generator) * 3
+    bias = torch.randn(traits.num_experts, generator=generator) * 0.5 if biased else None
+    weights, expert_ids = route(logits, traits, bias)
+    expected_weights, expected_ids = float64_route(logits, traits, bias)
     assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
     assert torch.equal(expert_ids, expected_ids)
     torch.testing.assert_close(weights.double(), expected_weights, atol=1e-6, rtol=0)
-    sums = weights.sum(dim=-1)
+    sums = weights.sum(dim=-1) / traits.routed_scaling_factor
     if renormalize or scoring == "topk_softmax":
         torch.testing.assert_close(sums, torch.ones_like(sums))
-    else:
+    elif scoring == "softmax_topk":
         assert bool((sums < 1).all())
+    if biased:  # the bias changes which experts are chosen
+        assert not torch.equal(route(logits, traits)[1], expert_ids)
+    if traits.num_groups > 1:  # each token's experts come from at most topk_groups groups
+        group_size = traits.num_experts // traits.num_groups
+        assert all(len(set((row // group_size).tolist())) <= traits.topk_groups for row in expert_ids)
+        ungrouped = route(logits, replace(traits, num_groups=1), bias)[1]
+        assert not torch.equal(ungrouped, expert_ids)  # and the groups change the choice
 
 
 def test_router_bias_is_added_before_the_top_k():
@@ -91,34 +125,49 @@ def test_router_bias_is_added_before_the_top_k():
     assert not torch.equal(unbiased_ids, ours_ids)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
+                                    "minimax_m2"])
 def test_routing_equals_transformers_routers(family):
-    """Our route() on transformers' router modules' logits picks the same experts with the same weights."""
+    """Our route() on transformers' router modules' logits picks the same experts with the same weights
+    (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id)."""
     from transformers import AutoConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     model_type = family.split("-")[0]
     config = AutoConfig.for_model(model_type, hidden_size=32, num_local_experts=8, num_experts=8, num_experts_per_tok=3,
-                                  norm_topk_prob=family.endswith("renormalised"))
-    router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter}
+                                  norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG)
+    router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
+                    "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter}
     router = router_class[model_type](config)
     torch.manual_seed(2)
+    correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
     with torch.no_grad():
         for parameter in router.parameters():
             parameter.normal_(0.0, 0.5)
+        if model_type == "glm4_moe":
+            router.e_score_correction_bias.copy_(correction_bias)
     traits = {
         "mixtral": traits_of(num_experts=8, top_k=3),
         "qwen3_moe": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
         "gpt_oss": traits_of("topk_softmax", num_experts=8, top_k=3, router_bias=True),
+        "glm4_moe": traits_of("sigmoid_topk", num_experts=8, top_k=3, renormalize=False, **GROUPED),
+        "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
     }[model_type]
     x = torch.randn(40, 32)
     with torch.no_grad():
-        _, hf_weights, hf_ids = router(x)
+        _, hf_weights, hf_ids = router(x, correction_bias) if model_type == "minimax_m2" else router(x)
     bias = router.bias.detach() if model_type == "gpt_oss" else None
-    weights = MoeWeights(traits, router.weight.detach(), bias, (), ())
-    ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits)
+    weights = MoeWeights(traits, router.weight.detach(), bias, (), (), correction_bias=correction_bias)
+    ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits, weights.correction_bias)
+    if model_type in ("glm4_moe", "minimax_m2"):
+        ours_ids, order = ours_ids.sort(dim=-1)
+        ours_weights = ours_weights.gather(1, order)
+        hf_ids, order = hf_ids.sort(dim=-1)
+        hf_weights = hf_weights.gather(1, order)
     assert torch.equal(ours_ids, hf_ids)
     torch.testing.assert_close(ours_weights, hf_weights.float(), atol=1e-6, rtol=1e-6)
 
