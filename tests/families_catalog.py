@@ -75,6 +75,12 @@ MOE_FAMILIES = {
     # 56 in layers 1 and 2; layer 0 dense
     "qwen2_moe": dict(model_type="qwen2_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40,
                       shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[0]),
+    # layer 0 dense (first_k_dense_replace), 1 and 2 MoE: sigmoid scores plus random correction biases choose
+    # the top 3 of 8 experts from the best 2 of 4 groups (n_group), weights renormalised and x 2.5; a shared
+    # expert of width 2 x 32; per-head q/k norms, q, k, v biases, half of each head rotated (the default)
+    "glm4_moe": dict(model_type="glm4_moe", first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+                     n_group=4, topk_group=2, moe_intermediate_size=32, n_shared_experts=2, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, use_qk_norm=True, attention_bias=True),
     # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
     # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
     # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
@@ -85,7 +91,7 @@ MOE_FAMILIES = {
 }
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
-SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")}
+SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

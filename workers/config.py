@@ -2,8 +2,8 @@
 
 Parsed once from a local model directory (config.json, plus generation_config.json for
 EOS ids when present). The shape numbers are common to every family; what a family changes
-in the layer comes from its entry in workers/families.py (mixtral, qwen3_moe and gpt_oss with
-mixture-of-experts MLPs, workers/moe.py).
+in the layer comes from its entry in workers/families.py (mixtral, qwen3_moe, glm4_moe, gpt_oss and
+others with mixture-of-experts MLPs, workers/moe.py).
 
 Quantized checkpoints: config.json's `quantization_config` is parsed by workers/quant_formats.py
 into a QuantSpec (fp8 from compressed-tensors or fbgemm_fp8, 4-bit awq and gptq; gpt-oss's MXFP4
@@ -19,7 +19,7 @@ length, so for "dynamic" the usable context is capped at max_position_embeddings
 long_factor past it, and "yarn" (gpt-oss): frequencies blended between the original and the
 interpolated ones by beta_fast / beta_slow, cos and sin scaled by an attention factor
 (workers/rope.py). `partial_rotary_factor` (top level or inside the
-rope dict) rotates only the first part of each head.
+rope dict; else the family's default) rotates only the first part of each head.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from workers.families import (
     FAMILIES,
     MULTIMODAL_TEXT_MODELS,
     MXFP4_FAMILIES,
+    PARTIAL_ROTARY_DEFAULTS,
     SUPPORTED_MODEL_TYPES,
     FamilyError,
     FamilyPaths,
@@ -258,7 +259,8 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
         params = dict(params.get("full_attention") or {})
     params.update(raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    partial = float(PARTIAL_ROTARY_DEFAULTS.get(raw.get("model_type"), 1.0) if partial is None else partial)
     if not 0.0 < partial <= 1.0:
         raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     rope_type = params.get("rope_type", params.get("type", "default"))

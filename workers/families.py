@@ -44,6 +44,13 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 with a shared expert beside the routed ones: a dense MLP of
                 `shared_expert_intermediate_size` on every token, its output scaled by
                 sigmoid(x . shared_expert_gate) and added
+    glm4_moe    q, k, v biases iff `attention_bias`; per-head q/k norms iff `use_qk_norm`; half of
+                each head rotated (workers/config.py); dense MLPs in the first `first_k_dense_replace`
+                layers, MoE MLPs after them: sigmoid scores, a correction bias on the choice only
+                (e_score_correction_bias), group-limited top k (n_group, topk_group), the unbiased
+                weights renormalised iff `norm_topk_prob` and x routed_scaling_factor; a shared
+                expert (n_shared_experts of moe_intermediate_size, ungated) on every token; its
+                multi-token-prediction layer (model.layers.{num_hidden_layers}) is skipped
     gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
                 (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
                 yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
@@ -86,6 +93,9 @@ class FamilyTraits:
     attention_sinks: bool = False  # each attention layer has a learned sink logit per head (self_attn.sinks)
     logits_scale: float = 1.0  # logits are multiplied by it
     moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
+    # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
+    # GLM-4.5's multi-token-prediction layer), which we do not run and skip at load
+    num_extra_layers: int = 0
 
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax")
@@ -309,6 +319,24 @@ def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
     )
 
 
+def _glm4_moe(raw: dict) -> FamilyTraits:
+    num_layers, width = int(raw["num_hidden_layers"]), int(raw.get("moe_intermediate_size", 1408))
+    first_moe = int(raw.get("first_k_dense_replace", 1))  # the layers before it keep a dense MLP
+    layers = tuple(layer >= first_moe for layer in range(num_layers))
+    moe = MoeTraits(
+        num_experts=int(raw.get("n_routed_experts", raw.get("num_local_experts", 128))),
+        top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=width, layers=layers,
+        scoring="sigmoid_topk", renormalize=bool(raw.get("norm_topk_prob", True)),
+        correction_bias="gate.e_score_correction_bias",
+        num_groups=int(raw.get("n_group", 1)), topk_groups=int(raw.get("topk_group", 1)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        shared_intermediate_size=width * int(raw.get("n_shared_experts", 1)), shared_expert="shared_experts",
+    ) if any(layers) else None
+    return FamilyTraits(qkv_bias=bool(raw.get("attention_bias", False)), o_bias=False,
+                        qk_norm="head" if raw.get("use_qk_norm", False) else None, moe=moe,
+                        num_extra_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1))))
+
+
 def _gpt_oss(raw: dict) -> FamilyTraits:
     num_layers = int(raw["num_hidden_layers"])
     alternating = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(num_layers)]
@@ -341,6 +369,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
+    "glm4_moe": _glm4_moe,
     "gpt_oss": _gpt_oss,
 }
 
@@ -350,6 +379,8 @@ MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+# partial_rotary_factor where a family's config has none (and no rotary_dim): transformers' default for it
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5}
 # tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
 # differences between experts decide the choice, and bf16 would round them away
 FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)

@@ -280,6 +280,8 @@ class PagedLlamaModel:
         lm_head = linear.pack(lm_head_plain)
         if config.tie_word_embeddings and not isinstance(embed, torch.Tensor):
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
+        for index in range(config.num_layers, config.num_layers + config.traits.num_extra_layers):
+            weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's MTP layer)
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
@@ -382,6 +384,10 @@ class _WeightReader:
 
     def discard(self, name: str) -> None:
         self.tensors.pop(name, None)
+
+    def discard_prefix(self, prefix: str) -> None:
+        for name in [name for name in self.tensors if name.startswith(prefix)]:
+            del self.tensors[name]
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))

@@ -267,11 +267,14 @@ def test_logprobs_equal_transformers(moe_dir, path):
 def test_layers_and_model_info(moe_dir):
     config = ModelConfig.from_model_dir(moe_dir)
     settings = CHECKPOINTS[moe_dir.name]
-    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) for layer in range(config.num_layers))
+    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) and
+                            layer >= settings.get("first_k_dense_replace", 0) for layer in range(config.num_layers))
     assert config.traits.moe.layers == expected_layers
     assert config.traits.moe.renormalize == settings.get("norm_topk_prob", True)
-    assert config.traits.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts"))
-    assert config.traits.qk_norm == ("head" if config.model_type == "qwen3_moe" else None)
+    assert config.traits.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts",
+                                                                                           settings.get("n_routed_experts")))
+    qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection"}
+    assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
     assert all((layer.gate_up is None) == (layer.moe is not None) for layer in runner.model.layers)
@@ -299,6 +302,47 @@ def test_qwen3_moe_config_reads_the_sparse_step_and_dense_layers():
                                          sliding_window=512))
     assert mixtral.traits.moe.layers == (True,) * 6 and mixtral.traits.moe.intermediate_size == 128 and mixtral.traits.moe.renormalize
     assert mixtral.max_model_len == 512
+
+
+SHAPE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32)
+
+
+def test_glm4_moe_config_as_published_checkpoints_write_it():
+    """GLM-4.5's keys (first_k_dense_replace, n_group, the default half rotary when absent); a
+    group shape that cannot hold the top k fails in one line."""
+    glm = dict(SHAPE, model_type="glm4_moe", n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+               first_k_dense_replace=2, moe_intermediate_size=24, n_shared_experts=2, routed_scaling_factor=2.5,
+               use_qk_norm=False, num_nextn_predict_layers=1)
+    config = ModelConfig.from_dict(glm)
+    moe = config.traits.moe
+    assert moe.layers == (False, False, True, True) and moe.scoring == "sigmoid_topk" and moe.renormalize
+    assert (moe.num_groups, moe.topk_groups, moe.routed_scaling_factor) == (4, 2, 2.5)
+    assert (moe.shared_intermediate_size, moe.shared_expert_gate) == (48, False)
+    assert config.traits.qk_norm is None and config.rotary_dim == 16 and config.traits.num_extra_layers == 1
+    assert ModelConfig.from_dict(dict(glm, partial_rotary_factor=0.25)).rotary_dim == 8
+    assert ModelConfig.from_dict(dict(glm, first_k_dense_replace=4)).traits.moe is None
+    with pytest.raises(ModelConfigError, match="^top 5 experts from topk_group 1 of 4 groups of 4$"):
+        ModelConfig.from_dict(dict(glm, topk_group=1, num_experts_per_tok=5))
+    with pytest.raises(ModelConfigError, match="16 experts do not split into n_group 3 groups"):
+        ModelConfig.from_dict(dict(glm, n_group=3))
+
+
+def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):
+    """GLM-4.5 checkpoints ship a layer past num_hidden_layers (its MTP module), which we do not run;
+    a bf16 load keeps e_score_correction_bias in fp32, as transformers does."""
+    from workers.loader import read_safetensors
+
+    model_dir = build_tiny_model_dir(tmp_path / "glm4_moe", **CHECKPOINTS["glm4_moe"])
+    tensors = load_file(model_dir / "model.safetensors")
+    extra = {name.replace("layers.2.", "layers.3."): tensor for name, tensor in tensors.items() if "layers.2." in name}
+    model = load_tensors(model_dir, dict(tensors, **extra, **{"model.layers.3.eh_proj.weight": torch.ones(2, 2)}))
+    assert len(model.layers) == 3
+    with pytest.raises(WeightError, match="unexpected tensors: model.layers.4."):
+        load_tensors(model_dir, dict(tensors, **{name.replace("layers.3.", "layers.4."): t for name, t in extra.items()}))
+    bf16 = read_safetensors(model_dir, torch.bfloat16)
+    assert bf16["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 
 def load_tensors(model_dir, tensors: dict, **kwargs) -> PagedLlamaModel:
