@@ -19,7 +19,8 @@ length, so for "dynamic" the usable context is capped at max_position_embeddings
 long_factor past it, and "yarn" (gpt-oss): frequencies blended between the original and the
 interpolated ones by beta_fast / beta_slow, cos and sin scaled by an attention factor
 (workers/rope.py). `partial_rotary_factor` (top level or inside the
-rope dict; else the family's default) rotates only the first part of each head.
+rope dict; or `rotary_dim` / head_dim; else the family's default) rotates only the first part of
+each head.
 """
 
 from __future__ import annotations
@@ -260,6 +261,9 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
     params.update(raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is None and raw.get("rotary_dim"):  # MiniMax-M2: the rotated width itself
+        num_heads = int(raw.get("num_attention_heads") or 1)
+        partial = int(raw["rotary_dim"]) / int(raw.get("head_dim") or int(raw.get("hidden_size", 0)) // num_heads)
     partial = float(PARTIAL_ROTARY_DEFAULTS.get(raw.get("model_type"), 1.0) if partial is None else partial)
     if not 0.0 < partial <= 1.0:
         raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")

@@ -51,6 +51,9 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 weights renormalised iff `norm_topk_prob` and x routed_scaling_factor; a shared
                 expert (n_shared_experts of moe_intermediate_size, ungated) on every token; its
                 multi-token-prediction layer (model.layers.{num_hidden_layers}) is skipped
+    minimax_m2  q and k RMSNorms over the whole projections (as olmo2); `rotary_dim` of each head
+                rotated; every MLP MoE (block_sparse_moe, w1/w3/w2): sigmoid scores plus a
+                correction bias choose the top k, the unbiased weights renormalised
     gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
                 (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
                 yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
@@ -337,6 +340,16 @@ def _glm4_moe(raw: dict) -> FamilyTraits:
                         num_extra_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1))))
 
 
+def _minimax_m2(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    moe = MoeTraits(
+        num_experts=int(raw.get("num_local_experts", 256)), top_k=int(raw.get("num_experts_per_tok", 8)),
+        intermediate_size=int(raw["intermediate_size"]), layers=(True,) * num_layers, scoring="sigmoid_topk",
+        correction_bias="e_score_correction_bias", block="block_sparse_moe", expert_projections=("w1", "w3", "w2"),
+    )
+    return FamilyTraits(qkv_bias=False, o_bias=False, qk_norm="projection", moe=moe)
+
+
 def _gpt_oss(raw: dict) -> FamilyTraits:
     num_layers = int(raw["num_hidden_layers"])
     alternating = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(num_layers)]
@@ -370,6 +383,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
     "glm4_moe": _glm4_moe,
+    "minimax_m2": _minimax_m2,
     "gpt_oss": _gpt_oss,
 }
 

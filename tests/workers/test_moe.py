@@ -328,6 +328,12 @@ def test_glm4_moe_config_as_published_checkpoints_write_it():
         ModelConfig.from_dict(dict(glm, n_group=3))
 
 
+def test_minimax_m2_config_reads_rotary_dim():
+    minimax = ModelConfig.from_dict(dict(SHAPE, model_type="minimax_m2", num_local_experts=8, rotary_dim=8))
+    assert minimax.rotary_dim == 8 and minimax.traits.qk_norm == "projection"
+    assert minimax.traits.moe.correction_bias == "e_score_correction_bias" and minimax.traits.moe.num_groups == 1
+
+
 def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):
     """GLM-4.5 checkpoints ship a layer past num_hidden_layers (its MTP module), which we do not run;
     a bf16 load keeps e_score_correction_bias in fp32, as transformers does."""
