@@ -85,6 +85,10 @@ MOE_FAMILIES = {
     # the whole projection; a rotary_dim of 8 of head_dim 16; the classic per-expert tensors (block_sparse_moe)
     "minimax_m2": dict(model_type="minimax_m2", num_local_experts=6, num_experts_per_tok=2, intermediate_size=48,
                        head_dim=16, rotary_dim=8),
+    # RoPE over interleaved pairs; layer 0 dense (moe_layer_start_index), 1 and 2 MoE: softmax scores plus random
+    # correction biases ([1, E]) choose the top 2 of 6 experts, renormalised; a shared expert of width 2 x 32
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", moe_num_experts=6, moe_k=2, moe_intermediate_size=32,
+                         moe_num_shared_experts=2, moe_layer_start_index=1),
     # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
     # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
     # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
@@ -96,7 +100,7 @@ MOE_FAMILIES = {
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
 SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
-                                                  "gpt_oss")}
+                                                  "ernie4_5_moe", "gpt_oss")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

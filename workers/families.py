@@ -54,6 +54,11 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     minimax_m2  q and k RMSNorms over the whole projections (as olmo2); `rotary_dim` of each head
                 rotated; every MLP MoE (block_sparse_moe, w1/w3/w2): sigmoid scores plus a
                 correction bias choose the top k, the unbiased weights renormalised
+    ernie4_5_moe llama's attention with RoPE over interleaved pairs (FamilyTraits.rope_interleaved);
+                MoE MLPs in every moe_layer_interval-th layer from moe_layer_start_index to
+                moe_layer_end_index, dense ones elsewhere: softmax scores plus a correction bias
+                (moe_statics.e_score_correction_bias, [1, E]) choose the top moe_k, the unbiased
+                weights renormalised; moe_num_shared_experts shared experts on every token
     gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
                 (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
                 yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
@@ -90,6 +95,10 @@ class FamilyTraits:
     logits_softcap: float | None = None  # final logits soft-capped the same way (Gemma 2)
     local_rope_layers: tuple[bool, ...] | None = None  # per layer: uses the local RoPE base (Gemma 3's sliding layers)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
+    # RoPE rotates interleaved pairs (2i, 2i + 1) of each head (ERNIE 4.5), not halves: q_proj's and k_proj's
+    # rows are reordered at load into halves, which our RoPE rotates alike (q and k move together: the scores
+    # are unchanged); no family with it has q/k norms or LoRA-adapted q/k
+    rope_interleaved: bool = False
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
     attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
@@ -119,9 +128,10 @@ class MoeTraits:
     #                                "sigmoid_topk": each logit's sigmoid, then the top k;
     #                                "topk_softmax": the top k logits, then softmax over those k
     renormalize: bool = True  # softmax_topk, sigmoid_topk: the k weights are divided by their sum
-    # a per-expert bias added to the scores only to choose the k (the weights stay unbiased), the tensor's
-    # name under the block (GLM-4.5: "gate.e_score_correction_bias"); None: none
-    correction_bias: str | None = None
+    # a per-expert bias added to the scores only to choose the k (the weights stay unbiased): the names its
+    # tensor ([E], or [1, E]) may have under the block, the first present is read (GLM-4.5:
+    # "gate.e_score_correction_bias"); (): none
+    correction_bias: tuple[str, ...] = ()
     # group-limited top k: the experts are num_groups equal groups, each scored by the sum of its two best
     # (biased) scores, and only the experts of the topk_groups best groups can be chosen; 1: no groups
     num_groups: int = 1
@@ -330,7 +340,7 @@ def _glm4_moe(raw: dict) -> FamilyTraits:
         num_experts=int(raw.get("n_routed_experts", raw.get("num_local_experts", 128))),
         top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=width, layers=layers,
         scoring="sigmoid_topk", renormalize=bool(raw.get("norm_topk_prob", True)),
-        correction_bias="gate.e_score_correction_bias",
+        correction_bias=("gate.e_score_correction_bias",),
         num_groups=int(raw.get("n_group", 1)), topk_groups=int(raw.get("topk_group", 1)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         shared_intermediate_size=width * int(raw.get("n_shared_experts", 1)), shared_expert="shared_experts",
@@ -345,9 +355,28 @@ def _minimax_m2(raw: dict) -> FamilyTraits:
     moe = MoeTraits(
         num_experts=int(raw.get("num_local_experts", 256)), top_k=int(raw.get("num_experts_per_tok", 8)),
         intermediate_size=int(raw["intermediate_size"]), layers=(True,) * num_layers, scoring="sigmoid_topk",
-        correction_bias="e_score_correction_bias", block="block_sparse_moe", expert_projections=("w1", "w3", "w2"),
+        correction_bias=("e_score_correction_bias",), block="block_sparse_moe", expert_projections=("w1", "w3", "w2"),
     )
     return FamilyTraits(qkv_bias=False, o_bias=False, qk_norm="projection", moe=moe)
+
+
+def _ernie4_5_moe(raw: dict) -> FamilyTraits:
+    if raw.get("use_bias", False):
+        raise FamilyError("ernie4_5_moe with use_bias=true is not supported")
+    num_layers, width = int(raw["num_hidden_layers"]), int(raw.get("moe_intermediate_size", 1536))
+    num_experts, interval = int(raw.get("moe_num_experts", 64)), int(raw.get("moe_layer_interval", 1))
+    first, last = int(raw.get("moe_layer_start_index", 1)), int(raw.get("moe_layer_end_index", -1))
+    last = num_layers - 1 if last == -1 else last
+    if interval < 1:
+        raise FamilyError(f"moe_layer_interval {interval} is not a positive layer interval")
+    layers = tuple(num_experts > 0 and (layer + 1) % interval == 0 and first <= layer <= last
+                   for layer in range(num_layers))
+    moe = MoeTraits(
+        num_experts=num_experts, top_k=int(raw.get("moe_k", 6)), intermediate_size=width, layers=layers,
+        correction_bias=("moe_statics.e_score_correction_bias", "gate.moe_statics.e_score_correction_bias"),
+        shared_intermediate_size=width * int(raw.get("moe_num_shared_experts", 2)), shared_expert="shared_experts",
+    ) if any(layers) else None
+    return FamilyTraits(qkv_bias=False, o_bias=False, rope_interleaved=True, moe=moe)
 
 
 def _gpt_oss(raw: dict) -> FamilyTraits:
@@ -384,6 +413,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "qwen2_moe": _qwen2_moe,
     "glm4_moe": _glm4_moe,
     "minimax_m2": _minimax_m2,
+    "ernie4_5_moe": _ernie4_5_moe,
     "gpt_oss": _gpt_oss,
 }
 

@@ -389,6 +389,20 @@ class _WeightReader:
         for name in [name for name in self.tensors if name.startswith(prefix)]:
             del self.tensors[name]
 
+    def deinterleave_rope(self, name: str, num_heads: int) -> None:
+        """Reorders each head's rows of name.weight and name.bias (where present) from RoPE's
+        interleaved pairs (2i, 2i + 1) to halves (i, i + rotary_dim / 2), in place in the checkpoint."""
+        head_dim, rotary = self.config.head_dim, self.config.rotary_dim
+        order = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)))
+        for tensor_name in (name + ".weight", name + ".bias"):
+            tensor = self.tensors.get(tensor_name)
+            if tensor is None or tensor.shape[0] != num_heads * head_dim:
+                continue  # absent or misshapen: take() says which
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightError(f"{tensor_name} is a {tensor.label} weight; interleaved RoPE needs it plain")
+            per_head = tensor.reshape(num_heads, head_dim, *tensor.shape[1:])
+            self.tensors[tensor_name] = per_head[:, order].reshape(tensor.shape)
+
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))
 
@@ -425,6 +439,9 @@ class _WeightReader:
         else:
             gate_up_rows = [c.intermediate_size] * 2
         norms = _NORM_NAMES[c.traits.norms]
+        if c.traits.rope_interleaved:
+            self.deinterleave_rope(attn + "q_proj", c.num_heads)
+            self.deinterleave_rope(attn + "k_proj", c.num_kv_heads)
         q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
                                       if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None

@@ -180,8 +180,8 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
     router = reader.take(router_name + "weight", (traits.num_experts, hidden))
     router_bias = reader.take(router_name + "bias", (traits.num_experts,)).float() if traits.router_bias else None
     correction_bias = None
-    if traits.correction_bias is not None:
-        correction_bias = reader.take(block + traits.correction_bias, (traits.num_experts,)).float()
+    if traits.correction_bias:
+        correction_bias = _take_correction_bias(reader, block, traits)
     stacked = None
     # CUDA: the fused Triton kernel reads the experts stacked (the per-expert tensors become views of
     # the stack); it has no expert biases or clamped SwiGLU, so gpt-oss runs the per-expert loop there
@@ -205,6 +205,16 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
         down_bias=None if down_bias is None else tuple(b.contiguous() for b in down_bias),
         stacked=stacked,
     )
+
+
+def _take_correction_bias(reader, block: str, traits: MoeTraits) -> torch.Tensor:
+    """The block's correction bias, fp32 [E], under the first of its names present (the last one's
+    WeightError where none is); [1, E] is ERNIE 4.5's shape (one row per expert group)."""
+    name = next((block + n for n in traits.correction_bias if block + n in reader.tensors),
+                block + traits.correction_bias[-1])
+    stored = reader.tensors.get(name)
+    one_row = stored is not None and tuple(stored.shape) == (1, traits.num_experts)
+    return reader.take(name, (1, traits.num_experts) if one_row else (traits.num_experts,)).float().view(-1)
 
 
 def _read_stacked_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, str]:

@@ -126,11 +126,12 @@ def test_router_bias_is_added_before_the_top_k():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
-                                    "minimax_m2"])
+                                    "minimax_m2", "ernie4_5_moe"])
 def test_routing_equals_transformers_routers(family):
     """Our route() on transformers' router modules' logits picks the same experts with the same weights
     (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id)."""
     from transformers import AutoConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
@@ -141,7 +142,8 @@ def test_routing_equals_transformers_routers(family):
     config = AutoConfig.for_model(model_type, hidden_size=32, num_local_experts=8, num_experts=8, num_experts_per_tok=3,
                                   norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG)
     router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
-                    "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter}
+                    "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter,
+                    "ernie4_5_moe": Ernie4_5_MoeTopKRouter}
     router = router_class[model_type](config)
     torch.manual_seed(2)
     correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
@@ -150,12 +152,15 @@ def test_routing_equals_transformers_routers(family):
             parameter.normal_(0.0, 0.5)
         if model_type == "glm4_moe":
             router.e_score_correction_bias.copy_(correction_bias)
+    if model_type == "ernie4_5_moe":  # a parameter of its own, [1, E], drawn above
+        correction_bias = router.moe_statics.e_score_correction_bias.detach().view(-1)
     traits = {
         "mixtral": traits_of(num_experts=8, top_k=3),
         "qwen3_moe": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
         "gpt_oss": traits_of("topk_softmax", num_experts=8, top_k=3, router_bias=True),
         "glm4_moe": traits_of("sigmoid_topk", num_experts=8, top_k=3, renormalize=False, **GROUPED),
         "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
+        "ernie4_5_moe": traits_of(num_experts=8, top_k=3),
     }[model_type]
     x = torch.randn(40, 32)
     with torch.no_grad():
@@ -267,12 +272,14 @@ def test_logprobs_equal_transformers(moe_dir, path):
 def test_layers_and_model_info(moe_dir):
     config = ModelConfig.from_model_dir(moe_dir)
     settings = CHECKPOINTS[moe_dir.name]
-    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) and
-                            layer >= settings.get("first_k_dense_replace", 0) for layer in range(config.num_layers))
+    first_moe = settings.get("first_k_dense_replace", settings.get("moe_layer_start_index", 0))
+    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) and layer >= first_moe
+                            for layer in range(config.num_layers))
     assert config.traits.moe.layers == expected_layers
     assert config.traits.moe.renormalize == settings.get("norm_topk_prob", True)
-    assert config.traits.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts",
-                                                                                           settings.get("n_routed_experts")))
+    num_experts = next(settings[key] for key in ("num_local_experts", "num_experts", "n_routed_experts",
+                                                 "moe_num_experts") if key in settings)
+    assert config.traits.moe.num_experts == num_experts
     qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection"}
     assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
@@ -331,7 +338,20 @@ def test_glm4_moe_config_as_published_checkpoints_write_it():
 def test_minimax_m2_config_reads_rotary_dim():
     minimax = ModelConfig.from_dict(dict(SHAPE, model_type="minimax_m2", num_local_experts=8, rotary_dim=8))
     assert minimax.rotary_dim == 8 and minimax.traits.qk_norm == "projection"
-    assert minimax.traits.moe.correction_bias == "e_score_correction_bias" and minimax.traits.moe.num_groups == 1
+    assert minimax.traits.moe.correction_bias == ("e_score_correction_bias",) and minimax.traits.moe.num_groups == 1
+
+
+def test_ernie4_5_moe_config_reads_its_moe_layers():
+    ernie = dict(SHAPE, model_type="ernie4_5_moe", num_hidden_layers=6, moe_num_experts=8, moe_k=2,
+                 moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=2, moe_num_shared_experts=1,
+                 moe_intermediate_size=24)
+    config = ModelConfig.from_dict(ernie)
+    assert config.traits.moe.layers == (False, True, False, True, False, False) and config.traits.rope_interleaved
+    assert config.traits.moe.correction_bias[0] == "moe_statics.e_score_correction_bias"
+    assert config.traits.moe.shared_intermediate_size == 24 and config.traits.moe.scoring == "softmax_topk"
+    assert ModelConfig.from_dict(dict(ernie, moe_layer_end_index=-1)).traits.moe.layers[5]
+    with pytest.raises(ModelConfigError, match="use_bias"):
+        ModelConfig.from_dict(dict(ernie, use_bias=True))
 
 
 def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):
