@@ -89,6 +89,10 @@ MOE_FAMILIES = {
     # correction biases ([1, E]) choose the top 2 of 6 experts, renormalised; a shared expert of width 2 x 32
     "ernie4_5_moe": dict(model_type="ernie4_5_moe", moe_num_experts=6, moe_k=2, moe_intermediate_size=32,
                          moe_num_shared_experts=2, moe_layer_start_index=1),
+    # per-head q/k norms after RoPE, RoPE "dynamic" with Hunyuan's alpha (a fixed larger base); every layer MoE:
+    # top 2 of 6 experts of width 48 (softmax, renormalised) plus a shared MLP of that width
+    "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", num_experts=6, moe_topk=2, intermediate_size=48, head_dim=16,
+                           rope_parameters=dict(rope_type="dynamic", alpha=50.0, factor=1.0, rope_theta=10000.0)),
     # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
     # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
     # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
@@ -100,7 +104,7 @@ MOE_FAMILIES = {
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
 SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
-                                                  "ernie4_5_moe", "gpt_oss")}
+                                                  "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

@@ -14,7 +14,8 @@ names it and lists what is supported. The loader dequantizes the weights at load
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
 "llama3", "dynamic" (NTK), which equals the default inside the original context
-length, so for "dynamic" the usable context is capped at max_position_embeddings,
+length, so for "dynamic" the usable context is capped at max_position_embeddings (with an
+`alpha`, Hunyuan's, the base is fixed: theta * alpha ** (head_dim / (head_dim - 2)), no cap),
 "longrope" (Phi-3): short_factor for positions inside original_max_position_embeddings,
 long_factor past it, and "yarn" (gpt-oss): frequencies blended between the original and the
 interpolated ones by beta_fast / beta_slow, cos and sin scaled by an attention factor
@@ -203,7 +204,7 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            head_dim=_head_dim(raw),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -262,13 +263,15 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial is None and raw.get("rotary_dim"):  # MiniMax-M2: the rotated width itself
-        num_heads = int(raw.get("num_attention_heads") or 1)
-        partial = int(raw["rotary_dim"]) / int(raw.get("head_dim") or int(raw.get("hidden_size", 0)) // num_heads)
+        partial = int(raw["rotary_dim"]) / _head_dim(raw)
     partial = float(PARTIAL_ROTARY_DEFAULTS.get(raw.get("model_type"), 1.0) if partial is None else partial)
     if not 0.0 < partial <= 1.0:
         raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     rope_type = params.get("rope_type", params.get("type", "default"))
     rope_type = rope_type_of(raw.get("model_type"), rope_type)
+    if rope_type == "dynamic" and params.get("alpha"):  # Hunyuan's NTK alpha: a fixed base, whatever the length
+        head_dim = _head_dim(raw)
+        theta, rope_type = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2)), "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope scaling {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
@@ -290,6 +293,10 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
         scaling = _yarn(raw, params, scaling)
     local_theta = float((local or {}).get("rope_theta", raw.get("rope_local_base_freq", theta)))
     return theta, scaling, partial, local_theta
+
+
+def _head_dim(raw: dict) -> int:
+    return int(raw.get("head_dim") or int(raw.get("hidden_size", 0)) // int(raw.get("num_attention_heads") or 1))
 
 
 def _longrope(raw: dict, params: dict, scaling: RopeScaling) -> RopeScaling:

@@ -59,6 +59,10 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 moe_layer_end_index, dense ones elsewhere: softmax scores plus a correction bias
                 (moe_statics.e_score_correction_bias, [1, E]) choose the top moe_k, the unbiased
                 weights renormalised; moe_num_shared_experts shared experts on every token
+    hunyuan_v1_moe  per-head q/k norms after RoPE (query_layernorm, key_layernorm); RoPE "dynamic"
+                with an `alpha` is a fixed larger base (workers/config.py); every MLP a MoE
+                (softmax, top moe_topk, renormalised; router mlp.gate.wg) of experts of
+                intermediate_size, plus a shared MLP of that width (shared_mlp) on every token
     gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
                 (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
                 yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
@@ -86,7 +90,9 @@ class FamilyTraits:
     o_bias: bool  # the output projection carries a bias
     sliding_window: int | None = None  # one window for every layer (caps the served context); None: full
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (each head, weights [head_dim]) or
-    #                             "projection" (the whole q and the whole k, weights [heads * head_dim])
+    #                             "projection" (the whole q and the whole k, weights [heads * head_dim]);
+    #                             or after RoPE: "head_after_rope" (each rotated head: Hunyuan)
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")  # their tensors: self_attn.{name}.weight
     norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output instead (OLMo 2)
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
     norm_weight_offset: float = 0.0  # every RMSNorm multiplies by (offset + w): Gemma's 1
@@ -379,6 +385,25 @@ def _ernie4_5_moe(raw: dict) -> FamilyTraits:
     return FamilyTraits(qkv_bias=False, o_bias=False, rope_interleaved=True, moe=moe)
 
 
+def _hunyuan_v1_moe(raw: dict) -> FamilyTraits:
+    num_layers, width = int(raw["num_hidden_layers"]), int(raw["intermediate_size"])
+
+    def one_value(key: str, default: int) -> int:  # published configs list some per layer
+        values = raw.get(key, default)
+        values = set(values) if isinstance(values, list) else {values}
+        if len(values) != 1:
+            raise FamilyError(f"hunyuan_v1_moe with {key} varying between layers is not supported")
+        return int(values.pop())
+
+    moe = MoeTraits(  # transformers' HunYuanMoEV1Moe: experts and shared MLP of intermediate_size, every layer
+        num_experts=one_value("num_experts", 1), top_k=one_value("moe_topk", 1), intermediate_size=width,
+        layers=(True,) * num_layers, router="gate.wg", shared_intermediate_size=width, shared_expert="shared_mlp",
+    )
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head_after_rope",
+                        qk_norm_names=("query_layernorm", "key_layernorm"), moe=moe)
+
+
 def _gpt_oss(raw: dict) -> FamilyTraits:
     num_layers = int(raw["num_hidden_layers"])
     alternating = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(num_layers)]
@@ -414,6 +439,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "glm4_moe": _glm4_moe,
     "minimax_m2": _minimax_m2,
     "ernie4_5_moe": _ernie4_5_moe,
+    "hunyuan_v1_moe": _hunyuan_v1_moe,
     "gpt_oss": _gpt_oss,
 }
 
@@ -445,8 +471,9 @@ class FamilyPaths:
 def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     moe = "mixture-of-experts layers" if traits.moe is not None else None
     multiplier = "a residual multiplier" if traits.residual_multiplier != 1.0 else None
-    return FamilyPaths(
-        c_layer_loop=moe,  # the experts' MLP has no C form: the Python loop runs it over our kernels
+    late_norms = "q/k norms after RoPE" if traits.qk_norm == "head_after_rope" else None
+    return FamilyPaths(  # the experts' MLP and late q/k norms have no C form: the Python loop runs them
+        c_layer_loop=", ".join(why for why in (moe, late_norms) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         packed_quant_on_cuda=", ".join(why for why in (moe, multiplier) if why) or None,  # grouped experts take

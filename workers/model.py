@@ -114,6 +114,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
     qk_norm_whole: bool = False  # q_norm [heads * head_dim] and k_norm span the whole projection (OLMo 2)
+    qk_norm_after_rope: bool = False  # the q/k norms apply to the rotated heads (Hunyuan), not before RoPE
     attn_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP's output (OLMo 2)
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
@@ -242,7 +243,7 @@ class PagedLlamaModel:
         """o_proj(attention) of the normed hidden states x; writes this step's k/v into the pool."""
         config = self.config
         qkv = self._product(x, layer.qkv, layer.qkv_bias, lora, index, "qkv")
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and not layer.qk_norm_after_rope:
             self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
                                    config.rms_norm_eps, layer.qk_norm_whole)
         if layer.use_rope:
@@ -250,6 +251,9 @@ class PagedLlamaModel:
             q, k, v = self.ops.rope(qkv, positions, rope, config.num_heads, config.num_kv_heads)
         else:
             q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
+        if layer.qk_norm_after_rope:  # each rotated head [tokens, heads, head_dim] over its head_dim
+            q = F.rms_norm(q, (config.head_dim,), layer.q_norm, config.rms_norm_eps)
+            k = F.rms_norm(k, (config.head_dim,), layer.k_norm, config.rms_norm_eps)
         step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
         return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
@@ -466,9 +470,10 @@ class _WeightReader:
             down_bias=(
                 self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
             ),
-            q_norm=self.take_norm(attn, "q_norm", q_norm_width) if c.traits.qk_norm else None,
-            k_norm=self.take_norm(attn, "k_norm", k_norm_width) if c.traits.qk_norm else None,
+            q_norm=self.take_norm(attn, c.traits.qk_norm_names[0], q_norm_width) if c.traits.qk_norm else None,
+            k_norm=self.take_norm(attn, c.traits.qk_norm_names[1], k_norm_width) if c.traits.qk_norm else None,
             qk_norm_whole=c.traits.qk_norm == "projection",
+            qk_norm_after_rope=c.traits.qk_norm == "head_after_rope",
             attn_out_norm=self.take_norm(prefix, norms["attn_out_norm"]),
             mlp_out_norm=self.take_norm(prefix, norms["mlp_out_norm"]),
             use_rope=c.uses_rope(index),

@@ -280,7 +280,8 @@ def test_layers_and_model_info(moe_dir):
     num_experts = next(settings[key] for key in ("num_local_experts", "num_experts", "n_routed_experts",
                                                  "moe_num_experts") if key in settings)
     assert config.traits.moe.num_experts == num_experts
-    qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection"}
+    qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection",
+                "hunyuan_v1_moe": "head_after_rope"}
     assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
@@ -352,6 +353,19 @@ def test_ernie4_5_moe_config_reads_its_moe_layers():
     assert ModelConfig.from_dict(dict(ernie, moe_layer_end_index=-1)).traits.moe.layers[5]
     with pytest.raises(ModelConfigError, match="use_bias"):
         ModelConfig.from_dict(dict(ernie, use_bias=True))
+
+
+def test_hunyuan_v1_moe_config_as_published_checkpoints_write_it():
+    """Hunyuan-A13B's config: per-layer lists of one value, RoPE "dynamic" with alpha (a fixed base
+    theta * alpha ** (d / (d - 2)), no length-dependent scaling); q/k norms after RoPE keep the C loop off."""
+    hunyuan = dict(SHAPE, model_type="hunyuan_v1_moe", num_experts=8, moe_topk=[2] * 4,
+                   rope_scaling=dict(type="dynamic", alpha=1000.0, factor=1.0), rope_theta=10000.0)
+    config = ModelConfig.from_dict(hunyuan)
+    assert (config.traits.moe.top_k, config.traits.moe.num_experts, config.traits.qk_norm) == (2, 8, "head_after_rope")
+    assert config.rope_scaling.rope_type == "default" and config.rope_theta == 10000.0 * 1000.0 ** (32 / 30)
+    assert "q/k norms after RoPE" in config.paths.c_layer_loop
+    with pytest.raises(ModelConfigError, match="moe_topk varying between layers"):
+        ModelConfig.from_dict(dict(hunyuan, moe_topk=[2, 2, 4, 2]))
 
 
 def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):
