@@ -102,8 +102,8 @@ class FamilyTraits:
     local_rope_layers: tuple[bool, ...] | None = None  # per layer: uses the local RoPE base (Gemma 3's sliding layers)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
     # RoPE rotates interleaved pairs (2i, 2i + 1) of each head (ERNIE 4.5), not halves: q_proj's and k_proj's
-    # rows are reordered at load into halves, which our RoPE rotates alike (q and k move together: the scores
-    # are unchanged); no family with it has q/k norms or LoRA-adapted q/k
+    # rows (and LoRA B's) are reordered at load into halves, which our RoPE rotates alike (q and k move
+    # together: the scores are unchanged; workers/rope.py, deinterleave_rows); no family with it has q/k norms
     rope_interleaved: bool = False
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add

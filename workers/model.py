@@ -59,7 +59,7 @@ from workers.linear import LinearWeight, NativeLinear, OneDnnLinear, TorchLinear
 from workers.lora import StepLora
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
-from workers.rope import RotaryEmbedding
+from workers.rope import RotaryEmbedding, deinterleave_rows
 
 logger = logging.getLogger(__name__)
 
@@ -394,18 +394,15 @@ class _WeightReader:
             del self.tensors[name]
 
     def deinterleave_rope(self, name: str, num_heads: int) -> None:
-        """Reorders each head's rows of name.weight and name.bias (where present) from RoPE's
-        interleaved pairs (2i, 2i + 1) to halves (i, i + rotary_dim / 2), in place in the checkpoint."""
-        head_dim, rotary = self.config.head_dim, self.config.rotary_dim
-        order = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)))
+        """name.weight's and name.bias's rows (where present) reordered in the checkpoint from RoPE's
+        interleaved pairs to halves (workers/rope.py, deinterleave_rows)."""
         for tensor_name in (name + ".weight", name + ".bias"):
             tensor = self.tensors.get(tensor_name)
-            if tensor is None or tensor.shape[0] != num_heads * head_dim:
+            if tensor is None or tensor.shape[0] != num_heads * self.config.head_dim:
                 continue  # absent or misshapen: take() says which
             if not isinstance(tensor, torch.Tensor):
                 raise WeightError(f"{tensor_name} is a {tensor.label} weight; interleaved RoPE needs it plain")
-            per_head = tensor.reshape(num_heads, head_dim, *tensor.shape[1:])
-            self.tensors[tensor_name] = per_head[:, order].reshape(tensor.shape)
+            self.tensors[tensor_name] = deinterleave_rows(tensor, num_heads, self.config)
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))
