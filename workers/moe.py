@@ -93,7 +93,7 @@ def route(logits: torch.Tensor, traits: MoeTraits,
 def _limit_to_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
     """choice [tokens, E] with -inf outside each token's topk_groups groups (of E / num_groups
     experts) whose two largest scores sum highest."""
-    grouped = choice.view(choice.shape[0], num_groups, -1)  # [tokens, groups, experts per group]
+    grouped = choice.view(choice.shape[0], num_groups, choice.shape[1] // num_groups)  # [tokens, groups, per group]
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, groups]
     best_groups = group_scores.topk(topk_groups, dim=-1)[1]
     kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)

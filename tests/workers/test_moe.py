@@ -109,6 +109,8 @@ def test_routing_equals_float64(scoring, renormalize, routing):
         assert all(len(set((row // group_size).tolist())) <= traits.topk_groups for row in expert_ids)
         ungrouped = route(logits, replace(traits, num_groups=1), bias)[1]
         assert not torch.equal(ungrouped, expert_ids)  # and the groups change the choice
+    empty_weights, empty_ids = route(logits[:0], traits, bias)  # a step with no tokens
+    assert empty_weights.shape == empty_ids.shape == (0, traits.top_k)
 
 
 def test_router_bias_is_added_before_the_top_k():
