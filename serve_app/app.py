@@ -240,7 +240,7 @@ class OpenAIIngress:
                      "cuda_graph_batch_sizes": list(info.cuda_graph_batch_sizes), "model_type": info.model_type,
                      "layer_loop": info.layer_loop, "layer_ops": info.layer_ops,
                      "linear_backend": info.linear_backend, "quantization": info.quantization,
-                     "isa": dict(info.isa), "lora": info.lora,
+                     "isa": dict(info.isa), "lora": info.lora, "kv_cache_kind": info.kv_cache_kind,
                      "step_costs": None if info.step_costs is None else dataclasses.asdict(info.step_costs)},
             reasoning_parser=choose_reasoning_parser(tokenizer.chat_template, self._args.reasoning_parser,
                                                      tokenizer.keeps_text(THINK_OPEN + "x" + THINK_CLOSE)),

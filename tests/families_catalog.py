@@ -56,6 +56,16 @@ FAMILIES = {
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                                       short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.0, 3.0, 4.5])),
+    # multi-head latent attention over a latent cache, every layer dense (first_k_dense_replace: all of them);
+    # q through the low-rank pair, interleaved RoPE, attention biases, yarn with mscale_all_dim (the softmax scale)
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=3, q_lora_rank=24,
+                        kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, attention_bias=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                             mscale_all_dim=0.7, original_max_position_embeddings=256)),
+    # the same with one q_proj (q_lora_rank null), RoPE in halves, no biases, no scaling
+    "deepseek_v3-q-proj": dict(model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=3,
+                               q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                               v_head_dim=10, rope_interleave=False),
 }
 
 # mixtures of experts (tests/workers/test_moe.py)

@@ -82,7 +82,7 @@ class ModelConfig:
     num_layers: int  # decoder layers
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA: num_heads % num_kv_heads == 0)
-    head_dim: int  # per-head width
+    head_dim: int  # per-head width (MLA: the RoPE part's, qk_rope_head_dim; traits.mla has the others)
     rms_norm_eps: float
     rope_theta: float  # RoPE base
     rope_scaling: RopeScaling  # rope_type "default" when the config has none
@@ -105,6 +105,12 @@ class ModelConfig:
     def paths(self) -> FamilyPaths:
         """Which of our paths this model can take (C layer loop, native GGUF, packed quantized on CUDA)."""
         return family_paths(self.model_type, self.traits)
+
+    def kv_elements_per_token(self, layer: int) -> int:
+        """Values one token keeps in layer's pool: per-head keys and values, or MLA's latent and RoPE key."""
+        if self.traits.mla is not None:
+            return self.traits.mla.cache_width
+        return 2 * self.num_kv_heads * self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.traits.moe is not None and self.traits.moe.layers[layer]
@@ -193,6 +199,8 @@ class ModelConfig:
             traits = FAMILIES[model_type](raw)
         except FamilyError as error:
             raise ModelConfigError(str(error)) from None
+        if traits.mla is not None and partial_rotary_factor != 1.0:
+            raise ModelConfigError("partial_rotary_factor with multi-head latent attention is not supported")
         caps = {name: float(getattr(traits, name)) for name in ("attention_softcap", "logits_softcap")
                 if getattr(traits, name) is not None}
         traits = dataclasses.replace(traits, **caps)
@@ -204,7 +212,8 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_head_dim(raw),
+            # MLA (DeepSeek V3): the RoPE width, qk_rope_head_dim (the heads' other widths: traits.mla)
+            head_dim=traits.mla.qk_rope_head_dim if traits.mla else _head_dim(raw),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

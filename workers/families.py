@@ -69,6 +69,11 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 top k logits, then a softmax over those k; experts with biases, stored [E, in, out]
                 with gate and up interleaved (or MXFP4 blocks and scales, dequantized at load), and a
                 clamped SwiGLU (swiglu_limit, swiglu_alpha)
+    deepseek_v3 multi-head latent attention in every layer (MlaTraits, workers/mla.py): q through a
+                low-rank pair (q_a_proj, q_a_layernorm, q_b_proj) or q_proj; one latent and one
+                shared RoPE key per token (kv_a_proj_with_mqa, kv_a_layernorm), expanded per head by
+                kv_b_proj; DeepSeek's interleaved RoPE; yarn's mscale_all_dim squared in the scale.
+                Only configs whose every layer is dense (first_k_dense_replace >= layers)
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -76,6 +81,7 @@ checkpoints with transformers' own classes and compare greedy tokens).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -111,8 +117,9 @@ class FamilyTraits:
     attention_sinks: bool = False  # each attention layer has a learned sink logit per head (self_attn.sinks)
     logits_scale: float = 1.0  # logits are multiplied by it
     moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
+    mla: MlaTraits | None = None  # multi-head latent attention in every layer (DeepSeek V3); None: q/k/v heads
     # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
-    # GLM-4.5's multi-token-prediction layer), which we do not run and skip at load
+    # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
     num_extra_layers: int = 0
 
 
@@ -173,6 +180,29 @@ class MoeTraits:
             if not 0 < self.topk_groups <= self.num_groups or self.top_k > self.topk_groups * group_size:
                 raise FamilyError(f"top {self.top_k} experts from topk_group {self.topk_groups} of {self.num_groups} "
                                   f"groups of {group_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class MlaTraits:
+    """Multi-head latent attention (workers/mla.py): the cache holds, per token and layer, one
+    normed latent (kv_lora_rank) and one RoPE key shared by every head (qk_rope_head_dim)."""
+
+    kv_lora_rank: int  # the latent's width (what kv_b_proj expands to per-head k_nope and v)
+    qk_nope_head_dim: int  # each head's key/query part without RoPE
+    qk_rope_head_dim: int  # each head's query part with RoPE, and the shared key's
+    v_head_dim: int  # each head's value width
+    q_lora_rank: int | None  # q through q_a_proj, q_a_layernorm, q_b_proj of this rank; None: one q_proj
+    rope_interleave: bool = True  # RoPE rotates pairs (x0, x1), (x2, x3), ...: those rows are de-interleaved at load
+    norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default, not rms_norm_eps)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values one token keeps per layer in the pool: its latent and its RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 def _llama(raw: dict) -> FamilyTraits:
@@ -353,7 +383,7 @@ def _glm4_moe(raw: dict) -> FamilyTraits:
     ) if any(layers) else None
     return FamilyTraits(qkv_bias=bool(raw.get("attention_bias", False)), o_bias=False,
                         qk_norm="head" if raw.get("use_qk_norm", False) else None, moe=moe,
-                        num_extra_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1))))
+                        num_extra_layers=_num_mtp_layers(raw))
 
 
 def _minimax_m2(raw: dict) -> FamilyTraits:
@@ -419,6 +449,42 @@ def _gpt_oss(raw: dict) -> FamilyTraits:
                         attention_sinks=True, moe=moe)
 
 
+def _deepseek_v3(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    first_dense = raw.get("first_k_dense_replace", 3)  # transformers' default
+    if int(raw.get("n_routed_experts", 256) or 0) > 0 and (first_dense is None or int(first_dense) < num_layers):
+        raise FamilyError(f"deepseek_v3's mixture-of-experts layers (layers {first_dense} to {num_layers - 1}: "
+                          "grouped sigmoid routing) are not supported yet; only configs whose every layer is dense "
+                          "(first_k_dense_replace >= num_hidden_layers) are served")
+    q_lora_rank = raw.get("q_lora_rank", 1536)
+    mla = MlaTraits(
+        kv_lora_rank=int(raw.get("kv_lora_rank", 512)), qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim") or 128),
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
+    bias = bool(raw.get("attention_bias", False))  # q_a_proj, kv_a_proj_with_mqa and o_proj
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, attention_scale=mla.qk_head_dim**-0.5 * _yarn_mscale_squared(raw),
+                        mla=mla, num_extra_layers=_num_mtp_layers(raw))
+
+
+def _num_mtp_layers(raw: dict) -> int:
+    """Multi-token-prediction layers a checkpoint holds after its last layer (transformers' default 1)."""
+    return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1)))
+
+
+def _yarn_mscale_squared(raw: dict) -> float:
+    """DeepSeek's softmax scale factor under yarn: mscale(factor, mscale_all_dim) ** 2, as transformers'
+    yarn_apply_mscale (1 without scaling or without mscale_all_dim)."""
+    params = dict(raw.get("rope_parameters") or {})
+    params.update(raw.get("rope_scaling") or {})
+    factor, mscale_all_dim = params.get("factor"), params.get("mscale_all_dim")
+    if params.get("rope_type", params.get("type", "default")) == "default" or not mscale_all_dim or not factor:
+        return 1.0
+    mscale = 1.0 if float(factor) <= 1 else 0.1 * float(mscale_all_dim) * math.log(float(factor)) + 1.0
+    return mscale * mscale
+
+
 FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -441,6 +507,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe,
     "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
@@ -470,13 +537,16 @@ class FamilyPaths:
 
 def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     moe = "mixture-of-experts layers" if traits.moe is not None else None
+    mla = "multi-head latent attention layers" if traits.mla is not None else None
     multiplier = "a residual multiplier" if traits.residual_multiplier != 1.0 else None
     late_norms = "q/k norms after RoPE" if traits.qk_norm == "head_after_rope" else None
-    return FamilyPaths(  # the experts' MLP and late q/k norms have no C form: the Python loop runs them
-        c_layer_loop=", ".join(why for why in (moe, late_norms) if why) or None,
+    return FamilyPaths(
+        # the experts' MLP, latent attention and late q/k norms have no C form: the Python loop runs them
+        # (MLA in torch)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
-        packed_quant_on_cuda=", ".join(why for why in (moe, multiplier) if why) or None,  # grouped experts take
+        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier) if why) or None,  # grouped experts take
     )  # plain weights; a multiplier is folded into them
 
 

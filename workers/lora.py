@@ -27,8 +27,12 @@ the base model (an adapter trained on another base).
 A step's rows are grouped by adapter (StepLora): every product adds, per adapter in the step,
 the shrink (x[rows] @ A.T) and the expand (@ B.T) over that adapter's rows only. On CPU that is
 one call of our C kernel per product (workers/kernels/csrc/lora.c: each part on its own, so the
-block diagonal's zeros cost nothing), which the C layer loop makes too; elsewhere one pair of
-torch products per adapter in the step. Never a loop over requests, never a merged weight.
+block diagonal's zeros cost nothing), which the C layer loop makes too. On CUDA it is one launch
+of our Triton shrink and one of our expand per product, over every adapter and part of the step
+(workers/kernels/triton_lora.py), reading each adapter's LoraStacks: its parts stacked per
+product over the layers, built when the worker loads it. Elsewhere (or without triton) one pair
+of torch products per adapter in the step, which is also the kernels' oracle. Never a loop over
+requests, never a merged weight.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -54,13 +59,40 @@ class LoraError(ValueError):
     """An adapter we cannot apply as it is: the message says why, and what to do."""
 
 
+# the C kernel's panels (csrc/lora.c): A by 4 ranks x 16 inputs, Bt by 32 columns x the whole rank
+A_PANEL_RANKS, A_PANEL_INPUTS, BT_PANEL_COLUMNS = 4, 16, 32
+
+
 @dataclass(frozen=True, slots=True)
 class LoraPart:
-    """One targeted module of a product: y[:, start:start + len] += (x @ a.T) @ bt, in fp32 (the C kernel's)."""
+    """One targeted module of a product, y[:, start:start + len] += (x @ A.T) @ Bt in fp32, as the C
+    kernel reads it: A and Bt (B transposed, times the scaling) cut into zero-padded panels, so that
+    each is read front to back, one stream, however the kernel walks its rows and columns."""
 
     start: int  # the module's first output column in our product
-    a: torch.Tensor  # [rank, in], fp32 or bf16 (load_adapter's kernel_dtype)
-    bt: torch.Tensor  # [rank, len]: B transposed, times the scaling, as a
+    rank: int
+    len: int  # its output columns
+    a_panels: torch.Tensor  # [ceil(rank / 4), ceil(in / 16), 4, 16], fp32 or bf16 (load_adapter's kernel_dtype)
+    bt_panels: torch.Tensor  # [ceil(len / 32), rank rounded up to 4, 32], as a_panels
+
+    @classmethod
+    def of(cls, start: int, a: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype) -> LoraPart:
+        """From A [rank, in] and Bt [rank, len]."""
+        rank, inputs = a.shape
+        length = bt.shape[1]
+        ranks = -(-rank // A_PANEL_RANKS) * A_PANEL_RANKS
+        a = torch.nn.functional.pad(a, (0, -inputs % A_PANEL_INPUTS, 0, ranks - rank))
+        a_panels = a.reshape(ranks // A_PANEL_RANKS, A_PANEL_RANKS, -1, A_PANEL_INPUTS).transpose(1, 2)
+        bt = torch.nn.functional.pad(bt, (0, -length % BT_PANEL_COLUMNS, 0, ranks - rank))
+        bt_panels = bt.reshape(ranks, -1, BT_PANEL_COLUMNS).transpose(0, 1)
+        return cls(start, rank, length, a_panels.to(dtype).contiguous(), bt_panels.to(dtype).contiguous())
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rank, in rounded up to 16] and Bt [rank, len] back from the panels."""
+        blocks, chunks = self.a_panels.shape[:2]
+        a = self.a_panels.transpose(1, 2).reshape(blocks * A_PANEL_RANKS, chunks * A_PANEL_INPUTS)
+        bt = self.bt_panels.transpose(0, 1).reshape(self.bt_panels.shape[1], -1)
+        return a[:self.rank], bt[:self.rank, :self.len]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +102,24 @@ class LoraPair:
     a: torch.Tensor  # [sum of the parts' ranks, in]: the parts' A, stacked (the model's dtype and device)
     b: torch.Tensor  # [out, sum of ranks]: the parts' B on the block diagonal, times the scaling
     parts: tuple[LoraPart, ...] = ()  # the same, part by part (CPU)
+    columns: tuple[tuple[int, int], ...] = ()  # per targeted part, in a's order: (first output column, columns)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraStack:
+    """One product's LoRA over every layer, as our Triton kernels read it (workers/kernels/triton_lora.py):
+    part k of layer l is y[:, start:start + columns] += (x @ a[l, k].T) @ bt[l, k, :, :columns],
+    with (start, columns) = spans[l, k]. A layer's parts are packed from k = 0 in output order; the
+    slots past them (a layer without the product: all of them) have 0 columns and zero weights."""
+
+    a: torch.Tensor  # [layers, parts, rank, in]: each part's A (the pair's dtype and device)
+    bt: torch.Tensor  # [layers, parts, rank, width]: its B transposed, times the scaling, zero-padded to width
+    spans: torch.Tensor  # int32 [layers, parts, 2]: (first output column, columns) of each part
+    num_columns: int  # the product's output columns its parts reach (the largest start + columns)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, self.bt, self.spans))
 
 
 @dataclass(slots=True)
@@ -81,11 +131,41 @@ class LoraAdapter:
     target_modules: tuple[str, ...]  # as its checkpoint names them: q_proj, v_proj, ...
     layers: list[dict[str, LoraPair]] = field(default_factory=list)  # per layer: product -> its pair
     _native_parts: ctypes.Array | None = None  # the C kernel's LoraPart array, built on first use
+    _stacks: tuple[LoraStack | None, ...] | None = None  # per product in PRODUCTS order (Triton), built on first use
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
-                   for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a, part.bt))))
+        stacked = sum(stack.num_bytes for stack in self._stacks or () if stack is not None)
+        return stacked + sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values()
+                             for t in (pair.a, pair.b, *(x for part in pair.parts for x in (part.a_panels, part.bt_panels))))
+
+    def stacks(self) -> tuple[LoraStack | None, ...]:
+        """Per product (PRODUCTS' order): its LoraStack, or None where no layer has the product. Built
+        once, on the pairs' device (the worker builds them at load on CUDA), freed with the adapter.
+        The pairs stay beside them (torch's products: the fallback), so a CUDA adapter is held twice."""
+        if self._stacks is None:
+            self._stacks = tuple(self._stack(product) for product in PRODUCTS)
+        return self._stacks
+
+    def _stack(self, product: str) -> LoraStack | None:
+        pairs = [layer.get(product) for layer in self.layers]
+        present = [pair for pair in pairs if pair is not None]
+        if not present:
+            return None
+        num_parts = max(len(pair.columns) for pair in present)
+        width = max(columns for pair in present for _, columns in pair.columns)
+        num_columns = max(start + columns for pair in present for start, columns in pair.columns)
+        like = present[0].a
+        a = torch.zeros(len(pairs), num_parts, self.rank, like.shape[1], dtype=like.dtype, device=like.device)
+        bt = torch.zeros(len(pairs), num_parts, self.rank, width, dtype=like.dtype, device=like.device)
+        spans = [[[0, 0]] * num_parts for _ in pairs]
+        for index, pair in enumerate(pairs):
+            for k, (start, columns) in enumerate(pair.columns if pair is not None else ()):
+                ranks = slice(k * self.rank, (k + 1) * self.rank)
+                a[index, k] = pair.a[ranks]
+                bt[index, k, :, :columns] = pair.b[start:start + columns, ranks].T
+                spans[index][k] = [start, columns]
+        return LoraStack(a, bt, torch.tensor(spans, dtype=torch.int32, device=like.device), num_columns)
 
     def native_parts(self) -> ctypes.Array:
         """Its parts as csrc/lora.c reads them: [layers][products][LORA_MAX_PARTS] LoraParts (rank 0: none)."""
@@ -98,8 +178,8 @@ class LoraAdapter:
                     pair = layer.get(product)
                     for k, part in enumerate(pair.parts if pair is not None else ()):
                         parts[(index * LORA_PRODUCTS + p) * LORA_MAX_PARTS + k] = CPart(
-                            part.a.data_ptr(), part.bt.data_ptr(), part.a.shape[0], part.start, part.bt.shape[1],
-                            DTYPE_CODES[part.a.dtype])
+                            part.a_panels.data_ptr(), part.bt_panels.data_ptr(), part.rank, part.start, part.len,
+                            DTYPE_CODES[part.a_panels.dtype])
             self._native_parts = parts
         return self._native_parts
 
@@ -159,6 +239,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     from safetensors.torch import load_file
 
     path = Path(path)
+    if config.traits.mla is not None:  # its products are not qkv's and o's shapes (workers/mla.py)
+        raise LoraError(f"{path}: LoRA adapters on a model with latent attention ({config.model_type}) are not "
+                        "supported yet")
     rank, scaling, targets = read_adapter_config(path, max_rank)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
@@ -233,9 +316,10 @@ def _pair(path: Path, index: int, found: list, in_features: int, multiplier: flo
         b_diagonal[first:first + b.shape[0], column:column + a.shape[0]] = b
         column += a.shape[0]
     parts = () if torch.device(device).type != "cpu" else tuple(
-        LoraPart(first, a.to(kernel_dtype).contiguous(), b.T.to(kernel_dtype).contiguous()) for first, a, b in present)
+        LoraPart.of(first, a, b.T, kernel_dtype) for first, a, b in present)
     return LoraPair(torch.cat([a for _, a, _ in present]).to(device=device, dtype=dtype).contiguous(),
-                    b_diagonal.to(device=device, dtype=dtype).contiguous(), parts)
+                    b_diagonal.to(device=device, dtype=dtype).contiguous(), parts,
+                    tuple((first, b.shape[0]) for first, _, b in present))
 
 
 @dataclass(slots=True)
@@ -246,7 +330,9 @@ class StepLora:
     segments: list[tuple[LoraAdapter, torch.Tensor | None]]  # (adapter, its rows; None: every row of the step)
     num_rows: int  # the step's rows
     use_kernel: bool = False  # CPU: our C kernel runs the products (csrc/lora.c), and the C layer loop may too
+    triton: ModuleType | None = None  # CUDA: workers.kernels.triton_lora, whose kernels run the products
     _native: tuple | None = None  # (LoraStep, what it points into), built on first use
+    _triton_table: object | None = None  # the Triton kernels' LoraStepTable of the step, built on first use
 
     @classmethod
     def of_rows(cls, row_adapters: list[tuple[LoraAdapter | None, int, int]], device: torch.device) -> StepLora | None:
@@ -263,7 +349,9 @@ class StepLora:
         for adapter, rows in by_adapter.values():
             whole = len(rows) == num_rows  # the step's every row: no gather, no scatter
             segments.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(segments, num_rows, use_kernel=device.type == "cpu" and lora_kernel_available())
+        triton = lora_triton_kernels(device)
+        return cls(segments, num_rows, use_kernel=triton is None and device.type == "cpu" and lora_kernel_available(),
+                   triton=triton)
 
     def adapts(self, layer: int, product: str) -> bool:
         return any(product in adapter.layers[layer] for adapter, _ in self.segments)
@@ -280,8 +368,19 @@ class StepLora:
             self._native = (step, (segments, rows))
         return self._native[0]
 
+    def triton_table(self) -> object:
+        """The step as the Triton kernels read it (triton_lora.LoraStepTable), built once per step."""
+        if self._triton_table is None:
+            self._triton_table = self.triton.LoraStepTable.build(
+                [(rows, adapter.stacks()) for adapter, rows in self.segments], self.num_rows)
+        return self._triton_table
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> torch.Tensor:
         """y [rows, out] += each adapter's LoRA of x [rows, in] over its rows, in place; returns y."""
+        if self.triton is not None and self.triton.takes(x, y):
+            if self.adapts(layer, product):
+                self.triton.lora_add(y, x, self.triton_table(), layer, PRODUCTS.index(product))
+            return y
         if self.use_kernel and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and y.is_contiguous():
             from workers.kernels.native import DTYPE_CODES, check_status, native_library
 
@@ -299,6 +398,17 @@ class StepLora:
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ pair.a.T) @ pair.b.T)
         return y
+
+
+def lora_triton_kernels(device: torch.device) -> ModuleType | None:
+    """workers.kernels.triton_lora where its kernels run a step's products (CUDA, triton installed), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from workers.kernels import triton_lora
+    except ImportError:  # no triton: torch's products
+        return None
+    return triton_lora
 
 
 def lora_kernel_available() -> bool:

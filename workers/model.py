@@ -15,6 +15,8 @@ multiplier, a residual multiplier (folded into the o_proj and down_proj weights 
 attention scale and a logits scale (Granite).
 In some or all layers a mixture of experts takes the dense MLP's place (Mixtral, Qwen3-MoE,
 gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
+DeepSeek V3's layers run multi-head latent attention instead of q/k/v heads, over a pool of one
+latent per token (workers/mla.py's mla_attention, torch ops whatever the attention backend).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py), or kept in its GGUF type (a GgufWeight,
@@ -57,6 +59,7 @@ from workers.kernels.cpu_isa import cpu_plan, using_plan
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import LinearWeight, NativeLinear, OneDnnLinear, TorchLinear
 from workers.lora import StepLora
+from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
 from workers.rope import RotaryEmbedding, deinterleave_rows
@@ -102,9 +105,9 @@ class LayerWeights:
     """Projection weights are in the linear backend's packed form (opaque for oneDNN)."""
 
     input_norm: torch.Tensor | None  # [hidden]; None: attention reads the residual stream unnormed (OLMo 2)
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; None in an MLA layer
     qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    o: torch.Tensor  # [hidden, num_heads * head_dim] (MLA: num_heads * v_head_dim)
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor | None  # [hidden]; None: the MLP reads the residual stream unnormed (OLMo 2)
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a MoE layer (and the three below)
@@ -124,9 +127,12 @@ class LayerWeights:
     softcap: float | None = None  # attention scores soft-capped to softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
     moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
+    mla: MlaWeights | None = None  # multi-head latent attention (workers/mla.py) in place of qkv; None: q/k/v heads
 
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
+# (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim] in torch_ref's layout; an MLA layer's:
+# (pool [num_blocks, block_size, 1, rank + rope], its latent part as a view), workers/mla.py
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class PagedLlamaModel:
@@ -183,7 +189,9 @@ class PagedLlamaModel:
         if native is not None and native.takes(input_ids.shape[0]) and (lora is None or lora.use_kernel):
             return native(input_ids, positions, metadata, kv_caches, lora)  # the loop below, in C
         eps, activation = self.config.rms_norm_eps, self.config.activation
-        step = bind_attention(self.attention, metadata, self.scale)  # the metadata, checked once per step
+        # the metadata, checked once per step (the latent layers': workers/mla.py)
+        step = (MlaStep(metadata, self.scale) if self.config.traits.mla is not None
+                else bind_attention(self.attention, metadata, self.scale))
         residual, delta = self.embed_tokens(input_ids), None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
@@ -242,6 +250,9 @@ class PagedLlamaModel:
                    kv_cache: KVCache, lora: StepLora | None = None, index: int = 0) -> torch.Tensor:
         """o_proj(attention) of the normed hidden states x; writes this step's k/v into the pool."""
         config = self.config
+        if layer.mla is not None:
+            attended = mla_attention(self, layer.mla, x, positions, step, kv_cache)
+            return self._product(attended, layer.o, layer.o_bias, lora, index, "o")
         qkv = self._product(x, layer.qkv, layer.qkv_bias, lora, index, "qkv")
         if layer.q_norm is not None and not layer.qk_norm_after_rope:
             self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
@@ -285,7 +296,7 @@ class PagedLlamaModel:
         if config.tie_word_embeddings and not isinstance(embed, torch.Tensor):
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
         for index in range(config.num_layers, config.num_layers + config.traits.num_extra_layers):
-            weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's MTP layer)
+            weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's, DeepSeek's MTP)
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
@@ -447,6 +458,8 @@ class _WeightReader:
                                       if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
         dense = moe is None
+        if c.traits.mla is not None:
+            return self.mla_layer(index, moe)
         return LayerWeights(
             input_norm=self.take_norm(prefix, norms["input_norm"]),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
@@ -479,6 +492,27 @@ class _WeightReader:
             softcap=c.traits.attention_softcap,
             sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,
+        )
+
+    def mla_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:
+        """A layer whose attention is MLA (workers/mla.py): Llama's norms and MLP around it."""
+        c, prefix = self.config, f"model.layers.{index}."
+        attn, mlp, mla = prefix + "self_attn.", prefix + "mlp.", c.traits.mla
+        dense = moe is None
+        return LayerWeights(
+            input_norm=self.take_norm(prefix, "input_layernorm"),
+            qkv=None, qkv_bias=None,
+            o=self.pack(self.take_residual_branch(attn + "o_proj.weight", (c.hidden_size, c.num_heads * mla.v_head_dim))),
+            o_bias=self.take_residual_branch(attn + "o_proj.bias", (c.hidden_size,)) if c.traits.o_bias else None,
+            post_norm=self.take_norm(prefix, "post_attention_layernorm"),
+            gate_up=self.pack(self.take_fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                                              [(c.intermediate_size, c.hidden_size)] * 2)) if dense else None,
+            gate_up_bias=None,
+            down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size)))
+            if dense else None,
+            down_bias=None,
+            moe=moe,
+            mla=read_mla_weights(self, attn, mla, c.num_heads, c.hidden_size, c.traits.qkv_bias),
         )
 
     def take_norm(self, prefix: str, name: str | None, width: int | None = None) -> torch.Tensor | None:

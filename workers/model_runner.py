@@ -40,7 +40,8 @@ from workers.grammar import GrammarMatchers
 from workers.kernels import cpu_attention, resolve_attention_backend_name
 from workers.kernels.cpu_isa import cpu_plan
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
-from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available
+from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available, lora_triton_kernels
+from workers.mla import allocate_latent_cache
 from workers.model import AttentionMetadata, KVCache
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
@@ -156,6 +157,9 @@ class RunnerConfig:
     max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
 
 
+PER_HEAD_KV = "keys and values per head"  # ModelInfo.kv_cache_kind of every family but the MLA ones
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the engine needs to know about the worker's model and pool."""
@@ -183,6 +187,8 @@ class ModelInfo:
     isa: dict[str, str] = field(default_factory=dict)
     step_costs: StepCosts | None = None  # measured at start (RunnerConfig.measure_step_costs), else None
     lora: str = ""  # how a step with LoRA adapters runs their products (workers/lora.py), in words
+    # what the pool keeps per token and layer, and where its attention runs (an MLA family's: workers/mla.py)
+    kv_cache_kind: str = "keys and values per head"  # PER_HEAD_KV
 
 
 @dataclass(slots=True)
@@ -224,10 +230,16 @@ class _StepBatch:
     lora: StepLora | None = None  # the step's adapters and their rows; None: the base model's products only
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers (keys and values)."""
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token takes in the pool over all layers: keys and values per head, or an MLA
+    layer's latent and RoPE key (ModelConfig.kv_elements_per_token)."""
     element_size = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+    return sum(config.kv_elements_per_token(layer) for layer in range(config.num_layers)) * element_size
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers."""
+    return block_size * kv_bytes_per_token(config, dtype)
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int, dtype: torch.dtype) -> int:
@@ -273,6 +285,11 @@ class ModelRunner:
         c = self.model_config
         self.attention_backend = resolve_attention_backend_name(
             config.attention_backend, self.device, dtype, (c.num_heads, c.num_kv_heads, c.head_dim), config.block_size)
+        if c.traits.mla is not None and self.attention_backend != "torch":
+            if config.attention_backend is not None:
+                logger.warning("%s: latent attention layers run on the torch reference (workers/mla.py), not on the "
+                               "%s attention backend", c.model_type, self.attention_backend)
+            self.attention_backend = "torch"
         self.model = load_weights(
             self.model_path, self.model_config, dtype, config.device, self.attention_backend, self.max_model_len,
             config.linear_backend, config.layer_ops, gguf_path=gguf_path,
@@ -337,14 +354,25 @@ class ModelRunner:
             isa=self._isa(),
             step_costs=self.step_costs,
             lora=self._lora_path(),
+            kv_cache_kind=self._kv_cache_kind(),
         )
+
+    def _kv_cache_kind(self) -> str:
+        """ModelInfo.kv_cache_kind, in words."""
+        mla = self.model_config.traits.mla
+        if mla is None:
+            return PER_HEAD_KV
+        return (f"MLA latent: {mla.kv_lora_rank} + {mla.qk_rope_head_dim} values per token and layer; its attention "
+                "runs on the torch path (prompts expanded, decodes absorbed), not on our C loop or kernels")
 
     def _lora_path(self) -> str:
         """ModelInfo.lora: where a step's adapter products run, and what such a step gives up."""
+        graphs = ", eager (no CUDA graphs)" if self.decode_graphs is not None else ""
+        if lora_triton_kernels(self.device) is not None:  # CUDA: as StepLora.of_rows chooses
+            return "triton shrink and expand kernels, one launch each per product" + graphs
         if self.device.type == "cpu" and lora_kernel_available():
             kernel = "our C kernel, " + ("fp32" if self._lora_kernel_dtype() == torch.float32 else "bf16") + " weights"
             return kernel + (", in the C layer loop" if self.model.native_forward is not None else "")
-        graphs = ", eager (no CUDA graphs)" if self.decode_graphs is not None else ""
         return "torch products" + graphs + (" (our C kernels did not build)" if self.device.type == "cpu" else "")
 
     def _isa(self) -> dict[str, str]:
@@ -362,6 +390,9 @@ class ModelRunner:
         """One pool per layer in the attention backend's layout. Zeroed: masked-out slots may
         still be multiplied by 0 in attention, and 0 * NaN is NaN."""
         c = self.model_config
+        if c.traits.mla is not None:  # one latent and one RoPE key per token (workers/mla.py)
+            return [allocate_latent_cache(self.num_blocks, self.block_size, c.traits.mla, dtype, self.device)
+                    for _ in range(c.num_layers)]
         return [
             self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
                                                    dtype, self.device)
@@ -440,6 +471,8 @@ class ModelRunner:
     def load_lora(self, name: str, path: str) -> LoraAdapter:
         """Loads the adapter at path as name (replacing one of that name); raises LoraError."""
         adapter = self._read_adapter(name, path)
+        if lora_triton_kernels(self.device) is not None:
+            adapter.stacks()  # the Triton kernels' copy, now rather than in a step (freed with the adapter)
         self.lora_adapters[name] = adapter
         self.num_lora_loads += 1
         return adapter

@@ -6,7 +6,7 @@ model), on the default CPU path (our C kernels and C layer loop). The apps start
 wave at a time, each on a sliver of a CPU, and are deleted after the wave's requests. Per family:
 
 - /v1/models reports the family's model_type, the C layer loop, the cpu attention backend and
-  float32;
+  float32 (a family with latent attention: the Python loop, torch attention, its cache kind);
 - one /v1/completions request with two token-id prompts (no tokenizer or template in between),
   one of them longer than every sliding window in the catalog and than a KV block, gives
   transformers' `generate` tokens position by position, with the sampled tokens' logprobs
@@ -44,6 +44,7 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
+MLA_TYPES = ("deepseek_v3",)  # families with latent attention
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
@@ -160,8 +161,13 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
     assert [model["id"] for model in models] == [family]
     backend = models[0]["backend"]
     assert backend["model_type"] == SERVED_FAMILIES[family]["model_type"]
+    if SERVED_FAMILIES[family]["model_type"] in MLA_TYPES:  # latent attention: the Python loop, torch attention
+        assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
+        assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
+        return
     layer_loop = "python" if family in SERVED_MOE else "c"  # the C loop has no MoE MLP: the Python loop over our kernels
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
+    assert backend["kv_cache_kind"] == "keys and values per head"
 
 
 def test_greedy_tokens_equal_transformers(served, family) -> None:

@@ -36,7 +36,9 @@ def family_runner(model_dir, path: str, **overrides):
     if path == "c-loop" and not native_available():
         pytest.skip("the C kernels do not build here")
     runner = make_runner(model_dir, **PATHS[path], **overrides)
-    assert (runner.model.native_forward is not None) == (path == "c-loop")
+    # a family the C loop refuses (latent attention) runs the Python loop over our kernels on that path
+    takes_c_loop = runner.model_config.paths.c_layer_loop is None
+    assert (runner.model.native_forward is not None) == (path == "c-loop" and takes_c_loop)
     return runner
 
 
@@ -62,6 +64,8 @@ def test_logprobs_equal_transformers(family_dir, path):
 
 def test_c_loop_equals_the_python_loop(family_dir):
     runner = family_runner(family_dir, "c-loop")
+    if runner.model.native_forward is None:
+        pytest.skip(f"the C loop refuses {family_dir.name}: {runner.model_config.paths.c_layer_loop}")
     compared = compare_every_step(runner)
     run_requests(runner, prompts_of_lengths([2, 9, 30], runner.model_info.vocab_size), greedy(8), token_budget=16)
     assert len(compared) >= 8
@@ -95,6 +99,13 @@ def test_traits_read_from_the_config(family_dir):
         assert config.traits.layer_windows == (8, 8, None) and config.traits.rope_layers == (True, True, False)
     if config.model_type == "seed_oss":
         assert (config.traits.qkv_bias, config.traits.o_bias, config.mlp_bias) == (True, True, True)
+    if config.model_type == "deepseek_v3":
+        mla = config.traits.mla
+        assert (mla.kv_lora_rank, mla.qk_rope_head_dim, config.head_dim, config.traits.moe) == (16, 8, 8, None)
+        assert (mla.q_lora_rank, mla.rope_interleave) == ((24, True) if family_dir.name == "deepseek_v3" else (None, False))
+        mscale = 0.1 * 0.7 * math.log(4.0) + 1.0 if family_dir.name == "deepseek_v3" else 1.0
+        assert config.traits.attention_scale == pytest.approx(20 ** -0.5 * mscale ** 2)
+        assert config.paths.c_layer_loop == "multi-head latent attention layers"
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type == "granite":
@@ -106,6 +117,9 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
     info = family_runner(family_dir, "torch").model_info
     assert info.model_type == FAMILIES[family_dir.name]["model_type"]
     assert (info.layer_loop, info.layer_ops, info.linear_backend) == ("python", "torch", "torch")
+    assert info.kv_cache_kind == ("keys and values per head" if info.model_type != "deepseek_v3" else
+                                  "MLA latent: 16 + 8 values per token and layer; its attention runs on the torch path "
+                                  "(prompts expanded, decodes absorbed), not on our C loop or kernels")
 
 
 def test_longrope_past_the_original_context_uses_long_factor():

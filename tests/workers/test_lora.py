@@ -177,3 +177,46 @@ def test_an_unknown_adapter_name_is_a_clear_worker_error(llama_adapters) -> None
     driver.add_request("r", [5, 6, 7], greedy(2), lora_name="nope")
     with pytest.raises(ValueError, match="names LoRA adapter 'nope', which this worker has not loaded"):
         driver.run()
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])  # x86-64-v3: AVX2, the plain loops of CPUs without AVX-512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_equals_a_float64_oracle_on_awkward_shapes(dtype, march, monkeypatch) -> None:
+    """csrc/lora.c on shapes the tiny models never make: ranks not a multiple of its 4-rank panels,
+    an input width not a multiple of 16, output columns ending inside a 32-column panel, parts that
+    start mid-row, and segments of 1 to 19 rows (past its 16-row blocks), against float64."""
+    from workers.kernels import native
+
+    if not native_available():
+        pytest.skip("our C kernels do not build here")
+    if march != "native":
+        library = native.load(native.build(march=march))
+        monkeypatch.setattr(native, "native_library", lambda: library)
+    generator = torch.Generator().manual_seed(11)
+    in_features, part_rows = 37, (40, 9, 24)  # a qkv product of three parts; out 73 columns
+    adapters = []
+    for index, ranks in enumerate([(3, 5, 8), (16, 0, 1), (6, 7, 0)]):  # rank 0: the part is not targeted
+        found = [(f"m{k}", rows, *((torch.randn(rank, in_features, generator=generator),
+                                    torch.randn(rows, rank, generator=generator)) if rank else (None, None)))
+                 for k, (rows, rank) in enumerate(zip(part_rows, ranks))]
+        pair = lora_module._pair(Path("x"), 0, found, in_features, 0.5, torch.float32, "cpu", kernel_dtype=dtype)
+        a, bt = pair.parts[0].dense()  # the kernel's panels hold the adapter's A and B
+        assert torch.equal(a[:, :in_features], found[0][2].to(dtype)) and not a[:, in_features:].any()
+        assert torch.equal(bt, (found[0][3] * 0.5).T.to(dtype))
+        adapters.append(lora_module.LoraAdapter(f"a{index}", Path("x"), max(ranks), 0.5, (), layers=[{"qkv": pair}]))
+    rows = torch.randperm(40, generator=generator)
+    segments = [(adapters[0], rows[:19].sort().values), (adapters[1], rows[19:20]), (adapters[2], rows[20:33])]
+    x = torch.randn(40, in_features, generator=generator).to(dtype)
+    y = torch.randn(40, sum(part_rows), generator=generator).to(dtype)
+    expected = y.double()
+    for adapter, segment_rows in segments:
+        for part in adapter.layers[0]["qkv"].parts:
+            a, bt = part.dense()
+            delta = (x[segment_rows].double() @ a[:, :in_features].double().T) @ bt.double()
+            expected[segment_rows, part.start:part.start + part.len] += delta
+    ours = StepLora(segments, 40, use_kernel=True).add(y.clone(), x, 0, "qkv")
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(ours.double(), expected.to(dtype).double(), **tolerance)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[rows[:33]] = False
+    assert torch.equal(ours[untouched], y[untouched])  # rows of no adapter keep the base's output

@@ -397,7 +397,9 @@ def test_every_family_greedy_through_triton_equals_torch(kernels, tmp_path, monk
         config = model_runner.RunnerConfig(model=str(model_dir), dtype="float32", attention_backend=name,
                                            layer_ops="torch", linear_backend="torch", block_size=16, num_blocks=64)
         runner = model_runner.ModelRunner(config)
-        assert (runner.model.attention is kernels.attention_module) == (name == "triton")
+        # latent attention (deepseek_v3) runs on the torch reference whatever backend is asked (workers/mla.py)
+        triton = name == "triton" and runner.model_config.traits.mla is None
+        assert (runner.model.attention is kernels.attention_module) == triton
         tokens[name] = kc.greedy_generate(runner, prompts, max_tokens=6, chunk_size=16)
     assert tokens["triton"] == tokens["torch"]
 

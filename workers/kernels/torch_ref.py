@@ -136,7 +136,7 @@ _last_plan: tuple[tuple, _Plan] | None = None  # (key of the inputs, plan), see 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, v_head_dim] (MLA: v_head_dim may differ)
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new keys per sequence
@@ -145,15 +145,15 @@ def paged_attention(
     window: int | None = None,  # sliding window: a query sees its own key and the window - 1 before it
     softcap: float | None = None,  # scores = softcap * tanh(scores / softcap), after the scale
     sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (no value) in the softmax
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads, v_head_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     group_size = num_heads // num_kv_heads
     check_variants(num_heads, window, softcap, sinks)
     plan = _plan_for(block_tables, query_start_loc, seq_lens, block_size)
     assert plan.num_tokens == num_tokens, (plan.num_tokens, num_tokens)
     explicit = softcap is not None or sinks is not None  # SDPA has neither
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=q.dtype, device=q.device)
     for group in plan.groups:
         num_seqs, num_key_blocks = group.key_blocks.shape
         max_keys = num_key_blocks * block_size
@@ -164,15 +164,15 @@ def paged_attention(
         # whole blocks of each sequence: [seqs, max_keys, kv_heads, dim] -> [seqs, kv_heads, max_keys, dim]
         block_ids = group.key_blocks.view(-1)
         keys = k_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, v_head_dim).transpose(1, 2)
         if explicit:
             mask = group.mask_for(group_size, torch.float32, window)
             attended = _explicit_attention(group_q, keys, values, mask, scale, softcap, sinks, query_len)
         else:
             mask = group.mask_for(group_size, q.dtype, window)
             attended = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
-        attended = attended.view(num_seqs, num_kv_heads, group_size, query_len, head_dim)
-        attended = attended.permute(0, 3, 1, 2, 4).reshape(num_seqs * query_len, num_heads, head_dim)
+        attended = attended.view(num_seqs, num_kv_heads, group_size, query_len, v_head_dim)
+        attended = attended.permute(0, 3, 1, 2, 4).reshape(num_seqs * query_len, num_heads, v_head_dim)
         if group.real_queries is not None:
             attended = attended.index_select(0, group.real_queries)
         out[group.output_rows] = attended

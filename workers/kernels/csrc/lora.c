@@ -7,9 +7,19 @@
  * for every part of that product the adapter targets (q, k and v are parts of one qkv product,
  * gate and up of gate_up; o and down have one part). A and Bt are fp32 (the exact fp32 model's)
  * or bf16 (half the bytes to read, beside bf16 or quantized weights); x and out are the step's
- * dtype (fp32 or bf16), the sums in fp32, out rounded once per element. An adapter's rows go in blocks of up to
- * LORA_ROWS, so each of its weights is read once per block: first every block's shrink, then the
- * expands, by chunks of output columns. No gather or scatter of rows, and no copy of a weight.
+ * dtype (fp32 or bf16), the sums in fp32, out rounded once per element. An adapter's rows go in
+ * blocks of up to LORA_ROWS, so each of its weights is read once per block: first every block's
+ * shrink, then the expands, by chunks of output columns. No gather or scatter of rows, and no
+ * copy of a weight.
+ *
+ * The weights come in zero-padded panels (workers/lora.py, LoraPart.of), in the order the loops
+ * below read them, so each is one stream front to back that the prefetchers follow:
+ *     A   [ceil(rank / 4)][ceil(K / 16)][4][16]: 4 ranks' next 16 inputs together
+ *     Bt  [ceil(len / 32)][rank4][32]:           32 columns of every rank together (rank4: rank
+ *                                                rounded up to 4; padded ranks are zero)
+ * Read as plain [rank, K] and [rank, len] rows, Bt's 16 rows were 16 short strided streams, and
+ * the expand waited on their loads most of its time. With AVX-512 the sums stay in registers: a
+ * shrink computes 4 rows x 4 ranks at once, an expand 8 rows x 32 columns over the whole rank.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -20,12 +30,17 @@
 #include <stdlib.h>
 
 #define LORA_ROWS 16    /* rows of one adapter computed together: each weight read once per block of them */
-#define LORA_CHUNK 256  /* output columns of one expand item */
+#define LORA_CHUNK 256  /* output columns of one expand item (a multiple of PANEL_COLUMNS) */
+#define PANEL_RANKS 4   /* A's panels: 4 ranks ... */
+#define PANEL_INPUTS 16 /* ... by 16 inputs */
+#define PANEL_COLUMNS 32 /* Bt's panels: 32 columns by the whole (padded) rank */
+
+static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 typedef struct {         /* one item: rows [row0, row0 + num_rows) of a segment, one part, columns [col0, col0 + num_cols) */
     const LoraPart *part;
     const int64_t *rows; /* the segment's rows, from row0 */
-    float *shrunk;       /* [num_rows, part rank]: x @ A.T of these rows */
+    float *shrunk;       /* [num_rows, rank4]: x @ A.T of these rows (the padded ranks 0) */
     int64_t num_rows, col0, num_cols;
 } LoraItem;
 
@@ -37,122 +52,157 @@ typedef struct {
     int32_t dtype;
 } LoraJob;
 
-/* x . a without AVX-512 (the compiler vectorizes the fp32 case) */
-static float dot_row(const void *x, int32_t dtype, const void *a, int32_t wdtype, int64_t K) {
-    float acc = 0.0f;
-    if (dtype == DTYPE_F32 && wdtype == DTYPE_F32) {
-        const float *xf = (const float *)x, *af = (const float *)a;
-        for (int64_t k = 0; k < K; k++) acc += xf[k] * af[k];
-    } else {
-        for (int64_t k = 0; k < K; k++) acc += load_element(x, k, dtype) * load_element(a, k, wdtype);
-    }
-    return acc;
-}
+static inline int64_t elem_size(int32_t dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
 
 #ifdef __AVX512F__
-/* 16 values of x from k (fewer under the mask) as fp32 */
+/* 16 values from p + k elements (fewer under the mask) as fp32 */
 static inline __m512 load_x16(const void *x, int32_t dtype, int64_t k, __mmask16 mask) {
     if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(mask, (const float *)x + k);
     const __m256i bits = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + k);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* shrunk[r, j] = x[rows[r]] . a for R rows at once (R a constant, so the chains stay in registers):
- * one load of a per R products */
-#define DOT_ROWS(R)                                                                                                \
-    static void dot_rows##R(const void *x, int32_t dtype, int64_t elem, const int64_t *rows, const void *a,      \
-                            int32_t wdtype, int64_t K, float *out, int64_t out_stride) {                         \
-        __m512 acc[R];                                                                                           \
+/* shrunk[r, 0..3] = x[rows[r]] . A's 4 ranks of one panel row, for R rows at once (a constant, so
+ * the R x 4 chains stay in registers): each load of x serves 4 products and each load of A, R. */
+#define DOT_BLOCK(R)                                                                                             \
+    static void dot_block##R(const void *x, int32_t dtype, const int64_t *rows, const void *panel,             \
+                             int32_t wdtype, int64_t K, float *out, int64_t out_stride) {                       \
+        __m512 acc[R][PANEL_RANKS];                                                                              \
         const char *row[R];                                                                                      \
+        const int64_t step = PANEL_RANKS * PANEL_INPUTS * elem_size(wdtype);                                     \
         for (int r = 0; r < R; r++) {                                                                            \
-            acc[r] = _mm512_setzero_ps();                                                                        \
-            row[r] = (const char *)x + rows[r] * K * elem;                                                       \
+            row[r] = (const char *)x + rows[r] * K * elem_size(dtype);                                           \
+            for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_setzero_ps();                               \
         }                                                                                                        \
-        int64_t k = 0;                                                                                           \
-        if (dtype == DTYPE_F32) {                                                                                \
-            for (; k + 16 <= K; k += 16) {                                                                       \
-                const __m512 av = load_x16(a, wdtype, k, 0xffff);                                                \
-                for (int r = 0; r < R; r++)                                                                      \
-                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)row[r] + k), av, acc[r]);           \
-            }                                                                                                    \
-        } else {                                                                                                 \
-            for (; k + 16 <= K; k += 16) {                                                                       \
-                const __m512 av = load_x16(a, wdtype, k, 0xffff);                                                \
-                for (int r = 0; r < R; r++)                                                                      \
-                    acc[r] = _mm512_fmadd_ps(load_x16(row[r], DTYPE_BF16, k, 0xffff), av, acc[r]);             \
+        const char *a = (const char *)panel;                                                                     \
+        for (int64_t k = 0; k < K; k += PANEL_INPUTS, a += step) {                                               \
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);                      \
+            __m512 av[PANEL_RANKS];                                                                              \
+            for (int j = 0; j < PANEL_RANKS; j++) av[j] = load_x16(a, wdtype, j * PANEL_INPUTS, 0xffff);        \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 xv = load_x16(row[r], dtype, k, mask);                                              \
+                for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_fmadd_ps(xv, av[j], acc[r][j]);         \
             }                                                                                                    \
         }                                                                                                        \
-        if (k < K) {                                                                                             \
-            const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);                                             \
-            const __m512 av = load_x16(a, wdtype, k, mask);                                                      \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(load_x16(row[r], dtype, k, mask), av, acc[r]); \
-        }                                                                                                        \
-        for (int r = 0; r < R; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);                          \
+        for (int r = 0; r < R; r++)                                                                              \
+            for (int j = 0; j < PANEL_RANKS; j++) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r][j]);     \
     }
-DOT_ROWS(8)
-DOT_ROWS(4)
-DOT_ROWS(1)
+DOT_BLOCK(4)
+DOT_BLOCK(1)
+
+/* out[first .. first + 16) += sum (under the mask), fp32 or bf16 (rounded once, to nearest even as f32_to_bf16) */
+static inline void add_to_out(void *out, int32_t dtype, int64_t first, __m512 sum, __mmask16 mask) {
+    if (dtype == DTYPE_F32) {
+        float *o = (float *)out + first;
+        _mm512_mask_storeu_ps(o, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), sum));
+    } else {
+        uint16_t *o = (uint16_t *)out + first;
+        const __m512i bits = _mm512_castps_si512(_mm512_add_ps(load_x16(o, DTYPE_BF16, 0, mask), sum));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded =
+            _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+        _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+/* out[rows r0.., one panel's 32 columns] += shrunk @ that panel, for R rows at once, the sums in
+ * registers over the whole rank; m0 and m1: which of the 32 columns exist. */
+#define EXPAND_ROWS(R)                                                                                           \
+    static void expand_rows##R(const LoraJob *job, const LoraItem *item, int64_t r0, const void *panel,         \
+                               int64_t first_column, __mmask16 m0, __mmask16 m1) {                              \
+        const LoraPart *part = item->part;                                                                       \
+        const int64_t rank4 = round_up(part->rank, PANEL_RANKS);                                                 \
+        const int64_t step = PANEL_COLUMNS * elem_size(part->dtype);                                             \
+        const float *coefficients = item->shrunk + r0 * rank4;                                                   \
+        __m512 low[R], high[R];                                                                                  \
+        for (int r = 0; r < R; r++) low[r] = high[r] = _mm512_setzero_ps();                                      \
+        const char *b = (const char *)panel;                                                                     \
+        for (int64_t j = 0; j < rank4; j++, b += step) {                                                         \
+            const __m512 b0 = load_x16(b, part->dtype, 0, 0xffff), b1 = load_x16(b, part->dtype, 16, 0xffff);    \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 coefficient = _mm512_set1_ps(coefficients[r * rank4 + j]);                          \
+                low[r] = _mm512_fmadd_ps(coefficient, b0, low[r]);                                               \
+                high[r] = _mm512_fmadd_ps(coefficient, b1, high[r]);                                             \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                            \
+            const int64_t first = item->rows[r0 + r] * job->N + part->start + first_column;                      \
+            add_to_out(job->out, job->dtype, first, low[r], m0);                                                 \
+            add_to_out(job->out, job->dtype, first + 16, high[r], m1);                                           \
+        }                                                                                                        \
+    }
+EXPAND_ROWS(8)
+EXPAND_ROWS(4)
+EXPAND_ROWS(1)
 #endif
 
-/* shrink: the item's rows times the part's A (each row of A read once for the block of rows) */
+/* shrink: the item's rows times the part's A, 4 ranks (one panel row) at a time */
 static void shrink_item(void *ctx, int64_t index) {
     const LoraJob *job = (const LoraJob *)ctx;
     const LoraItem *item = job->items + index;
-    const int64_t elem = job->dtype == DTYPE_F32 ? 4 : 2, rank = item->part->rank;
-    const int32_t wdtype = item->part->dtype;
-    for (int64_t j = 0; j < rank; j++) {
-        const void *a = (const char *)item->part->a + j * job->K * (wdtype == DTYPE_F32 ? 4 : 2);
-#ifdef __AVX512F__
+    const LoraPart *part = item->part;
+    const int64_t rank4 = round_up(part->rank, PANEL_RANKS), K16 = round_up(job->K, PANEL_INPUTS);
+    for (int64_t j0 = 0; j0 < rank4; j0 += PANEL_RANKS) {
+        const char *panel = (const char *)part->a + j0 * K16 * elem_size(part->dtype); /* ranks j0 .. j0 + 3 */
+        float *out = item->shrunk + j0;
         int64_t r0 = 0;
-        for (; r0 + 8 <= item->num_rows; r0 += 8)
-            dot_rows8(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
+#ifdef __AVX512F__
         for (; r0 + 4 <= item->num_rows; r0 += 4)
-            dot_rows4(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
+            dot_block4(job->x, job->dtype, item->rows + r0, panel, part->dtype, job->K, out + r0 * rank4, rank4);
         for (; r0 < item->num_rows; r0++)
-            dot_rows1(job->x, job->dtype, elem, item->rows + r0, a, wdtype, job->K, item->shrunk + r0 * rank + j, rank);
+            dot_block1(job->x, job->dtype, item->rows + r0, panel, part->dtype, job->K, out + r0 * rank4, rank4);
 #else
-        for (int64_t r = 0; r < item->num_rows; r++)
-            item->shrunk[r * rank + j] = dot_row((const char *)job->x + item->rows[r] * job->K * elem, job->dtype, a,
-                                                 wdtype, job->K);
+        for (; r0 < item->num_rows; r0++) {
+            const void *x = (const char *)job->x + item->rows[r0] * job->K * elem_size(job->dtype);
+            float acc[PANEL_RANKS][PANEL_INPUTS] = {{0}};
+            for (int64_t k0 = 0; k0 < job->K; k0 += PANEL_INPUTS) {
+                const int64_t width = job->K - k0 < PANEL_INPUTS ? job->K - k0 : PANEL_INPUTS;
+                const int64_t first = k0 * PANEL_RANKS; /* this chunk's 4 x 16 panel */
+                for (int j = 0; j < PANEL_RANKS; j++)
+                    for (int64_t c = 0; c < width; c++)
+                        acc[j][c] += load_element(x, k0 + c, job->dtype) *
+                                     load_element(panel, first + j * PANEL_INPUTS + c, part->dtype);
+            }
+            for (int j = 0; j < PANEL_RANKS; j++) {
+                float sum = 0.0f;
+                for (int c = 0; c < PANEL_INPUTS; c++) sum += acc[j][c];
+                out[r0 * rank4 + j] = sum;
+            }
+        }
 #endif
     }
 }
 
-/* expand: out[rows, start + col0 ...] += shrunk @ Bt over the item's columns (each row of Bt read once) */
+/* expand: out[rows, start + col0 ...] += shrunk @ Bt over the item's columns, one panel at a time */
 static void expand_item(void *ctx, int64_t index) {
     const LoraJob *job = (const LoraJob *)ctx;
     const LoraItem *item = job->items + index;
     const LoraPart *part = item->part;
-    const int64_t rank = part->rank, width = item->num_cols;
-    float acc[LORA_ROWS][LORA_CHUNK];
-    for (int64_t r = 0; r < item->num_rows; r++)
-        for (int64_t c = 0; c < width; c++) acc[r][c] = 0.0f;
-    for (int64_t j = 0; j < rank; j++) {
-        if (part->dtype == DTYPE_F32) {
-            const float *bt = (const float *)part->bt + j * part->len + item->col0;
-            for (int64_t r = 0; r < item->num_rows; r++) {
-                const float coefficient = item->shrunk[r * rank + j];
-                for (int64_t c = 0; c < width; c++) acc[r][c] += coefficient * bt[c];
+    const int64_t rank4 = round_up(part->rank, PANEL_RANKS);
+    for (int64_t c = 0; c < item->num_cols; c += PANEL_COLUMNS) {
+        const int64_t column = item->col0 + c, left = item->num_cols - c;
+        const char *panel = (const char *)part->bt + (column / PANEL_COLUMNS) * rank4 * PANEL_COLUMNS * elem_size(part->dtype);
+#ifdef __AVX512F__
+        const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        int64_t r0 = 0;
+        for (; r0 + 8 <= item->num_rows; r0 += 8) expand_rows8(job, item, r0, panel, column, m0, m1);
+        for (; r0 + 4 <= item->num_rows; r0 += 4) expand_rows4(job, item, r0, panel, column, m0, m1);
+        for (; r0 < item->num_rows; r0++) expand_rows1(job, item, r0, panel, column, m0, m1);
+#else
+        const int64_t width = left < PANEL_COLUMNS ? left : PANEL_COLUMNS;
+        for (int64_t r = 0; r < item->num_rows; r++) {
+            float acc[PANEL_COLUMNS] = {0};
+            for (int64_t j = 0; j < rank4; j++) {
+                const float coefficient = item->shrunk[r * rank4 + j];
+                for (int c2 = 0; c2 < PANEL_COLUMNS; c2++)
+                    acc[c2] += coefficient * load_element(panel, j * PANEL_COLUMNS + c2, part->dtype);
             }
-        } else {
-            const uint16_t *bt = (const uint16_t *)part->bt + j * part->len + item->col0;
-            float row[LORA_CHUNK];
-            for (int64_t c = 0; c < width; c++) row[c] = bf16_to_f32(bt[c]);
-            for (int64_t r = 0; r < item->num_rows; r++) {
-                const float coefficient = item->shrunk[r * rank + j];
-                for (int64_t c = 0; c < width; c++) acc[r][c] += coefficient * row[c];
-            }
+            const int64_t first = item->rows[r] * job->N + part->start + column;
+            for (int64_t c2 = 0; c2 < width; c2++)
+                store_element(job->out, first + c2, load_element(job->out, first + c2, job->dtype) + acc[c2], job->dtype);
         }
-    }
-    for (int64_t r = 0; r < item->num_rows; r++) {
-        const int64_t first = item->rows[r] * job->N + part->start + item->col0;
-        if (job->dtype == DTYPE_F32) {
-            float *o = (float *)job->out + first;
-            for (int64_t c = 0; c < width; c++) o[c] += acc[r][c];
-        } else {
-            uint16_t *o = (uint16_t *)job->out + first;
-            for (int64_t c = 0; c < width; c++) o[c] = f32_to_bf16(bf16_to_f32(o[c]) + acc[r][c]);
-        }
+#endif
     }
 }
 
@@ -170,7 +220,7 @@ int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const 
             if (parts[p].rank > LORA_MAX_RANK || parts[p].start < 0 || parts[p].start + parts[p].len > N) return 3;
             num_blocks += blocks;
             num_expands += blocks * ((parts[p].len + LORA_CHUNK - 1) / LORA_CHUNK);
-            shrunk_floats += rows * parts[p].rank;
+            shrunk_floats += rows * round_up(parts[p].rank, PANEL_RANKS);
         }
     }
     if (num_blocks == 0) return 0; /* no adapter of the step targets this product */
@@ -198,7 +248,7 @@ int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const 
                     expand++;
                 }
                 block++;
-                next += num_rows * parts[p].rank;
+                next += num_rows * round_up(parts[p].rank, PANEL_RANKS);
             }
         }
     }
