@@ -72,8 +72,8 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     deepseek_v3 multi-head latent attention in every layer (MlaTraits, workers/mla.py): q through a
                 low-rank pair (q_a_proj, q_a_layernorm, q_b_proj) or q_proj; one latent and one
                 shared RoPE key per token (kv_a_proj_with_mqa, kv_a_layernorm), expanded per head by
-                kv_b_proj; DeepSeek's interleaved RoPE; yarn's mscale_all_dim squared in the scale.
-                Only configs whose every layer is dense (first_k_dense_replace >= layers)
+                kv_b_proj; DeepSeek's interleaved RoPE; yarn's mscale_all_dim squared in the scale;
+                glm4_moe's MoE layers after the first first_k_dense_replace (its defaults differ)
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -369,21 +369,41 @@ def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
 
 
 def _glm4_moe(raw: dict) -> FamilyTraits:
-    num_layers, width = int(raw["num_hidden_layers"]), int(raw.get("moe_intermediate_size", 1408))
-    first_moe = int(raw.get("first_k_dense_replace", 1))  # the layers before it keep a dense MLP
-    layers = tuple(layer >= first_moe for layer in range(num_layers))
-    moe = MoeTraits(
-        num_experts=int(raw.get("n_routed_experts", raw.get("num_local_experts", 128))),
-        top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=width, layers=layers,
-        scoring="sigmoid_topk", renormalize=bool(raw.get("norm_topk_prob", True)),
-        correction_bias=("gate.e_score_correction_bias",),
-        num_groups=int(raw.get("n_group", 1)), topk_groups=int(raw.get("topk_group", 1)),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        shared_intermediate_size=width * int(raw.get("n_shared_experts", 1)), shared_expert="shared_experts",
-    ) if any(layers) else None
     return FamilyTraits(qkv_bias=bool(raw.get("attention_bias", False)), o_bias=False,
-                        qk_norm="head" if raw.get("use_qk_norm", False) else None, moe=moe,
-                        num_extra_layers=_num_mtp_layers(raw))
+                        qk_norm="head" if raw.get("use_qk_norm", False) else None,
+                        moe=_grouped_sigmoid_moe(raw, GLM4_MOE_DEFAULTS), num_extra_layers=_num_mtp_layers(raw))
+
+
+# transformers' defaults of the keys _grouped_sigmoid_moe reads, per family
+GLM4_MOE_DEFAULTS = dict(n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+                         n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True)
+DEEPSEEK_V3_MOE_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                                n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                first_k_dense_replace=3, norm_topk_prob=True)
+
+
+def _grouped_sigmoid_moe(raw: dict, defaults: dict) -> MoeTraits | None:
+    """DeepSeek V3's MoE layers (GLM-4.5's too): dense MLPs in the first first_k_dense_replace layers,
+    then sigmoid scores, e_score_correction_bias on the choice, group-limited top k, renormalised iff
+    norm_topk_prob, x routed_scaling_factor, and n_shared_experts x moe_intermediate_size of ungated
+    shared expert (mlp.shared_experts). None: no MoE layer (or no routed experts)."""
+    def get(key):  # a null in config.json means transformers' default too
+        return defaults[key] if raw.get(key) is None else raw[key]
+
+    num_layers, width = int(raw["num_hidden_layers"]), int(get("moe_intermediate_size"))
+    num_experts = int(raw["num_local_experts"] if raw.get("n_routed_experts") is None and
+                      raw.get("num_local_experts") is not None else get("n_routed_experts"))
+    layers = tuple(num_experts > 0 and layer >= int(get("first_k_dense_replace")) for layer in range(num_layers))
+    if not any(layers):
+        return None
+    return MoeTraits(
+        num_experts=num_experts, top_k=int(get("num_experts_per_tok")), intermediate_size=width, layers=layers,
+        scoring="sigmoid_topk", renormalize=bool(get("norm_topk_prob")),
+        correction_bias=("gate.e_score_correction_bias",),
+        num_groups=int(get("n_group")), topk_groups=int(get("topk_group")),
+        routed_scaling_factor=float(get("routed_scaling_factor")),
+        shared_intermediate_size=width * int(get("n_shared_experts")), shared_expert="shared_experts",
+    )
 
 
 def _minimax_m2(raw: dict) -> FamilyTraits:
@@ -450,12 +470,6 @@ def _gpt_oss(raw: dict) -> FamilyTraits:
 
 
 def _deepseek_v3(raw: dict) -> FamilyTraits:
-    num_layers = int(raw["num_hidden_layers"])
-    first_dense = raw.get("first_k_dense_replace", 3)  # transformers' default
-    if int(raw.get("n_routed_experts", 256) or 0) > 0 and (first_dense is None or int(first_dense) < num_layers):
-        raise FamilyError(f"deepseek_v3's mixture-of-experts layers (layers {first_dense} to {num_layers - 1}: "
-                          "grouped sigmoid routing) are not supported yet; only configs whose every layer is dense "
-                          "(first_k_dense_replace >= num_hidden_layers) are served")
     q_lora_rank = raw.get("q_lora_rank", 1536)
     mla = MlaTraits(
         kv_lora_rank=int(raw.get("kv_lora_rank", 512)), qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
@@ -465,7 +479,8 @@ def _deepseek_v3(raw: dict) -> FamilyTraits:
     )
     bias = bool(raw.get("attention_bias", False))  # q_a_proj, kv_a_proj_with_mqa and o_proj
     return FamilyTraits(qkv_bias=bias, o_bias=bias, attention_scale=mla.qk_head_dim**-0.5 * _yarn_mscale_squared(raw),
-                        mla=mla, num_extra_layers=_num_mtp_layers(raw))
+                        mla=mla, moe=_grouped_sigmoid_moe(raw, DEEPSEEK_V3_MOE_DEFAULTS),
+                        num_extra_layers=_num_mtp_layers(raw))
 
 
 def _num_mtp_layers(raw: dict) -> int:
