@@ -85,6 +85,30 @@ MOE_FAMILIES = {
     # 56 in layers 1 and 2; layer 0 dense
     "qwen2_moe": dict(model_type="qwen2_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40,
                       shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[0]),
+    # layer 0 dense (first_k_dense_replace), 1 and 2 MoE: sigmoid scores plus random correction biases choose
+    # the top 3 of 8 experts from the best 2 of 4 groups (n_group), weights renormalised and x 2.5; a shared
+    # expert of width 2 x 32; per-head q/k norms, q, k, v biases, half of each head rotated (the default)
+    "glm4_moe": dict(model_type="glm4_moe", first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+                     n_group=4, topk_group=2, moe_intermediate_size=32, n_shared_experts=2, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, use_qk_norm=True, attention_bias=True),
+    # deepseek_v3's latent attention (as FAMILIES' "deepseek_v3", with no biases or yarn) and glm4_moe's MoE layers:
+    # layer 0 dense, 1 and 2 the top 3 of 8 experts from the best 2 of 4 groups, x 2.5, and a shared expert
+    "deepseek_v3-moe": dict(model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=1, q_lora_rank=24,
+                            kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+                            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                            moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5),
+    # sigmoid scores plus random correction biases choose the top 2 of 6 experts, renormalised; q/k norms over
+    # the whole projection; a rotary_dim of 8 of head_dim 16; the classic per-expert tensors (block_sparse_moe)
+    "minimax_m2": dict(model_type="minimax_m2", num_local_experts=6, num_experts_per_tok=2, intermediate_size=48,
+                       head_dim=16, rotary_dim=8),
+    # RoPE over interleaved pairs; layer 0 dense (moe_layer_start_index), 1 and 2 MoE: softmax scores plus random
+    # correction biases ([1, E]) choose the top 2 of 6 experts, renormalised; a shared expert of width 2 x 32
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", moe_num_experts=6, moe_k=2, moe_intermediate_size=32,
+                         moe_num_shared_experts=2, moe_layer_start_index=1),
+    # per-head q/k norms after RoPE, RoPE "dynamic" with Hunyuan's alpha (a fixed larger base); every layer MoE:
+    # top 2 of 6 experts of width 48 (softmax, renormalised) plus a shared MLP of that width
+    "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", num_experts=6, moe_topk=2, intermediate_size=48, head_dim=16,
+                           rope_parameters=dict(rope_type="dynamic", alpha=50.0, factor=1.0, rope_theta=10000.0)),
     # gpt-oss: attention biases and sinks, windows of 8 on layers 0 and 2 (prompts run past them), yarn RoPE;
     # top 2 of 4 experts by a biased router, softmax over the two; experts [E, in, out] with gate and up
     # interleaved and biases; a clamped SwiGLU whose limit of 4 the values reach
@@ -95,7 +119,8 @@ MOE_FAMILIES = {
 }
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
-SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")}
+SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
+                                                  "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v3-moe", "gpt_oss")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

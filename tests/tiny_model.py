@@ -107,6 +107,9 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
                 parameter.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                 parameter.normal_(0.0, init_std)
+        for name, buffer in model.named_buffers():  # a correction bias large enough to change experts' choice
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, init_std)
     model.save_pretrained(path, safe_serialization=True, save_original_format=save_original_format)
     GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID).save_pretrained(path)
     (path / "tiny_model.json").write_text(json.dumps({"model_type": model_type, "seed": seed}) + "\n")

@@ -2,8 +2,8 @@
 
 Parsed once from a local model directory (config.json, plus generation_config.json for
 EOS ids when present). The shape numbers are common to every family; what a family changes
-in the layer comes from its entry in workers/families.py (mixtral, qwen3_moe and gpt_oss with
-mixture-of-experts MLPs, workers/moe.py).
+in the layer comes from its entry in workers/families.py (mixtral, qwen3_moe, glm4_moe, gpt_oss and
+others with mixture-of-experts MLPs, workers/moe.py).
 
 Quantized checkpoints: config.json's `quantization_config` is parsed by workers/quant_formats.py
 into a QuantSpec (fp8 from compressed-tensors or fbgemm_fp8, 4-bit awq and gptq; gpt-oss's MXFP4
@@ -14,12 +14,14 @@ names it and lists what is supported. The loader dequantizes the weights at load
 RoPE: both spellings are read, the older `rope_theta` + `rope_scaling` keys and the
 transformers-5 `rope_parameters` dict. Supported scaling types: default (none), "linear",
 "llama3", "dynamic" (NTK), which equals the default inside the original context
-length, so for "dynamic" the usable context is capped at max_position_embeddings,
+length, so for "dynamic" the usable context is capped at max_position_embeddings (with an
+`alpha`, Hunyuan's, the base is fixed: theta * alpha ** (head_dim / (head_dim - 2)), no cap),
 "longrope" (Phi-3): short_factor for positions inside original_max_position_embeddings,
 long_factor past it, and "yarn" (gpt-oss): frequencies blended between the original and the
 interpolated ones by beta_fast / beta_slow, cos and sin scaled by an attention factor
 (workers/rope.py). `partial_rotary_factor` (top level or inside the
-rope dict) rotates only the first part of each head.
+rope dict; or `rotary_dim` / head_dim; else the family's default) rotates only the first part of
+each head.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from workers.families import (
     FAMILIES,
     MULTIMODAL_TEXT_MODELS,
     MXFP4_FAMILIES,
+    PARTIAL_ROTARY_DEFAULTS,
     SUPPORTED_MODEL_TYPES,
     FamilyError,
     FamilyPaths,
@@ -210,7 +213,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             # MLA (DeepSeek V3): the RoPE width, qk_rope_head_dim (the heads' other widths: traits.mla)
-            head_dim=traits.mla.qk_rope_head_dim if traits.mla else int(raw.get("head_dim") or hidden_size // num_heads),
+            head_dim=traits.mla.qk_rope_head_dim if traits.mla else _head_dim(raw),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -267,11 +270,17 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
         params = dict(params.get("full_attention") or {})
     params.update(raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is None and raw.get("rotary_dim"):  # MiniMax-M2: the rotated width itself
+        partial = int(raw["rotary_dim"]) / _head_dim(raw)
+    partial = float(PARTIAL_ROTARY_DEFAULTS.get(raw.get("model_type"), 1.0) if partial is None else partial)
     if not 0.0 < partial <= 1.0:
         raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     rope_type = params.get("rope_type", params.get("type", "default"))
     rope_type = rope_type_of(raw.get("model_type"), rope_type)
+    if rope_type == "dynamic" and params.get("alpha"):  # Hunyuan's NTK alpha: a fixed base, whatever the length
+        head_dim = _head_dim(raw)
+        theta, rope_type = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2)), "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope scaling {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
@@ -293,6 +302,10 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
         scaling = _yarn(raw, params, scaling)
     local_theta = float((local or {}).get("rope_theta", raw.get("rope_local_base_freq", theta)))
     return theta, scaling, partial, local_theta
+
+
+def _head_dim(raw: dict) -> int:
+    return int(raw.get("head_dim") or int(raw.get("hidden_size", 0)) // int(raw.get("num_attention_heads") or 1))
 
 
 def _longrope(raw: dict, params: dict, scaling: RopeScaling) -> RopeScaling:

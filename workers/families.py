@@ -44,6 +44,25 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 with a shared expert beside the routed ones: a dense MLP of
                 `shared_expert_intermediate_size` on every token, its output scaled by
                 sigmoid(x . shared_expert_gate) and added
+    glm4_moe    q, k, v biases iff `attention_bias`; per-head q/k norms iff `use_qk_norm`; half of
+                each head rotated (workers/config.py); dense MLPs in the first `first_k_dense_replace`
+                layers, MoE MLPs after them: sigmoid scores, a correction bias on the choice only
+                (e_score_correction_bias), group-limited top k (n_group, topk_group), the unbiased
+                weights renormalised iff `norm_topk_prob` and x routed_scaling_factor; a shared
+                expert (n_shared_experts of moe_intermediate_size, ungated) on every token; its
+                multi-token-prediction layer (model.layers.{num_hidden_layers}) is skipped
+    minimax_m2  q and k RMSNorms over the whole projections (as olmo2); `rotary_dim` of each head
+                rotated; every MLP MoE (block_sparse_moe, w1/w3/w2): sigmoid scores plus a
+                correction bias choose the top k, the unbiased weights renormalised
+    ernie4_5_moe llama's attention with RoPE over interleaved pairs (FamilyTraits.rope_interleaved);
+                MoE MLPs in every moe_layer_interval-th layer from moe_layer_start_index to
+                moe_layer_end_index, dense ones elsewhere: softmax scores plus a correction bias
+                (moe_statics.e_score_correction_bias, [1, E]) choose the top moe_k, the unbiased
+                weights renormalised; moe_num_shared_experts shared experts on every token
+    hunyuan_v1_moe  per-head q/k norms after RoPE (query_layernorm, key_layernorm); RoPE "dynamic"
+                with an `alpha` is a fixed larger base (workers/config.py); every MLP a MoE
+                (softmax, top moe_topk, renormalised; router mlp.gate.wg) of experts of
+                intermediate_size, plus a shared MLP of that width (shared_mlp) on every token
     gpt_oss     q, k, v and o biases; a learned sink logit per head in every attention softmax
                 (self_attn.sinks); sliding-window layers (layer_types, by default every other one);
                 yarn RoPE; MoE MLPs in every layer whose router (mlp.router, with a bias) takes the
@@ -53,8 +72,8 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
     deepseek_v3 multi-head latent attention in every layer (MlaTraits, workers/mla.py): q through a
                 low-rank pair (q_a_proj, q_a_layernorm, q_b_proj) or q_proj; one latent and one
                 shared RoPE key per token (kv_a_proj_with_mqa, kv_a_layernorm), expanded per head by
-                kv_b_proj; DeepSeek's interleaved RoPE; yarn's mscale_all_dim squared in the scale.
-                Only configs whose every layer is dense (first_k_dense_replace >= layers)
+                kv_b_proj; DeepSeek's interleaved RoPE; yarn's mscale_all_dim squared in the scale;
+                glm4_moe's MoE layers after the first first_k_dense_replace (its defaults differ)
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -77,7 +96,9 @@ class FamilyTraits:
     o_bias: bool  # the output projection carries a bias
     sliding_window: int | None = None  # one window for every layer (caps the served context); None: full
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (each head, weights [head_dim]) or
-    #                             "projection" (the whole q and the whole k, weights [heads * head_dim])
+    #                             "projection" (the whole q and the whole k, weights [heads * head_dim]);
+    #                             or after RoPE: "head_after_rope" (each rotated head: Hunyuan)
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")  # their tensors: self_attn.{name}.weight
     norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output instead (OLMo 2)
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
     norm_weight_offset: float = 0.0  # every RMSNorm multiplies by (offset + w): Gemma's 1
@@ -86,6 +107,10 @@ class FamilyTraits:
     logits_softcap: float | None = None  # final logits soft-capped the same way (Gemma 2)
     local_rope_layers: tuple[bool, ...] | None = None  # per layer: uses the local RoPE base (Gemma 3's sliding layers)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
+    # RoPE rotates interleaved pairs (2i, 2i + 1) of each head (ERNIE 4.5), not halves: q_proj's and k_proj's
+    # rows (and LoRA B's) are reordered at load into halves, which our RoPE rotates alike (q and k move
+    # together: the scores are unchanged; workers/rope.py, deinterleave_rows); no family with it has q/k norms
+    rope_interleaved: bool = False
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
     attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
@@ -93,9 +118,12 @@ class FamilyTraits:
     logits_scale: float = 1.0  # logits are multiplied by it
     moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
     mla: MlaTraits | None = None  # multi-head latent attention in every layer (DeepSeek V3); None: q/k/v heads
+    # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
+    # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
+    num_extra_layers: int = 0
 
 
-ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")
+ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax")
 EXPERT_LAYOUTS = ("stacked", "gpt_oss")
 
 
@@ -110,8 +138,18 @@ class MoeTraits:
     intermediate_size: int  # each expert's gated-SiLU width
     layers: tuple[bool, ...]  # per layer: True: the MoE MLP; False: the dense MLP (ModelConfig.intermediate_size)
     scoring: str = "softmax_topk"  # "softmax_topk": softmax over every expert's logit, then the top k;
+    #                                "sigmoid_topk": each logit's sigmoid, then the top k;
     #                                "topk_softmax": the top k logits, then softmax over those k
-    renormalize: bool = True  # softmax_topk: the k weights are divided by their sum
+    renormalize: bool = True  # softmax_topk, sigmoid_topk: the k weights are divided by their sum
+    # a per-expert bias added to the scores only to choose the k (the weights stay unbiased): the names its
+    # tensor ([E], or [1, E]) may have under the block, the first present is read (GLM-4.5:
+    # "gate.e_score_correction_bias"); (): none
+    correction_bias: tuple[str, ...] = ()
+    # group-limited top k: the experts are num_groups equal groups, each scored by the sum of its two best
+    # (biased) scores, and only the experts of the topk_groups best groups can be chosen; 1: no groups
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the k weights' multiplier (after renormalising)
     router_bias: bool = False  # the router's logits carry a bias (its tensor {block}.{router}.bias)
     router: str = "gate"  # the router's name: model.layers.N.{block}.{router}.weight
     block: str = "mlp"  # classic names: model.layers.N.{block}.gate.weight, {block}.experts.E.{projection}.weight
@@ -122,8 +160,9 @@ class MoeTraits:
     swiglu_alpha: float = 1.702  # activation "swiglu_oai": the sigmoid's gain
     swiglu_limit: float = 7.0  # activation "swiglu_oai": the clamp on gate (above) and up (both sides)
     # a shared expert: a dense gated MLP of this width on every token, beside the routed experts
-    # (model.layers.N.{block}.shared_expert.{gate,up,down}_proj); 0: none
+    # (model.layers.N.{block}.{shared_expert}.{gate,up,down}_proj); 0: none
     shared_intermediate_size: int = 0
+    shared_expert: str = "shared_expert"  # its name (GLM-4.5's n_shared_experts are one MLP: "shared_experts")
     shared_expert_gate: bool = False  # the shared expert's output x sigmoid(x . {block}.shared_expert_gate.weight)
 
     def __post_init__(self) -> None:
@@ -133,6 +172,14 @@ class MoeTraits:
             raise FamilyError(f"router scoring {self.scoring!r} is not one of {ROUTER_SCORINGS}")
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise FamilyError(f"expert layout {self.expert_layout!r} is not one of {EXPERT_LAYOUTS}")
+        if self.num_groups > 1:
+            group_size = self.num_experts // self.num_groups
+            if self.num_experts % self.num_groups or group_size < 2:
+                raise FamilyError(f"{self.num_experts} experts do not split into n_group {self.num_groups} groups "
+                                  "of two or more")
+            if not 0 < self.topk_groups <= self.num_groups or self.top_k > self.topk_groups * group_size:
+                raise FamilyError(f"top {self.top_k} experts from topk_group {self.topk_groups} of {self.num_groups} "
+                                  f"groups of {group_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +368,92 @@ def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
     )
 
 
+def _glm4_moe(raw: dict) -> FamilyTraits:
+    return FamilyTraits(qkv_bias=bool(raw.get("attention_bias", False)), o_bias=False,
+                        qk_norm="head" if raw.get("use_qk_norm", False) else None,
+                        moe=_grouped_sigmoid_moe(raw, GLM4_MOE_DEFAULTS), num_extra_layers=_num_mtp_layers(raw))
+
+
+# transformers' defaults of the keys _grouped_sigmoid_moe reads, per family
+GLM4_MOE_DEFAULTS = dict(n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+                         n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True)
+DEEPSEEK_V3_MOE_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                                n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                first_k_dense_replace=3, norm_topk_prob=True)
+
+
+def _grouped_sigmoid_moe(raw: dict, defaults: dict) -> MoeTraits | None:
+    """DeepSeek V3's MoE layers (GLM-4.5's too): dense MLPs in the first first_k_dense_replace layers,
+    then sigmoid scores, e_score_correction_bias on the choice, group-limited top k, renormalised iff
+    norm_topk_prob, x routed_scaling_factor, and n_shared_experts x moe_intermediate_size of ungated
+    shared expert (mlp.shared_experts). None: no MoE layer (or no routed experts)."""
+    def get(key):  # a null in config.json means transformers' default too
+        return defaults[key] if raw.get(key) is None else raw[key]
+
+    num_layers, width = int(raw["num_hidden_layers"]), int(get("moe_intermediate_size"))
+    num_experts = int(raw["num_local_experts"] if raw.get("n_routed_experts") is None and
+                      raw.get("num_local_experts") is not None else get("n_routed_experts"))
+    layers = tuple(num_experts > 0 and layer >= int(get("first_k_dense_replace")) for layer in range(num_layers))
+    if not any(layers):
+        return None
+    return MoeTraits(
+        num_experts=num_experts, top_k=int(get("num_experts_per_tok")), intermediate_size=width, layers=layers,
+        scoring="sigmoid_topk", renormalize=bool(get("norm_topk_prob")),
+        correction_bias=("gate.e_score_correction_bias",),
+        num_groups=int(get("n_group")), topk_groups=int(get("topk_group")),
+        routed_scaling_factor=float(get("routed_scaling_factor")),
+        shared_intermediate_size=width * int(get("n_shared_experts")), shared_expert="shared_experts",
+    )
+
+
+def _minimax_m2(raw: dict) -> FamilyTraits:
+    num_layers = int(raw["num_hidden_layers"])
+    moe = MoeTraits(
+        num_experts=int(raw.get("num_local_experts", 256)), top_k=int(raw.get("num_experts_per_tok", 8)),
+        intermediate_size=int(raw["intermediate_size"]), layers=(True,) * num_layers, scoring="sigmoid_topk",
+        correction_bias=("e_score_correction_bias",), block="block_sparse_moe", expert_projections=("w1", "w3", "w2"),
+    )
+    return FamilyTraits(qkv_bias=False, o_bias=False, qk_norm="projection", moe=moe)
+
+
+def _ernie4_5_moe(raw: dict) -> FamilyTraits:
+    if raw.get("use_bias", False):
+        raise FamilyError("ernie4_5_moe with use_bias=true is not supported")
+    num_layers, width = int(raw["num_hidden_layers"]), int(raw.get("moe_intermediate_size", 1536))
+    num_experts, interval = int(raw.get("moe_num_experts", 64)), int(raw.get("moe_layer_interval", 1))
+    first, last = int(raw.get("moe_layer_start_index", 1)), int(raw.get("moe_layer_end_index", -1))
+    last = num_layers - 1 if last == -1 else last
+    if interval < 1:
+        raise FamilyError(f"moe_layer_interval {interval} is not a positive layer interval")
+    layers = tuple(num_experts > 0 and (layer + 1) % interval == 0 and first <= layer <= last
+                   for layer in range(num_layers))
+    moe = MoeTraits(
+        num_experts=num_experts, top_k=int(raw.get("moe_k", 6)), intermediate_size=width, layers=layers,
+        correction_bias=("moe_statics.e_score_correction_bias", "gate.moe_statics.e_score_correction_bias"),
+        shared_intermediate_size=width * int(raw.get("moe_num_shared_experts", 2)), shared_expert="shared_experts",
+    ) if any(layers) else None
+    return FamilyTraits(qkv_bias=False, o_bias=False, rope_interleaved=True, moe=moe)
+
+
+def _hunyuan_v1_moe(raw: dict) -> FamilyTraits:
+    num_layers, width = int(raw["num_hidden_layers"]), int(raw["intermediate_size"])
+
+    def one_value(key: str, default: int) -> int:  # published configs list some per layer
+        values = raw.get(key, default)
+        values = set(values) if isinstance(values, list) else {values}
+        if len(values) != 1:
+            raise FamilyError(f"hunyuan_v1_moe with {key} varying between layers is not supported")
+        return int(values.pop())
+
+    moe = MoeTraits(  # transformers' HunYuanMoEV1Moe: experts and shared MLP of intermediate_size, every layer
+        num_experts=one_value("num_experts", 1), top_k=one_value("moe_topk", 1), intermediate_size=width,
+        layers=(True,) * num_layers, router="gate.wg", shared_intermediate_size=width, shared_expert="shared_mlp",
+    )
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head_after_rope",
+                        qk_norm_names=("query_layernorm", "key_layernorm"), moe=moe)
+
+
 def _gpt_oss(raw: dict) -> FamilyTraits:
     num_layers = int(raw["num_hidden_layers"])
     alternating = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(num_layers)]
@@ -337,12 +470,6 @@ def _gpt_oss(raw: dict) -> FamilyTraits:
 
 
 def _deepseek_v3(raw: dict) -> FamilyTraits:
-    num_layers = int(raw["num_hidden_layers"])
-    first_dense = raw.get("first_k_dense_replace", 3)  # transformers' default
-    if int(raw.get("n_routed_experts", 256) or 0) > 0 and (first_dense is None or int(first_dense) < num_layers):
-        raise FamilyError(f"deepseek_v3's mixture-of-experts layers (layers {first_dense} to {num_layers - 1}: "
-                          "grouped sigmoid routing) are not supported yet; only configs whose every layer is dense "
-                          "(first_k_dense_replace >= num_hidden_layers) are served")
     q_lora_rank = raw.get("q_lora_rank", 1536)
     mla = MlaTraits(
         kv_lora_rank=int(raw.get("kv_lora_rank", 512)), qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
@@ -352,7 +479,13 @@ def _deepseek_v3(raw: dict) -> FamilyTraits:
     )
     bias = bool(raw.get("attention_bias", False))  # q_a_proj, kv_a_proj_with_mqa and o_proj
     return FamilyTraits(qkv_bias=bias, o_bias=bias, attention_scale=mla.qk_head_dim**-0.5 * _yarn_mscale_squared(raw),
-                        mla=mla)
+                        mla=mla, moe=_grouped_sigmoid_moe(raw, DEEPSEEK_V3_MOE_DEFAULTS),
+                        num_extra_layers=_num_mtp_layers(raw))
+
+
+def _num_mtp_layers(raw: dict) -> int:
+    """Multi-token-prediction layers a checkpoint holds after its last layer (transformers' default 1)."""
+    return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1)))
 
 
 def _yarn_mscale_squared(raw: dict) -> float:
@@ -384,6 +517,10 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
+    "glm4_moe": _glm4_moe,
+    "minimax_m2": _minimax_m2,
+    "ernie4_5_moe": _ernie4_5_moe,
+    "hunyuan_v1_moe": _hunyuan_v1_moe,
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
 }
@@ -394,6 +531,11 @@ MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+# partial_rotary_factor where a family's config has none (and no rotary_dim): transformers' default for it
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5}
+# tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
+# differences between experts decide the choice, and bf16 would round them away
+FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)
 MXFP4_FAMILIES = frozenset({"gpt_oss"})  # MXFP4 checkpoints: its experts only
 GGUF_NATIVE_FAMILIES = frozenset({"llama"})  # GGUF files whose blocks the CPU kernels serve as they ship
 
@@ -412,9 +554,11 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     moe = "mixture-of-experts layers" if traits.moe is not None else None
     mla = "multi-head latent attention layers" if traits.mla is not None else None
     multiplier = "a residual multiplier" if traits.residual_multiplier != 1.0 else None
+    late_norms = "q/k norms after RoPE" if traits.qk_norm == "head_after_rope" else None
     return FamilyPaths(
-        # the experts' MLP and latent attention have no C form: the Python loop runs them (MLA in torch)
-        c_layer_loop=", ".join(why for why in (moe, mla) if why) or None,
+        # the experts' MLP, latent attention and late q/k norms have no C form: the Python loop runs them
+        # (MLA in torch)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier) if why) or None,  # grouped experts take

@@ -46,6 +46,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from workers.config import ModelConfig
+from workers.families import FP32_TENSOR_SUFFIXES
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,8 @@ def inline_chat_template(model_dir: Path) -> None:
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Every tensor of every *.safetensors file in model_dir, by HF name: floating-point ones cast
-    to dtype (None: as stored), integer ones as they are (gpt-oss's MXFP4 blocks and scales, uint8)."""
+    to dtype (None: as stored; FP32_TENSOR_SUFFIXES to fp32), integer ones as they are (gpt-oss's
+    MXFP4 blocks and scales, uint8)."""
     files = safetensors_files(model_dir)
     if not files:
         raise ModelPathError(f"model directory {model_dir} has no *.safetensors weight files")
@@ -288,7 +290,9 @@ def read_safetensors(model_dir: Path, dtype: torch.dtype | None) -> dict[str, to
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     tensor = reader.get_tensor(name)
-                    tensors[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(torch.float32 if name.endswith(FP32_TENSOR_SUFFIXES) else dtype)
+                    tensors[name] = tensor
         except (SafetensorError, OSError, RuntimeError) as error:
             raise ModelPathError(f"cannot read weight file {file}: expected safetensors ({error})") from None
     return tensors

@@ -47,6 +47,7 @@ from types import ModuleType
 import torch
 
 from workers.config import ModelConfig
+from workers.rope import deinterleave_rows
 
 PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in the order it runs them (csrc: LayerArgs, LoraStep)
 PEFT_PREFIX = "base_model.model."  # PEFT's prefix on every tensor name
@@ -255,7 +256,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
         layer: dict[str, LoraPair] = {}
         for product, modules in parts.items():
             found = [(module, rows, tensors.pop(f"model.layers.{index}.{module}.lora_A.weight", None),
-                      tensors.pop(f"model.layers.{index}.{module}.lora_B.weight", None)) for module, rows in modules]
+                      _lora_b(tensors.pop(f"model.layers.{index}.{module}.lora_B.weight", None), module, config))
+                     for module, rows in modules]
             if all(a is None and b is None for _, _, a, b in found):
                 continue
             if product in ("gate_up", "down") and config.is_moe_layer(index):
@@ -273,6 +275,15 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     if not any(layers):
         raise LoraError(f"{path}: the adapter holds no LoRA weights")
     return LoraAdapter(name, path, rank, scaling, targets, layers)
+
+
+def _lora_b(b: torch.Tensor | None, module: str, config: ModelConfig) -> torch.Tensor | None:
+    """A LoRA B as the base's product sees it: q_proj's and k_proj's rows reordered as the base's
+    own where RoPE rotates interleaved pairs (ERNIE 4.5: workers/rope.py, deinterleave_rows)."""
+    heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}.get(module)
+    if b is None or heads is None or not config.traits.rope_interleaved or b.shape[0] != heads * config.head_dim:
+        return b
+    return deinterleave_rows(b, heads, config)
 
 
 def _module_key(key: str) -> str:

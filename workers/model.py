@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
+from workers.families import FP32_TENSOR_SUFFIXES
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -61,7 +62,7 @@ from workers.lora import StepLora
 from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
-from workers.rope import RotaryEmbedding
+from workers.rope import RotaryEmbedding, deinterleave_rows
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
     qk_norm_whole: bool = False  # q_norm [heads * head_dim] and k_norm span the whole projection (OLMo 2)
+    qk_norm_after_rope: bool = False  # the q/k norms apply to the rotated heads (Hunyuan), not before RoPE
     attn_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP's output (OLMo 2)
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
@@ -252,7 +254,7 @@ class PagedLlamaModel:
             attended = mla_attention(self, layer.mla, x, positions, step, kv_cache)
             return self._product(attended, layer.o, layer.o_bias, lora, index, "o")
         qkv = self._product(x, layer.qkv, layer.qkv_bias, lora, index, "qkv")
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and not layer.qk_norm_after_rope:
             self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
                                    config.rms_norm_eps, layer.qk_norm_whole)
         if layer.use_rope:
@@ -260,6 +262,9 @@ class PagedLlamaModel:
             q, k, v = self.ops.rope(qkv, positions, rope, config.num_heads, config.num_kv_heads)
         else:
             q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
+        if layer.qk_norm_after_rope:  # each rotated head [tokens, heads, head_dim] over its head_dim
+            q = F.rms_norm(q, (config.head_dim,), layer.q_norm, config.rms_norm_eps)
+            k = F.rms_norm(k, (config.head_dim,), layer.k_norm, config.rms_norm_eps)
         step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
         return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
@@ -280,8 +285,6 @@ class PagedLlamaModel:
         embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         layers = [weights.layer(index) for index in range(config.num_layers)]
         final_norm = weights.take_norm("model.", "norm")
-        if config.traits.mla is not None:  # DeepSeek's multi-token prediction layers, after the last: not served
-            weights.discard_layers_from(config.num_layers)
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
             embed = _for_kernels(embed, logits=True)  # a GGUF table: one packed copy serves the lm_head and the lookups
@@ -292,6 +295,8 @@ class PagedLlamaModel:
         lm_head = linear.pack(lm_head_plain)
         if config.tie_word_embeddings and not isinstance(embed, torch.Tensor):
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
+        for index in range(config.num_layers, config.num_layers + config.traits.num_extra_layers):
+            weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's, DeepSeek's MTP)
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
@@ -351,8 +356,8 @@ class _WeightReader:
         self.device = device
         self.linear = linear
         # the activations' dtype: the plain tensors' (a GGUF checkpoint's norms are in it too)
-        self.dtype = next((t.dtype for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
-                          torch.float32)
+        self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
@@ -395,12 +400,20 @@ class _WeightReader:
     def discard(self, name: str) -> None:
         self.tensors.pop(name, None)
 
-    def discard_layers_from(self, first: int) -> None:
-        """Drops the tensors of layers first, first + 1, ... (model.layers.N. with N >= first)."""
-        for name in list(self.tensors):
-            parts = name.split(".")
-            if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= first:
-                del self.tensors[name]
+    def discard_prefix(self, prefix: str) -> None:
+        for name in [name for name in self.tensors if name.startswith(prefix)]:
+            del self.tensors[name]
+
+    def deinterleave_rope(self, name: str, num_heads: int) -> None:
+        """name.weight's and name.bias's rows (where present) reordered in the checkpoint from RoPE's
+        interleaved pairs to halves (workers/rope.py, deinterleave_rows)."""
+        for tensor_name in (name + ".weight", name + ".bias"):
+            tensor = self.tensors.get(tensor_name)
+            if tensor is None or tensor.shape[0] != num_heads * self.config.head_dim:
+                continue  # absent or misshapen: take() says which
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightError(f"{tensor_name} is a {tensor.label} weight; interleaved RoPE needs it plain")
+            self.tensors[tensor_name] = deinterleave_rows(tensor, num_heads, self.config)
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))
@@ -438,6 +451,9 @@ class _WeightReader:
         else:
             gate_up_rows = [c.intermediate_size] * 2
         norms = _NORM_NAMES[c.traits.norms]
+        if c.traits.rope_interleaved:
+            self.deinterleave_rope(attn + "q_proj", c.num_heads)
+            self.deinterleave_rope(attn + "k_proj", c.num_kv_heads)
         q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
                                       if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
@@ -464,9 +480,10 @@ class _WeightReader:
             down_bias=(
                 self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
             ),
-            q_norm=self.take_norm(attn, "q_norm", q_norm_width) if c.traits.qk_norm else None,
-            k_norm=self.take_norm(attn, "k_norm", k_norm_width) if c.traits.qk_norm else None,
+            q_norm=self.take_norm(attn, c.traits.qk_norm_names[0], q_norm_width) if c.traits.qk_norm else None,
+            k_norm=self.take_norm(attn, c.traits.qk_norm_names[1], k_norm_width) if c.traits.qk_norm else None,
             qk_norm_whole=c.traits.qk_norm == "projection",
+            qk_norm_after_rope=c.traits.qk_norm == "head_after_rope",
             attn_out_norm=self.take_norm(prefix, norms["attn_out_norm"]),
             mlp_out_norm=self.take_norm(prefix, norms["mlp_out_norm"]),
             use_rope=c.uses_rope(index),

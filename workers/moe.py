@@ -2,14 +2,21 @@
 output is the weighted sum of those experts' gated MLPs (SiLU, or gpt-oss's clamped SwiGLU). Plain functions over the
 model's linear backend and layer ops, so on CPU each expert's products are our packed ones.
 
-    weights, expert_ids = route(router_logits, traits)           # [tokens, k] fp32, [tokens, k] int64
+    weights, expert_ids = route(router_logits, traits, correction_bias)   # [tokens, k] fp32, [tokens, k] int64
     delta = moe_mlp(x, layer.moe, linear_backend, ops)          # x: [tokens, hidden] -> [tokens, hidden]
 
-Routing (MoeTraits.scoring, workers/families.py), all in fp32 whatever the model's dtype:
+Routing (MoeTraits, workers/families.py), all in fp32 whatever the model's dtype, in one function
+that the per-expert loop and the fused Triton kernel both take their weights from:
 
-    softmax_topk   p = softmax(logits); the k largest p; divided by their sum iff renormalize
-                   (Mixtral always, Qwen3-MoE iff norm_topk_prob)
     topk_softmax   the k largest logits; softmax over those k (gpt-oss, whose router has a bias)
+    softmax_topk   p = softmax(logits)                           (Mixtral, Qwen-MoE)
+    sigmoid_topk   p = sigmoid(logits)                           (GLM-4.5, MiniMax-M2)
+       then        c = p + correction_bias                       choice scores (e_score_correction_bias)
+                   groups: c's experts in num_groups groups of E / num_groups; each group's score is the
+                   sum of its two largest c; outside the topk_groups best groups, c = -inf
+                   the k experts of largest c; their weights are p (unbiased)
+                   divided by their sum iff renormalize (Mixtral always, Qwen iff norm_topk_prob)
+                   times routed_scaling_factor
 
 The experts (only those this step's tokens chose run; an expert with no token costs nothing):
 
@@ -19,9 +26,9 @@ The experts (only those this step's tokens chose run; an expert with no token co
                                                    (each with its bias where the family has one: gpt-oss)
     delta[token] += weight(token, slot) * out_e    one index_add_ in fp32, in expert order per token
 
-A shared expert (Qwen2-MoE: MoeTraits.shared_intermediate_size) runs on every token beside them,
-a dense gated MLP whose output, times sigmoid(x . shared_gate) where the family has that gate,
-is added to the routed experts' sum.
+A shared expert (Qwen2-MoE, GLM-4.5: MoeTraits.shared_intermediate_size) runs on every token beside
+them, a dense gated MLP whose output, times sigmoid(x . shared_gate) where the family has that
+gate (Qwen2-MoE), is added to the routed experts' sum.
 
 The per-expert loop reads each expert's token count on the host, so it cannot be captured in
 a CUDA graph (it says so). On CUDA, read_moe_weights also keeps the experts stacked
@@ -58,19 +65,39 @@ class MoeWeights:
     shared_gate_up: object | None = None  # the shared expert's [2 * shared width, hidden], packed; None: none
     shared_down: object | None = None  # [hidden, shared width], packed
     shared_gate: object | None = None  # [1, hidden], packed: its output's sigmoid gate; None: ungated
+    correction_bias: torch.Tensor | None = None  # [num_experts] fp32, added to the scores to choose experts
 
 
-def route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [tokens, num_experts] (bias included) -> (weights fp32 [tokens, k], expert ids
-    int64 [tokens, k]), by the family's scoring (module docstring)."""
+def route(logits: torch.Tensor, traits: MoeTraits,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, num_experts] (router bias included) and the choice's correction bias
+    [num_experts] -> (weights fp32 [tokens, k], expert ids int64 [tokens, k]), by the family's
+    scoring (module docstring). No host sync: CUDA graphs capture it."""
     logits = logits.float()
     if traits.scoring == "topk_softmax":
         top_logits, expert_ids = torch.topk(logits, traits.top_k, dim=-1)
         return torch.softmax(top_logits, dim=-1), expert_ids
-    weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), traits.top_k, dim=-1)
+    scores = torch.sigmoid(logits) if traits.scoring == "sigmoid_topk" else torch.softmax(logits, dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if traits.num_groups > 1:
+        choice = _limit_to_groups(choice, traits.num_groups, traits.topk_groups)
+    expert_ids = torch.topk(choice, traits.top_k, dim=-1)[1]
+    weights = scores.gather(1, expert_ids)
     if traits.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if traits.routed_scaling_factor != 1.0:
+        weights = weights * traits.routed_scaling_factor
     return weights, expert_ids
+
+
+def _limit_to_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """choice [tokens, E] with -inf outside each token's topk_groups groups (of E / num_groups
+    experts) whose two largest scores sum highest."""
+    grouped = choice.view(choice.shape[0], num_groups, choice.shape[1] // num_groups)  # [tokens, groups, per group]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, groups]
+    best_groups = group_scores.topk(topk_groups, dim=-1)[1]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 def router_logits(x: torch.Tensor, weights: MoeWeights, linear_backend) -> torch.Tensor:
@@ -82,7 +109,7 @@ def router_logits(x: torch.Tensor, weights: MoeWeights, linear_backend) -> torch
 def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activation: str = "silu") -> torch.Tensor:
     """The MoE MLP of the normed hidden states x [tokens, hidden] -> [tokens, hidden] in x's dtype."""
     traits = weights.traits
-    routing, expert_ids = route(router_logits(x, weights, linear_backend), traits)
+    routing, expert_ids = route(router_logits(x, weights, linear_backend), traits, weights.correction_bias)
     if traits.activation == "swiglu_oai":
         def act_mul(gate_up):
             return ops.gated_mul(gate_up, "swiglu_oai", alpha=traits.swiglu_alpha, limit=traits.swiglu_limit)
@@ -146,11 +173,15 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
     gate_up_bias = down_bias = None
     if traits.expert_layout == "gpt_oss":
         gate_up, down, gate_up_bias, down_bias = _read_gpt_oss_experts(reader, prefix, traits, hidden)
-        router_name = f"{prefix}{traits.block}.{traits.router}."
+        block = f"{prefix}{traits.block}."
     else:
-        gate_up, down, router_name = _read_stacked_experts(reader, prefix, traits, hidden)
+        gate_up, down, block = _read_stacked_experts(reader, prefix, traits, hidden)
+    router_name = f"{block}{traits.router}."
     router = reader.take(router_name + "weight", (traits.num_experts, hidden))
     router_bias = reader.take(router_name + "bias", (traits.num_experts,)).float() if traits.router_bias else None
+    correction_bias = None
+    if traits.correction_bias:
+        correction_bias = _take_correction_bias(reader, block, traits)
     stacked = None
     # CUDA: the fused Triton kernel reads the experts stacked (the per-expert tensors become views of
     # the stack); it has no expert biases or clamped SwiGLU, so gpt-oss runs the per-expert loop there
@@ -159,14 +190,14 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
         gate_up, down = list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
     shared_gate_up = shared_down = shared_gate = None
     if traits.shared_intermediate_size:
-        shared, width = f"{prefix}{traits.block}.shared_expert", traits.shared_intermediate_size
+        shared, width = f"{block}{traits.shared_expert}", traits.shared_intermediate_size
         shared_gate_up = reader.pack(reader.take_fused([f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"],
                                                        [(width, hidden)] * 2))
         shared_down = reader.pack(reader.residual_branch(reader.take(f"{shared}.down_proj.weight", (hidden, width))))
         if traits.shared_expert_gate:
             shared_gate = reader.pack(reader.take(f"{shared}_gate.weight", (1, hidden)))
     return MoeWeights(
-        traits=traits, router=reader.pack(router), router_bias=router_bias,
+        traits=traits, router=reader.pack(router), router_bias=router_bias, correction_bias=correction_bias,
         shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate,
         gate_up=tuple(reader.pack(w.contiguous()) for w in gate_up),
         down=tuple(reader.pack(w.contiguous()) for w in down),
@@ -176,15 +207,26 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
     )
 
 
+def _take_correction_bias(reader, block: str, traits: MoeTraits) -> torch.Tensor:
+    """The block's correction bias, fp32 [E], under the first of its names present (the last one's
+    WeightError where none is); [1, E] is ERNIE 4.5's shape (one row per expert group)."""
+    name = next((block + n for n in traits.correction_bias if block + n in reader.tensors),
+                block + traits.correction_bias[-1])
+    stored = reader.tensors.get(name)
+    one_row = stored is not None and tuple(stored.shape) == (1, traits.num_experts)
+    return reader.take(name, (1, traits.num_experts) if one_row else (traits.num_experts,)).float().view(-1)
+
+
 def _read_stacked_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, str]:
-    """(gate_up per expert, down per expert, the router's name) in transformers' fused layout or the classic one."""
+    """(gate_up per expert, down per expert, the MoE block's name prefix) in transformers' fused layout
+    or the classic one."""
     num_experts, width = traits.num_experts, traits.intermediate_size
     fused = prefix + "mlp.experts.gate_up_proj"
     if fused in reader.tensors:
         stacked_gate_up = reader.take(fused, (num_experts, 2 * width, hidden))
         stacked_down = reader.residual_branch(reader.take(prefix + "mlp.experts.down_proj",
                                                           (num_experts, hidden, width)))
-        return list(stacked_gate_up.unbind(0)), list(stacked_down.unbind(0)), prefix + "mlp.gate."
+        return list(stacked_gate_up.unbind(0)), list(stacked_down.unbind(0)), prefix + "mlp."
     block = prefix + traits.block + "."
     gate_name, up_name, down_name = traits.expert_projections
     gate_up, down = [], []
@@ -193,7 +235,7 @@ def _read_stacked_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -
         gate_up.append(reader.take_fused([f"{names}{gate_name}.weight", f"{names}{up_name}.weight"],
                                          [(width, hidden)] * 2))
         down.append(reader.residual_branch(reader.take(f"{names}{down_name}.weight", (hidden, width))))
-    return gate_up, down, block + "gate."
+    return gate_up, down, block
 
 
 def _read_gpt_oss_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, list, list]:

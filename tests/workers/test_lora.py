@@ -98,6 +98,16 @@ def test_alone_equals_mixed(family) -> None:
         assert driver.run()["alone"].output_token_ids == mixed[name], name
 
 
+def test_q_and_k_adapters_under_interleaved_rope_equal_peft(tmp_path) -> None:
+    """ERNIE 4.5 rotates interleaved pairs, so its q and k rows are reordered at load; an adapter's
+    q_proj and k_proj B rows are reordered alike, and its tokens equal peft's (the Python loop: a MoE model)."""
+    from families_catalog import MOE_FAMILIES
+
+    base = build_tiny_model_dir(tmp_path / "base", **MOE_FAMILIES["ernie4_5_moe"])
+    adapters = {"qkv": build_adapter(base, tmp_path / "qkv", ("q_proj", "k_proj", "v_proj"), 8, 16)}
+    assert served_tokens(base, adapters, path="python_loop") == peft_tokens(base, adapters)
+
+
 @pytest.fixture(scope="module")
 def llama_adapters(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("lora-llama")

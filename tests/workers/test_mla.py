@@ -153,12 +153,13 @@ def test_a_latent_written_to_the_wrong_block_fails(model_dir, monkeypatch):
     assert all(tokens != oracle.greedy(prompt, 8).token_ids for tokens, prompt in zip(broken, prompts))
 
 
-def test_moe_layers_are_refused_in_one_line():
-    with pytest.raises(ModelConfigError) as failure:
-        ModelConfig.from_dict(dict(DEEPSEEK_V3, first_k_dense_replace=3))
-    message = str(failure.value)
-    assert "\n" not in message and "deepseek_v3's mixture-of-experts layers" in message
-    assert "not supported yet" in message and "first_k_dense_replace" in message
+def test_moe_layers_are_read_as_grouped_sigmoid_routing():
+    """V3's MoE layers after first_k_dense_replace: workers/moe.py's grouped sigmoid routing with a
+    correction bias and shared experts (served: tests/workers/test_moe.py's deepseek_v3-moe)."""
+    moe = ModelConfig.from_dict(dict(DEEPSEEK_V3, first_k_dense_replace=1)).traits.moe
+    assert moe.layers == (False,) + (True,) * (DEEPSEEK_V3["num_hidden_layers"] - 1)
+    assert (moe.scoring, moe.num_groups, moe.topk_groups, moe.routed_scaling_factor) == ("sigmoid_topk", 8, 4, 2.5)
+    assert moe.correction_bias == ("gate.e_score_correction_bias",) and moe.shared_expert == "shared_experts"
     dense = ModelConfig.from_dict(dict(DEEPSEEK_V3, n_routed_experts=0, first_k_dense_replace=0))
     assert dense.traits.moe is None and dense.traits.mla.kv_lora_rank == 512
 

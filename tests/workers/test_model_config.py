@@ -99,8 +99,9 @@ def test_families_and_refusals_say_what_they_are():
         ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", use_sliding_window=True, sliding_window=128))
     with pytest.raises(ModelConfigError, match="model_type 'qwen3_next' is not supported"):
         ModelConfig.from_dict(dict(LLAMA, model_type="qwen3_next"))
-    with pytest.raises(ModelConfigError, match="deepseek_v3's mixture-of-experts layers .* are not supported yet"):
-        ModelConfig.from_dict(dict(LLAMA, model_type="deepseek_v3", num_hidden_layers=4, first_k_dense_replace=1))
+    with pytest.raises(ModelConfigError, match="12 experts do not split into n_group 8 groups"):
+        ModelConfig.from_dict(dict(LLAMA, model_type="deepseek_v3", num_hidden_layers=4, first_k_dense_replace=1,
+                                   n_routed_experts=12))
     with pytest.raises(ModelConfigError, match="gemma2 needs layer_types"):
         ModelConfig.from_dict(dict(LLAMA, model_type="gemma2"))
     with pytest.raises(ModelConfigError, match="sliding_attention layers need sliding_window"):

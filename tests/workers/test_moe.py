@@ -38,43 +38,79 @@ PATHS = {
 }
 
 
-def float64_route(logits: torch.Tensor, traits: MoeTraits) -> tuple[torch.Tensor, torch.Tensor]:
+def float64_route(logits: torch.Tensor, traits: MoeTraits,
+                  correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing of the module docstring, row by row in float64 with Python's sort."""
     all_weights, all_ids = [], []
+    num_experts = logits.shape[1]
+    bias = torch.zeros(num_experts, dtype=torch.float64) if correction_bias is None else correction_bias.double()
     for row in logits.double():
-        ranked = sorted(range(row.shape[0]), key=lambda expert: -float(row[expert]))[:traits.top_k]
         if traits.scoring == "topk_softmax":
-            weights = torch.softmax(row[ranked], dim=0)
-        else:
-            weights = torch.softmax(row, dim=0)[ranked]
-            if traits.renormalize:
-                weights = weights / weights.sum()
-        all_weights.append(weights)
+            ranked = sorted(range(num_experts), key=lambda expert: -float(row[expert]))[:traits.top_k]
+            all_weights.append(torch.softmax(row[ranked], dim=0))
+            all_ids.append(ranked)
+            continue
+        scores = torch.sigmoid(row) if traits.scoring == "sigmoid_topk" else torch.softmax(row, dim=0)
+        choice = [float(score) for score in scores + bias]
+        size = num_experts // traits.num_groups
+        groups = [list(range(group * size, (group + 1) * size)) for group in range(traits.num_groups)]
+        if traits.num_groups > 1:  # the groups whose two best choice scores sum highest
+            groups.sort(key=lambda experts: -sum(sorted((choice[e] for e in experts), reverse=True)[:2]))
+        allowed = [expert for experts in groups[:traits.topk_groups] for expert in experts]
+        ranked = sorted(allowed, key=lambda expert: -choice[expert])[:traits.top_k]
+        weights = scores[ranked]
+        if traits.renormalize:
+            weights = weights / weights.sum()
+        all_weights.append(weights * traits.routed_scaling_factor)
         all_ids.append(ranked)
     return torch.stack(all_weights), torch.tensor(all_ids)
 
 
 def traits_of(scoring: str = "softmax_topk", renormalize: bool = True, num_experts: int = 16,
-              top_k: int = 4, router_bias: bool = False) -> MoeTraits:
+              top_k: int = 4, router_bias: bool = False, **routing) -> MoeTraits:
     return MoeTraits(num_experts=num_experts, top_k=top_k, intermediate_size=8, layers=(True,), scoring=scoring,
-                     renormalize=renormalize, router_bias=router_bias)
+                     renormalize=renormalize, router_bias=router_bias, **routing)
 
 
-@pytest.mark.parametrize("scoring,renormalize", [("softmax_topk", True), ("softmax_topk", False),
-                                                 ("topk_softmax", False)])
-def test_routing_equals_float64(scoring, renormalize):
-    traits = traits_of(scoring, renormalize)
-    logits = torch.randn(64, traits.num_experts, generator=torch.Generator().manual_seed(0)) * 3
-    weights, expert_ids = route(logits, traits)
-    expected_weights, expected_ids = float64_route(logits, traits)
+GROUPED = dict(num_groups=4, topk_groups=2, routed_scaling_factor=2.5)  # GLM-4.5's and DeepSeek V3's shape
+GROUPED_CONFIG = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)  # the same in a config.json
+
+
+CORRECTED = dict(biased=True)  # a correction bias on the choice (e_score_correction_bias)
+
+
+@pytest.mark.parametrize("scoring,renormalize,routing", [
+    ("softmax_topk", True, {}), ("softmax_topk", False, {}), ("topk_softmax", False, {}), ("sigmoid_topk", True, {}),
+    ("softmax_topk", True, CORRECTED), ("sigmoid_topk", True, CORRECTED), ("sigmoid_topk", False, GROUPED),
+    ("sigmoid_topk", True, dict(GROUPED, **CORRECTED)), ("sigmoid_topk", False, dict(GROUPED, **CORRECTED)),
+], ids=["softmax", "softmax-not-renormalised", "topk_softmax", "sigmoid", "softmax-corrected", "sigmoid-corrected",
+        "sigmoid-grouped", "sigmoid-grouped-corrected", "sigmoid-grouped-corrected-not-renormalised"])
+def test_routing_equals_float64(scoring, renormalize, routing):
+    routing = dict(routing)
+    biased = routing.pop("biased", False)
+    traits = traits_of(scoring, renormalize, **routing)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, traits.num_experts, generator=generator) * 3
+    bias = torch.randn(traits.num_experts, generator=generator) * 0.5 if biased else None
+    weights, expert_ids = route(logits, traits, bias)
+    expected_weights, expected_ids = float64_route(logits, traits, bias)
     assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
     assert torch.equal(expert_ids, expected_ids)
     torch.testing.assert_close(weights.double(), expected_weights, atol=1e-6, rtol=0)
-    sums = weights.sum(dim=-1)
+    sums = weights.sum(dim=-1) / traits.routed_scaling_factor
     if renormalize or scoring == "topk_softmax":
         torch.testing.assert_close(sums, torch.ones_like(sums))
-    else:
+    elif scoring == "softmax_topk":
         assert bool((sums < 1).all())
+    if biased:  # the bias changes which experts are chosen
+        assert not torch.equal(route(logits, traits)[1], expert_ids)
+    if traits.num_groups > 1:  # each token's experts come from at most topk_groups groups
+        group_size = traits.num_experts // traits.num_groups
+        assert all(len(set((row // group_size).tolist())) <= traits.topk_groups for row in expert_ids)
+        ungrouped = route(logits, replace(traits, num_groups=1), bias)[1]
+        assert not torch.equal(ungrouped, expert_ids)  # and the groups change the choice
+    empty_weights, empty_ids = route(logits[:0], traits, bias)  # a step with no tokens
+    assert empty_weights.shape == empty_ids.shape == (0, traits.top_k)
 
 
 def test_router_bias_is_added_before_the_top_k():
@@ -91,34 +127,54 @@ def test_router_bias_is_added_before_the_top_k():
     assert not torch.equal(unbiased_ids, ours_ids)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
+                                    "minimax_m2", "ernie4_5_moe"])
 def test_routing_equals_transformers_routers(family):
-    """Our route() on transformers' router modules' logits picks the same experts with the same weights."""
+    """Our route() on transformers' router modules' logits picks the same experts with the same weights
+    (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id)."""
     from transformers import AutoConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     model_type = family.split("-")[0]
     config = AutoConfig.for_model(model_type, hidden_size=32, num_local_experts=8, num_experts=8, num_experts_per_tok=3,
-                                  norm_topk_prob=family.endswith("renormalised"))
-    router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter}
+                                  norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG)
+    router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
+                    "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter,
+                    "ernie4_5_moe": Ernie4_5_MoeTopKRouter}
     router = router_class[model_type](config)
     torch.manual_seed(2)
+    correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
     with torch.no_grad():
         for parameter in router.parameters():
             parameter.normal_(0.0, 0.5)
+        if model_type == "glm4_moe":
+            router.e_score_correction_bias.copy_(correction_bias)
+    if model_type == "ernie4_5_moe":  # a parameter of its own, [1, E], drawn above
+        correction_bias = router.moe_statics.e_score_correction_bias.detach().view(-1)
     traits = {
         "mixtral": traits_of(num_experts=8, top_k=3),
         "qwen3_moe": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
         "gpt_oss": traits_of("topk_softmax", num_experts=8, top_k=3, router_bias=True),
+        "glm4_moe": traits_of("sigmoid_topk", num_experts=8, top_k=3, renormalize=False, **GROUPED),
+        "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
+        "ernie4_5_moe": traits_of(num_experts=8, top_k=3),
     }[model_type]
     x = torch.randn(40, 32)
     with torch.no_grad():
-        _, hf_weights, hf_ids = router(x)
+        _, hf_weights, hf_ids = router(x, correction_bias) if model_type == "minimax_m2" else router(x)
     bias = router.bias.detach() if model_type == "gpt_oss" else None
-    weights = MoeWeights(traits, router.weight.detach(), bias, (), ())
-    ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits)
+    weights = MoeWeights(traits, router.weight.detach(), bias, (), (), correction_bias=correction_bias)
+    ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits, weights.correction_bias)
+    if model_type in ("glm4_moe", "minimax_m2"):
+        ours_ids, order = ours_ids.sort(dim=-1)
+        ours_weights = ours_weights.gather(1, order)
+        hf_ids, order = hf_ids.sort(dim=-1)
+        hf_weights = hf_weights.gather(1, order)
     assert torch.equal(ours_ids, hf_ids)
     torch.testing.assert_close(ours_weights, hf_weights.float(), atol=1e-6, rtol=1e-6)
 
@@ -218,11 +274,17 @@ def test_logprobs_equal_transformers(moe_dir, path):
 def test_layers_and_model_info(moe_dir):
     config = ModelConfig.from_model_dir(moe_dir)
     settings = CHECKPOINTS[moe_dir.name]
-    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) for layer in range(config.num_layers))
+    first_moe = settings.get("first_k_dense_replace", settings.get("moe_layer_start_index", 0))
+    expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) and layer >= first_moe
+                            for layer in range(config.num_layers))
     assert config.traits.moe.layers == expected_layers
     assert config.traits.moe.renormalize == settings.get("norm_topk_prob", True)
-    assert config.traits.moe.num_experts == settings.get("num_local_experts", settings.get("num_experts"))
-    assert config.traits.qk_norm == ("head" if config.model_type == "qwen3_moe" else None)
+    num_experts = next(settings[key] for key in ("num_local_experts", "num_experts", "n_routed_experts",
+                                                 "moe_num_experts") if key in settings)
+    assert config.traits.moe.num_experts == num_experts
+    qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection",
+                "hunyuan_v1_moe": "head_after_rope"}
+    assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
     assert all((layer.gate_up is None) == (layer.moe is not None) for layer in runner.model.layers)
@@ -250,6 +312,79 @@ def test_qwen3_moe_config_reads_the_sparse_step_and_dense_layers():
                                          sliding_window=512))
     assert mixtral.traits.moe.layers == (True,) * 6 and mixtral.traits.moe.intermediate_size == 128 and mixtral.traits.moe.renormalize
     assert mixtral.max_model_len == 512
+
+
+SHAPE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32)
+
+
+def test_glm4_moe_config_as_published_checkpoints_write_it():
+    """GLM-4.5's keys (first_k_dense_replace, n_group, the default half rotary when absent); a
+    group shape that cannot hold the top k fails in one line."""
+    glm = dict(SHAPE, model_type="glm4_moe", n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+               first_k_dense_replace=2, moe_intermediate_size=24, n_shared_experts=2, routed_scaling_factor=2.5,
+               use_qk_norm=False, num_nextn_predict_layers=1)
+    config = ModelConfig.from_dict(glm)
+    moe = config.traits.moe
+    assert moe.layers == (False, False, True, True) and moe.scoring == "sigmoid_topk" and moe.renormalize
+    assert (moe.num_groups, moe.topk_groups, moe.routed_scaling_factor) == (4, 2, 2.5)
+    assert (moe.shared_intermediate_size, moe.shared_expert_gate) == (48, False)
+    assert config.traits.qk_norm is None and config.rotary_dim == 16 and config.traits.num_extra_layers == 1
+    assert ModelConfig.from_dict(dict(glm, partial_rotary_factor=0.25)).rotary_dim == 8
+    assert ModelConfig.from_dict(dict(glm, first_k_dense_replace=4)).traits.moe is None
+    with pytest.raises(ModelConfigError, match="^top 5 experts from topk_group 1 of 4 groups of 4$"):
+        ModelConfig.from_dict(dict(glm, topk_group=1, num_experts_per_tok=5))
+    with pytest.raises(ModelConfigError, match="16 experts do not split into n_group 3 groups"):
+        ModelConfig.from_dict(dict(glm, n_group=3))
+
+
+def test_minimax_m2_config_reads_rotary_dim():
+    minimax = ModelConfig.from_dict(dict(SHAPE, model_type="minimax_m2", num_local_experts=8, rotary_dim=8))
+    assert minimax.rotary_dim == 8 and minimax.traits.qk_norm == "projection"
+    assert minimax.traits.moe.correction_bias == ("e_score_correction_bias",) and minimax.traits.moe.num_groups == 1
+
+
+def test_ernie4_5_moe_config_reads_its_moe_layers():
+    ernie = dict(SHAPE, model_type="ernie4_5_moe", num_hidden_layers=6, moe_num_experts=8, moe_k=2,
+                 moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=2, moe_num_shared_experts=1,
+                 moe_intermediate_size=24)
+    config = ModelConfig.from_dict(ernie)
+    assert config.traits.moe.layers == (False, True, False, True, False, False) and config.traits.rope_interleaved
+    assert config.traits.moe.correction_bias[0] == "moe_statics.e_score_correction_bias"
+    assert config.traits.moe.shared_intermediate_size == 24 and config.traits.moe.scoring == "softmax_topk"
+    assert ModelConfig.from_dict(dict(ernie, moe_layer_end_index=-1)).traits.moe.layers[5]
+    with pytest.raises(ModelConfigError, match="use_bias"):
+        ModelConfig.from_dict(dict(ernie, use_bias=True))
+
+
+def test_hunyuan_v1_moe_config_as_published_checkpoints_write_it():
+    """Hunyuan-A13B's config: per-layer lists of one value, RoPE "dynamic" with alpha (a fixed base
+    theta * alpha ** (d / (d - 2)), no length-dependent scaling); q/k norms after RoPE keep the C loop off."""
+    hunyuan = dict(SHAPE, model_type="hunyuan_v1_moe", num_experts=8, moe_topk=[2] * 4,
+                   rope_scaling=dict(type="dynamic", alpha=1000.0, factor=1.0), rope_theta=10000.0)
+    config = ModelConfig.from_dict(hunyuan)
+    assert (config.traits.moe.top_k, config.traits.moe.num_experts, config.traits.qk_norm) == (2, 8, "head_after_rope")
+    assert config.rope_scaling.rope_type == "default" and config.rope_theta == 10000.0 * 1000.0 ** (32 / 30)
+    assert "q/k norms after RoPE" in config.paths.c_layer_loop
+    with pytest.raises(ModelConfigError, match="moe_topk varying between layers"):
+        ModelConfig.from_dict(dict(hunyuan, moe_topk=[2, 2, 4, 2]))
+
+
+def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):
+    """GLM-4.5 checkpoints ship a layer past num_hidden_layers (its MTP module), which we do not run;
+    a bf16 load keeps e_score_correction_bias in fp32, as transformers does."""
+    from workers.loader import read_safetensors
+
+    model_dir = build_tiny_model_dir(tmp_path / "glm4_moe", **CHECKPOINTS["glm4_moe"])
+    tensors = load_file(model_dir / "model.safetensors")
+    extra = {name.replace("layers.2.", "layers.3."): tensor for name, tensor in tensors.items() if "layers.2." in name}
+    model = load_tensors(model_dir, dict(tensors, **extra, **{"model.layers.3.eh_proj.weight": torch.ones(2, 2)}))
+    assert len(model.layers) == 3
+    with pytest.raises(WeightError, match="unexpected tensors: model.layers.4."):
+        load_tensors(model_dir, dict(tensors, **{name.replace("layers.3.", "layers.4."): t for name, t in extra.items()}))
+    bf16 = read_safetensors(model_dir, torch.bfloat16)
+    assert bf16["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 
 def load_tensors(model_dir, tensors: dict, **kwargs) -> PagedLlamaModel:

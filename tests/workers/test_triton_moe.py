@@ -254,32 +254,33 @@ def test_fused_moe_equals_run_experts(moe, bf16_interpreter, dtype):
     assert_near(fused, loop, dtype)
 
 
-def test_model_greedy_with_fused_moe_equals_torch_path(moe, tmp_path, monkeypatch):
-    """A tiny random Mixtral (transformers' classes; 6 experts, top 2) through the real model and
-    runner, its MoE layers through the interpreted fused_moe (the CUDA dispatch of moe_mlp stood
-    in for on CPU), gives the torch path's greedy tokens over chunked prefills and decodes."""
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_model_greedy_with_fused_moe_equals_torch_path(moe, family, tmp_path, monkeypatch):
+    """A tiny random Mixtral (6 experts, top 2) and GLM-4.5 (grouped sigmoid routing with a
+    correction bias and a scaling factor, a shared expert, a dense first layer), built with
+    transformers' classes, through the real model, runner and moe_mlp, whose routed experts run
+    the interpreted fused_moe (the CUDA dispatch stood in for on CPU) on the weights route() gave,
+    give the torch path's greedy tokens over chunked prefills and decodes."""
     import kernel_cases as kc
+    from families_catalog import MOE_FAMILIES
     from tiny_model import build_tiny_model_dir
 
-    import workers.model
+    import workers.moe
     from workers.model_runner import ModelRunner, RunnerConfig
-    from workers.moe import router_logits
 
-    model_dir = build_tiny_model_dir(tmp_path / "mixtral", model_type="mixtral", num_local_experts=6,
-                                     num_experts_per_tok=2, num_hidden_layers=2)
+    settings = dict(model_type="mixtral", num_local_experts=6, num_experts_per_tok=2, num_hidden_layers=2)
+    model_dir = build_tiny_model_dir(tmp_path / family, **(settings if family == "mixtral" else MOE_FAMILIES[family]))
     prompts = kc.e2e_prompts(vocab_size=300)[:4]
     config = RunnerConfig(model=str(model_dir), dtype="float32", attention_backend="torch", layer_ops="torch",
                           linear_backend="torch", block_size=16, num_blocks=64)
     expected = kc.greedy_generate(ModelRunner(config), prompts, max_tokens=6, chunk_size=16)
     calls = []
 
-    def fused_moe_mlp(x, weights, linear_backend, ops, activation="silu"):
+    def fused_experts(x, routing, expert_ids, weights, linear, act_mul):
         calls.append(x.shape[0])
-        routing, expert_ids = route(router_logits(x, weights, linear_backend), weights.traits)
-        return moe.fused_moe(x, torch.stack(weights.gate_up), torch.stack(weights.down), routing, expert_ids,
-                             activation)
+        return moe.fused_moe(x, torch.stack(weights.gate_up), torch.stack(weights.down), routing, expert_ids, "silu")
 
-    monkeypatch.setattr(workers.model, "moe_mlp", fused_moe_mlp)
+    monkeypatch.setattr(workers.moe, "run_experts", fused_experts)
     tokens = kc.greedy_generate(ModelRunner(config), prompts, max_tokens=6, chunk_size=16)
     assert calls and max(calls) > len(prompts), "no prefill chunk ran the fused kernel"
     assert tokens == expected
