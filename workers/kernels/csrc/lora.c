@@ -8,9 +8,10 @@
  * gate and up of gate_up; o and down have one part). A and Bt are fp32 (the exact fp32 model's)
  * or bf16 (half the bytes to read, beside bf16 or quantized weights); x and out are the step's
  * dtype (fp32 or bf16), the sums in fp32, out rounded once per element. An adapter's rows go in
- * blocks of up to LORA_ROWS, so each of its weights is read once per block: first every block's
- * shrink, then the expands, by chunks of output columns. No gather or scatter of rows, and no
- * copy of a weight.
+ * blocks of up to LORA_ROWS, so each of its weights is read once per block. A task is one block
+ * and one part: its shrink into scratch of its own, then its expand, all tasks in one parallel
+ * dispatch (with tiny work per task, two dispatches and their item claims cost as much as the
+ * arithmetic). No gather or scatter of rows, and no copy of a weight.
  *
  * The weights come in zero-padded panels (workers/lora.py, LoraPart.of), in the order the loops
  * below read them, so each is one stream front to back that the prefetchers follow:
@@ -30,7 +31,6 @@
 #include <stdlib.h>
 
 #define LORA_ROWS 16    /* rows of one adapter computed together: each weight read once per block of them */
-#define LORA_CHUNK 256  /* output columns of one expand item (a multiple of PANEL_COLUMNS) */
 #define PANEL_RANKS 4   /* A's panels: 4 ranks ... */
 #define PANEL_INPUTS 16 /* ... by 16 inputs */
 #define PANEL_COLUMNS 32 /* Bt's panels: 32 columns by the whole (padded) rank */
@@ -38,15 +38,15 @@
 
 static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-typedef struct {         /* one item: rows [row0, row0 + num_rows) of a segment, one part, columns [col0, col0 + num_cols) */
+typedef struct {         /* one task: rows [row0, row0 + num_rows) of a segment, one part, columns [col0, col0 + num_cols) */
     const LoraPart *part;
     const int64_t *rows; /* the segment's rows, from row0 */
-    float *shrunk;       /* [num_rows, rank4]: x @ A.T of these rows (the padded ranks 0) */
+    float *shrunk;       /* [num_rows, rank4]: x @ A.T of these rows (the padded ranks 0), the task's own */
     int64_t num_rows, col0, num_cols;
 } LoraItem;
 
 typedef struct {
-    const LoraItem *items;
+    LoraItem *items;
     const void *x;
     void *out;
     int64_t N, K;
@@ -141,9 +141,7 @@ EXPAND_ROWS(1)
 #endif
 
 /* shrink: the item's rows times the part's A, 4 ranks (one panel row) at a time */
-static void shrink_item(void *ctx, int64_t index) {
-    const LoraJob *job = (const LoraJob *)ctx;
-    const LoraItem *item = job->items + index;
+static void shrink_item(const LoraJob *job, const LoraItem *item) {
     const LoraPart *part = item->part;
     const int64_t rank4 = round_up(part->rank, PANEL_RANKS), K16 = round_up(job->K, PANEL_INPUTS);
     for (int64_t j0 = 0; j0 < rank4; j0 += PANEL_RANKS) {
@@ -178,9 +176,7 @@ static void shrink_item(void *ctx, int64_t index) {
 }
 
 /* expand: out[rows, start + col0 ...] += shrunk @ Bt over the item's columns, one panel at a time */
-static void expand_item(void *ctx, int64_t index) {
-    const LoraJob *job = (const LoraJob *)ctx;
-    const LoraItem *item = job->items + index;
+static void expand_item(const LoraJob *job, const LoraItem *item) {
     const LoraPart *part = item->part;
     const int64_t rank4 = round_up(part->rank, PANEL_RANKS);
     for (int64_t c = 0; c < item->num_cols; c += PANEL_COLUMNS) {
@@ -210,58 +206,75 @@ static void expand_item(void *ctx, int64_t index) {
     }
 }
 
+/* One task: its rows' shrink, into its own scratch, then its columns' expand. The expand needs only
+ * the shrink of its own rows and part, so one dispatch runs them all with no barrier between. */
+static void run_task(void *ctx, int64_t index) {
+    const LoraJob *job = (const LoraJob *)ctx;
+    LoraItem item = job->items[index];
+    float shrunk[LORA_ROWS * LORA_MAX_RANK]; /* rank4 <= LORA_MAX_RANK (a multiple of 4) */
+    item.shrunk = shrunk;
+    shrink_item(job, &item);
+    expand_item(job, &item);
+}
+
+/* Column ranges per (row block, part): one, unless the step has fewer of those than threads (one
+ * adapter: o and down would run on one thread); then each is cut in column ranges that whole
+ * panels fill, one per thread, and each range's task repeats the shrink. */
+static int64_t column_splits(int64_t num_pairs, int64_t len, int32_t num_threads) {
+    const int64_t wanted = num_threads;
+    if (num_pairs >= wanted) return 1;
+    int64_t splits = (wanted + num_pairs - 1) / num_pairs, panels = (len + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    return splits < panels ? splits : panels;
+}
+
 int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const void *x, void *out, int64_t N,
                     int64_t K, int32_t dtype, int32_t num_threads) {
     if (step == NULL || step->num_segments == 0) return 0;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     if (product < 0 || product >= LORA_PRODUCTS || layer < 0 || layer >= step->num_layers) return 2;
-    int64_t num_blocks = 0, num_expands = 0, shrunk_floats = 0; /* shrink items (row blocks x parts), expand items */
+    int64_t num_pairs = 0; /* (block of up to LORA_ROWS rows, part) */
     for (int64_t s = 0; s < step->num_segments; s++) {
         const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
-        const int64_t rows = step->segments[s].num_rows, blocks = (rows + LORA_ROWS - 1) / LORA_ROWS;
+        const int64_t blocks = (step->segments[s].num_rows + LORA_ROWS - 1) / LORA_ROWS;
         for (int p = 0; p < LORA_MAX_PARTS; p++) {
             if (parts[p].rank <= 0) continue;
             if (parts[p].rank > LORA_MAX_RANK || parts[p].start < 0 || parts[p].start + parts[p].len > N) return 3;
-            num_blocks += blocks;
-            num_expands += blocks * ((parts[p].len + LORA_CHUNK - 1) / LORA_CHUNK);
-            shrunk_floats += rows * round_up(parts[p].rank, PANEL_RANKS);
+            num_pairs += blocks;
         }
     }
-    if (num_blocks == 0) return 0; /* no adapter of the step targets this product */
-    LoraItem *items = malloc((size_t)(num_blocks + num_expands) * sizeof(LoraItem));
-    float *shrunk = malloc((size_t)shrunk_floats * sizeof(float));
-    if (items == NULL || shrunk == NULL) {
-        free(items);
-        free(shrunk);
-        return 4;
+    if (num_pairs == 0) return 0; /* no adapter of the step targets this product */
+    int64_t num_tasks = 0;
+    for (int64_t s = 0; s < step->num_segments; s++) {
+        const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
+        const int64_t blocks = (step->segments[s].num_rows + LORA_ROWS - 1) / LORA_ROWS;
+        for (int p = 0; p < LORA_MAX_PARTS; p++)
+            if (parts[p].rank > 0) num_tasks += blocks * column_splits(num_pairs, parts[p].len, num_threads);
     }
-    LoraItem *block = items, *expand = items + num_blocks;
-    float *next = shrunk;
+    LoraItem stack_items[64];
+    LoraItem *items = num_tasks <= 64 ? stack_items : malloc((size_t)num_tasks * sizeof(LoraItem));
+    if (items == NULL) return 4;
+    LoraItem *task = items;
     for (int64_t s = 0; s < step->num_segments; s++) {
         const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
         const int64_t rows = step->segments[s].num_rows;
         for (int p = 0; p < LORA_MAX_PARTS; p++) {
             if (parts[p].rank <= 0) continue;
+            const int64_t panels = (parts[p].len + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+            const int64_t splits = column_splits(num_pairs, parts[p].len, num_threads);
             for (int64_t r0 = 0; r0 < rows; r0 += LORA_ROWS) {
                 const int64_t num_rows = rows - r0 < LORA_ROWS ? rows - r0 : LORA_ROWS;
-                *block = (LoraItem){parts + p, step->segments[s].rows + r0, next, num_rows, 0, parts[p].len};
-                for (int64_t c0 = 0; c0 < parts[p].len; c0 += LORA_CHUNK) {
-                    *expand = *block;
-                    expand->col0 = c0;
-                    expand->num_cols = parts[p].len - c0 < LORA_CHUNK ? parts[p].len - c0 : LORA_CHUNK;
-                    expand++;
+                for (int64_t k = 0; k < splits; k++) { /* panels [k * panels / splits, (k + 1) * panels / splits) */
+                    const int64_t col0 = k * panels / splits * PANEL_COLUMNS;
+                    const int64_t col1 = (k + 1) * panels / splits * PANEL_COLUMNS;
+                    const int64_t end = col1 < parts[p].len ? col1 : parts[p].len;
+                    *task++ = (LoraItem){parts + p, step->segments[s].rows + r0, NULL, num_rows, col0, end - col0};
                 }
-                block++;
-                next += num_rows * round_up(parts[p].rank, PANEL_RANKS);
             }
         }
     }
     LoraJob job = {items, x, out, N, K, dtype};
-    rayllm_parallel_for(num_blocks, num_threads, shrink_item, &job);
-    job.items = items + num_blocks;
-    rayllm_parallel_for(num_expands, num_threads, expand_item, &job);
-    free(items);
-    free(shrunk);
+    rayllm_parallel_for(num_tasks, num_threads, run_task, &job);
+    if (items != stack_items) free(items);
     return 0;
 }
 
