@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from workers.families import MlaTraits
 from workers.kernels import torch_ref
-from workers.rope import apply_rotary
+from workers.rope import apply_rotary, deinterleave
 
 
 @dataclass(slots=True)
@@ -59,11 +59,6 @@ class MlaWeights:
     kv_b: torch.Tensor  # [heads * (nope + v), kv_lora_rank]
     k_absorb: torch.Tensor  # [heads, nope, kv_lora_rank]: kv_b's key rows, a view
     v_absorb: torch.Tensor  # [heads, kv_lora_rank, v]: kv_b's value rows, transposed (contiguous)
-
-
-def deinterleave(rows: int) -> torch.Tensor:
-    """Row order that turns interleaved RoPE pairs (0, 1), (2, 3), ... into halves: evens, then odds."""
-    return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
 
 
 def read_mla_weights(reader, attn: str, traits: MlaTraits, num_heads: int, hidden: int, bias: bool) -> MlaWeights:

@@ -27,14 +27,19 @@ import torch
 from workers.config import ModelConfig, RopeScaling
 
 
+def deinterleave(width: int) -> torch.Tensor:
+    """Row order that turns interleaved RoPE pairs (0, 1), (2, 3), ... of width rows into the halves
+    rotated here: the evens, then the odds."""
+    return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
+
+
 def deinterleave_rows(rows: torch.Tensor, num_heads: int, config: ModelConfig) -> torch.Tensor:
     """q or k projection rows [num_heads * head_dim, ...] (a weight, a bias or a LoRA B) of a family
     whose RoPE rotates interleaved pairs (2i, 2i + 1), reordered so that each pair becomes
     (i, i + rotary_dim / 2), the halves rotated here: with q and k reordered alike the scores are
     those of the interleaved rotation (FamilyTraits.rope_interleaved, ERNIE 4.5)."""
     head_dim, rotary_dim = config.head_dim, config.rotary_dim
-    order = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
-                       torch.arange(rotary_dim, head_dim)))
+    order = torch.cat((deinterleave(rotary_dim), torch.arange(rotary_dim, head_dim)))
     return rows.reshape(num_heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
 
 
