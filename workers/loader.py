@@ -38,7 +38,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -277,10 +277,20 @@ def inline_chat_template(model_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def read_safetensors(model_dir: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def layers_not_run(config: ModelConfig) -> Callable[[str], bool]:
+    """Whether a tensor name is of a layer past the ones we run (GLM-4.5's and DeepSeek V3's
+    multi-token prediction layers, FamilyTraits.num_extra_layers): never read, where a whole MoE
+    layer of them would take gigabytes only to be dropped."""
+    extra = {f"model.layers.{index}." for index in
+             range(config.num_layers, config.num_layers + config.traits.num_extra_layers)}
+    return lambda name: name.startswith("model.layers.") and ".".join(name.split(".", 3)[:3]) + "." in extra
+
+
+def read_safetensors(model_dir: Path, dtype: torch.dtype | None,
+                     skip: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of every *.safetensors file in model_dir, by HF name: floating-point ones cast
     to dtype (None: as stored; FP32_TENSOR_SUFFIXES to fp32), integer ones as they are (gpt-oss's
-    MXFP4 blocks and scales, uint8)."""
+    MXFP4 blocks and scales, uint8). Names for which skip says True are not read at all."""
     files = safetensors_files(model_dir)
     if not files:
         raise ModelPathError(f"model directory {model_dir} has no *.safetensors weight files")
@@ -289,6 +299,8 @@ def read_safetensors(model_dir: Path, dtype: torch.dtype | None) -> dict[str, to
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
+                    if skip is not None and skip(name):
+                        continue
                     tensor = reader.get_tensor(name)
                     if dtype is not None and tensor.is_floating_point():
                         tensor = tensor.to(torch.float32 if name.endswith(FP32_TENSOR_SUFFIXES) else dtype)
@@ -337,7 +349,7 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         tensors = read_quantized_safetensors(model_dir, config, dtype, device if packed else None)
         quantization = f"{config.quant_spec.label} ({'Triton kernels' if packed else 'dequantized at load'})"
     else:
-        tensors = read_safetensors(model_dir, dtype)
+        tensors = read_safetensors(model_dir, dtype, skip=layers_not_run(config))
         if config.quant_spec is not None:  # gpt-oss's MXFP4 experts, dequantized by workers/moe.py
             quantization = f"{config.quant_spec.label} (dequantized at load)"
     attention = get_attention_backend(attention_backend)

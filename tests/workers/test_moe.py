@@ -373,7 +373,7 @@ def test_hunyuan_v1_moe_config_as_published_checkpoints_write_it():
 def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):
     """GLM-4.5 checkpoints ship a layer past num_hidden_layers (its MTP module), which we do not run;
     a bf16 load keeps e_score_correction_bias in fp32, as transformers does."""
-    from workers.loader import read_safetensors
+    from workers.loader import layers_not_run, read_safetensors
 
     model_dir = build_tiny_model_dir(tmp_path / "glm4_moe", **CHECKPOINTS["glm4_moe"])
     tensors = load_file(model_dir / "model.safetensors")
@@ -382,6 +382,11 @@ def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_
     assert len(model.layers) == 3
     with pytest.raises(WeightError, match="unexpected tensors: model.layers.4."):
         load_tensors(model_dir, dict(tensors, **{name.replace("layers.3.", "layers.4."): t for name, t in extra.items()}))
+    with_mtp = build_tiny_model_dir(tmp_path / "with_mtp", **CHECKPOINTS["glm4_moe"])
+    save_file(dict(tensors, **{name: t.clone() for name, t in extra.items()}), with_mtp / "model.safetensors",
+              metadata={"format": "pt"})
+    read = read_safetensors(with_mtp, None, skip=layers_not_run(ModelConfig.from_model_dir(with_mtp)))
+    assert set(read) == set(tensors)  # the MTP layer's tensors are never read
     bf16 = read_safetensors(model_dir, torch.bfloat16)
     assert bf16["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
