@@ -64,31 +64,58 @@ static inline __m512 load_x16(const void *x, int32_t dtype, int64_t k, __mmask16
 }
 
 /* shrunk[r, 0..3] = x[rows[r]] . A's 4 ranks of one panel row, for R rows at once (a constant, so
- * the R x 4 chains stay in registers): each load of x serves 4 products and each load of A, R. */
-#define DOT_BLOCK(R)                                                                                             \
-    static void dot_block##R(const void *x, int32_t dtype, const int64_t *rows, const void *panel,             \
-                             int32_t wdtype, int64_t K, float *out, int64_t out_stride) {                       \
+ * the R x 4 chains stay in registers): each load of x serves 4 products and each load of A, R.
+ * The dtypes are the body's constants (DOT_BODY is specialized per pair below), and the loops over
+ * rows and ranks are unrolled by pragma, before GCC decides what stays in registers: without both
+ * it kept every chain in a stack array (an __m512 array may alias any load), a store per
+ * multiply-add. */
+#define DOT_BODY(R, XT, WT)                                                                                     \
+    static void dot_body##R##_##XT##_##WT(const void *x, const int64_t *rows, const void *panel, int64_t K,    \
+                                          float *out, int64_t out_stride) {                                     \
         __m512 acc[R][PANEL_RANKS];                                                                              \
         const char *row[R];                                                                                      \
-        const int64_t step = PANEL_RANKS * PANEL_INPUTS * elem_size(wdtype);                                     \
-        for (int r = 0; r < R; r++) {                                                                            \
-            row[r] = (const char *)x + rows[r] * K * elem_size(dtype);                                           \
-            for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_setzero_ps();                               \
+        const int64_t step = PANEL_RANKS * PANEL_INPUTS * elem_size(WT);                                         \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                                            \
+            row[r] = (const char *)x + rows[r] * K * elem_size(XT);                                              \
+            _Pragma("GCC unroll 16") for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_setzero_ps();                               \
         }                                                                                                        \
         const char *a = (const char *)panel;                                                                     \
-        for (int64_t k = 0; k < K; k += PANEL_INPUTS, a += step) {                                               \
-            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);                      \
+        int64_t k = 0;                                                                                           \
+        for (; k + PANEL_INPUTS <= K; k += PANEL_INPUTS, a += step) {                                            \
             _mm_prefetch(a + PREFETCH_AHEAD, _MM_HINT_T0);                                                      \
             _mm_prefetch(a + PREFETCH_AHEAD + 64, _MM_HINT_T0);                                                 \
             __m512 av[PANEL_RANKS];                                                                              \
-            for (int j = 0; j < PANEL_RANKS; j++) av[j] = load_x16(a, wdtype, j * PANEL_INPUTS, 0xffff);        \
-            for (int r = 0; r < R; r++) {                                                                        \
-                const __m512 xv = load_x16(row[r], dtype, k, mask);                                              \
-                for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_fmadd_ps(xv, av[j], acc[r][j]);         \
+            _Pragma("GCC unroll 16") for (int j = 0; j < PANEL_RANKS; j++) av[j] = load_x16(a, WT, j * PANEL_INPUTS, 0xffff);            \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 xv = load_x16(row[r], XT, k, 0xffff);                                               \
+                _Pragma("GCC unroll 16") for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_fmadd_ps(xv, av[j], acc[r][j]);         \
             }                                                                                                    \
         }                                                                                                        \
-        for (int r = 0; r < R; r++)                                                                              \
-            for (int j = 0; j < PANEL_RANKS; j++) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r][j]);     \
+        if (k < K) { /* the last inputs: x masked, A zero-padded */                                              \
+            const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);                                             \
+            __m512 av[PANEL_RANKS];                                                                              \
+            _Pragma("GCC unroll 16") for (int j = 0; j < PANEL_RANKS; j++) av[j] = load_x16(a, WT, j * PANEL_INPUTS, 0xffff);            \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 xv = load_x16(row[r], XT, k, mask);                                                 \
+                _Pragma("GCC unroll 16") for (int j = 0; j < PANEL_RANKS; j++) acc[r][j] = _mm512_fmadd_ps(xv, av[j], acc[r][j]);         \
+            }                                                                                                    \
+        }                                                                                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                                              \
+            _Pragma("GCC unroll 16") for (int j = 0; j < PANEL_RANKS; j++) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r][j]);     \
+    }
+#define F32 DTYPE_F32
+#define BF16 DTYPE_BF16
+#define DOT_BLOCK(R)                                                                                             \
+    DOT_BODY(R, F32, F32)                                                                                        \
+    DOT_BODY(R, F32, BF16)                                                                                       \
+    DOT_BODY(R, BF16, F32)                                                                                       \
+    DOT_BODY(R, BF16, BF16)                                                                                      \
+    static void dot_block##R(const void *x, int32_t dtype, const int64_t *rows, const void *panel,             \
+                             int32_t wdtype, int64_t K, float *out, int64_t out_stride) {                       \
+        if (dtype == DTYPE_F32)                                                                                  \
+            (wdtype == DTYPE_F32 ? dot_body##R##_F32_F32 : dot_body##R##_F32_BF16)(x, rows, panel, K, out, out_stride); \
+        else                                                                                                     \
+            (wdtype == DTYPE_F32 ? dot_body##R##_BF16_F32 : dot_body##R##_BF16_BF16)(x, rows, panel, K, out, out_stride); \
     }
 DOT_BLOCK(4)
 DOT_BLOCK(1)
@@ -109,27 +136,36 @@ static inline void add_to_out(void *out, int32_t dtype, int64_t first, __m512 su
 }
 
 /* out[rows r0.., one panel's 32 columns] += shrunk @ that panel, for R rows at once, the sums in
- * registers over the whole rank; m0 and m1: which of the 32 columns exist. */
+ * registers over the whole rank (WT, the weights' dtype, a constant: see DOT_BODY); m0 and m1:
+ * which of the 32 columns exist. */
+#define EXPAND_BODY(R, WT)                                                                                       \
+    static void expand_body##R##_##WT(const float *coefficients, int64_t rank4, const void *panel,             \
+                                      __m512 *low, __m512 *high) {                                               \
+        __m512 l[R], h[R];                                                                                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) l[r] = h[r] = _mm512_setzero_ps();                                           \
+        const char *b = (const char *)panel;                                                                     \
+        for (int64_t j = 0; j < rank4; j++, b += PANEL_COLUMNS * elem_size(WT)) {                                \
+            _mm_prefetch(b + PREFETCH_AHEAD, _MM_HINT_T0);                                                      \
+            const __m512 b0 = load_x16(b, WT, 0, 0xffff), b1 = load_x16(b, WT, 16, 0xffff);                      \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 coefficient = _mm512_set1_ps(coefficients[r * rank4 + j]);                          \
+                l[r] = _mm512_fmadd_ps(coefficient, b0, l[r]);                                                   \
+                h[r] = _mm512_fmadd_ps(coefficient, b1, h[r]);                                                   \
+            }                                                                                                    \
+        }                                                                                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) low[r] = l[r], high[r] = h[r];                                               \
+    }
 #define EXPAND_ROWS(R)                                                                                           \
+    EXPAND_BODY(R, F32)                                                                                          \
+    EXPAND_BODY(R, BF16)                                                                                         \
     static void expand_rows##R(const LoraJob *job, const LoraItem *item, int64_t r0, const void *panel,         \
                                int64_t first_column, __mmask16 m0, __mmask16 m1) {                              \
         const LoraPart *part = item->part;                                                                       \
         const int64_t rank4 = round_up(part->rank, PANEL_RANKS);                                                 \
-        const int64_t step = PANEL_COLUMNS * elem_size(part->dtype);                                             \
-        const float *coefficients = item->shrunk + r0 * rank4;                                                   \
         __m512 low[R], high[R];                                                                                  \
-        for (int r = 0; r < R; r++) low[r] = high[r] = _mm512_setzero_ps();                                      \
-        const char *b = (const char *)panel;                                                                     \
-        for (int64_t j = 0; j < rank4; j++, b += step) {                                                         \
-            _mm_prefetch(b + PREFETCH_AHEAD, _MM_HINT_T0);                                                      \
-            const __m512 b0 = load_x16(b, part->dtype, 0, 0xffff), b1 = load_x16(b, part->dtype, 16, 0xffff);    \
-            for (int r = 0; r < R; r++) {                                                                        \
-                const __m512 coefficient = _mm512_set1_ps(coefficients[r * rank4 + j]);                          \
-                low[r] = _mm512_fmadd_ps(coefficient, b0, low[r]);                                               \
-                high[r] = _mm512_fmadd_ps(coefficient, b1, high[r]);                                             \
-            }                                                                                                    \
-        }                                                                                                        \
-        for (int r = 0; r < R; r++) {                                                                            \
+        (part->dtype == DTYPE_F32 ? expand_body##R##_F32 : expand_body##R##_BF16)(                               \
+            item->shrunk + r0 * rank4, rank4, panel, low, high);                                                 \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                                            \
             const int64_t first = item->rows[r0 + r] * job->N + part->start + first_column;                      \
             add_to_out(job->out, job->dtype, first, low[r], m0);                                                 \
             add_to_out(job->out, job->dtype, first + 16, high[r], m1);                                           \
