@@ -11,7 +11,8 @@ wave at a time, each on a sliver of a CPU, and are deleted after the wave's requ
   one of them longer than every sliding window in the catalog and than a KV block, gives
   transformers' `generate` tokens position by position, with the sampled tokens' logprobs
   equal to log_softmax of transformers' logits. A first differing token is accepted only at a
-  near-tie of transformers' own logits (hf_oracle.NEAR_TIE_EPSILON), as in the worker tests.
+  near-tie of transformers' own logits (hf_oracle.NEAR_TIE_EPSILON), as in the worker tests;
+- the long prompt sent again reads its full block from the prefix cache and answers the same way.
 
 And a checkpoint of a family we do not serve fails at once, in one line that names its
 model_type, and leaves no app behind (nothing DEPLOYING).
@@ -61,6 +62,7 @@ class Served:
     prompts: list[list[int]]
     models: list[dict[str, Any]] | None = None  # GET /v1/models "data"
     completion: openai.types.Completion | None = None
+    repeat: openai.types.Completion | None = None  # the long prompt again, after the first answer
     failure: str | None = None  # the app's status message when it did not start
 
 
@@ -114,6 +116,8 @@ def ask(server, family: str, served: Served) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     served.completion = client.completions.create(model=family, prompt=served.prompts, max_tokens=MAX_TOKENS,
                                                   temperature=0.0, logprobs=0, extra_body={"ignore_eos": True})
+    served.repeat = client.completions.create(model=family, prompt=[served.prompts[-1]], max_tokens=MAX_TOKENS,
+                                              temperature=0.0, logprobs=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
@@ -175,18 +179,30 @@ def test_greedy_tokens_equal_transformers(served, family) -> None:
     completion = result.completion
     assert completion.usage.prompt_tokens == sum(PROMPT_LENGTHS)
     assert completion.usage.completion_tokens == MAX_TOKENS * len(result.prompts)
-    ids_of = token_ids_of_texts(result.model_dir)
-    oracle = HfOracle(result.model_dir)
     choices = sorted(completion.choices, key=lambda choice: choice.index)
     assert len(choices) == len(result.prompts)
     for choice, prompt in zip(choices, result.prompts):
-        assert choice.finish_reason == "length"
-        tokens = [ids_of[text] for text in choice.logprobs.tokens]
-        reference = oracle.greedy(prompt, MAX_TOKENS)
-        matched = assert_greedy_matches(tokens, reference)
-        for step in range(matched):
-            expected = float(torch.log_softmax(reference.logits[step].float(), dim=-1)[tokens[step]])
-            assert abs(choice.logprobs.token_logprobs[step] - expected) < LOGPROB_TOLERANCE, (family, step)
+        assert_transformers_answer(result, choice, prompt)
+
+
+def assert_transformers_answer(result: Served, choice, prompt: list[int]) -> None:
+    """choice's greedy tokens are transformers' (up to a near-tie), its logprobs log_softmax of its logits."""
+    assert choice.finish_reason == "length"
+    tokens = [token_ids_of_texts(result.model_dir)[text] for text in choice.logprobs.tokens]
+    reference = HfOracle(result.model_dir).greedy(prompt, MAX_TOKENS)
+    matched = assert_greedy_matches(tokens, reference)
+    for step in range(matched):
+        expected = float(torch.log_softmax(reference.logits[step].float(), dim=-1)[tokens[step]])
+        assert abs(choice.logprobs.token_logprobs[step] - expected) < LOGPROB_TOLERANCE, (result.model_dir.name, step)
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_and_answers_the_same(served, family) -> None:
+    """The long prompt sent again starts from its cached full blocks (per-head K/V, or MLA's latents)
+    and still gives transformers' greedy tokens and logprobs."""
+    result = served[family]
+    cached = result.repeat.usage.prompt_tokens_details.cached_tokens
+    assert cached == max(PROMPT_LENGTHS) // APP_ARGS["block_size"] * APP_ARGS["block_size"], cached
+    assert_transformers_answer(result, result.repeat.choices[0], result.prompts[-1])
 
 
 def test_an_unknown_model_type_fails_at_once_in_one_line(server, tmp_path) -> None:
