@@ -36,6 +36,7 @@ def test_health_version_models(server) -> None:
                                     "cuda_graph_batch_sizes": [], "model_type": "llama", "layer_loop": "c",
                                     "layer_ops": "native", "linear_backend": "native", "quantization": "none",
                                     "lora": "our C kernel, fp32 weights, in the C layer loop",
+                                    "kv_cache_kind": "keys and values per head",
                                     "reasoning_parser": None, "tool_call_parser": "hermes",
                                     "sampling_defaults": {}}  # the tiny model's generation_config sets none
 
