@@ -126,10 +126,14 @@ MOE_FAMILIES = {
                         intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5),
 }
 
+# the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside
+# it, skipped)
+MOE_FAMILIES["llama4"] = dict(MOE_FAMILIES["llama4_text"], model_type="llama4")
+
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
 SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
                                                   "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v3-moe", "gpt_oss",
-                                                  "llama4_text")}
+                                                  "llama4_text", "llama4")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

@@ -597,7 +597,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
 # tower's tensors are skipped at load).
-MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}

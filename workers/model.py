@@ -334,7 +334,8 @@ def _for_kernels(weight: torch.Tensor | LinearWeight, logits: bool = False) -> t
 # projector), which we skip.
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                         "language_model.lm_head.": "lm_head."}
-_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                   "vision_model.", "model.vision_model.")  # Gemma 3's tower, Llama 4's
 
 
 def _text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
