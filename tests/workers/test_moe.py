@@ -30,6 +30,7 @@ from workers.linear import NativeLinear, TorchLinear
 from workers.loader import ModelPathError
 from workers.model import PagedLlamaModel, WeightError
 from workers.moe import MoeWeights, moe_mlp, route, router_logits, run_experts
+from workers.simple_driver import SimpleDriver
 
 CHECKPOINTS = MOE_FAMILIES
 PATHS = {
@@ -300,6 +301,29 @@ def test_logprobs_equal_transformers(moe_dir, path):
     oracle = HfOracle(moe_dir)
     for request in run_with_logprobs(runner, prompts_of_lengths([21, 5], runner.model_info.vocab_size, seed=2), params):
         assert_logprobs_match_hf(request, oracle, 4)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_llama4_prefix_in_the_pool_gives_transformers_tokens(tmp_path, path):
+    """A prompt whose first 13 tokens' KV is already in the pool (a prefix-cache hit ending mid-chunk and
+    mid-block): its chunked layers read the chunk's cached keys, the layer without RoPE every cached key
+    and its queries' temperatures from their positions; the tokens are transformers'."""
+    model_dir = build_tiny_model_dir(tmp_path / "llama4_text", **CHECKPOINTS["llama4_text"])
+    runner = moe_runner(model_dir, path)
+    prefix, suffix = prompts_of_lengths([13, 11], runner.model_info.vocab_size, seed=4)
+    driver = SimpleDriver(runner)
+    owner = driver.add_request("owner", prefix, greedy(1), keep_blocks=True)
+    driver.run()
+    block_size, num_full = runner.block_size, len(prefix) // runner.block_size
+    partial_copy = driver.allocate_blocks(1)[0]
+    driver.add_request("reuser", prefix + suffix, greedy(8), num_computed_tokens=len(prefix),
+                       prefix_block_ids=owner.block_ids[:num_full] + [partial_copy],
+                       copy_blocks=[(owner.block_ids[num_full], partial_copy)])
+    driver.free_blocks([partial_copy])
+    driver.step()
+    assert driver.last_output.num_scheduled_tokens["reuser"] == len(suffix) and len(prefix) % block_size
+    driver.run()
+    assert_greedy_matches(driver.requests["reuser"].output_token_ids, HfOracle(model_dir).greedy(prefix + suffix, 8))
 
 
 def test_layers_and_model_info(moe_dir):
