@@ -116,11 +116,24 @@ MOE_FAMILIES = {
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=4.0,
                     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=256)),
+    # Llama 4's text model: layers 0-2 with RoPE over interleaved pairs, chunked attention in chunks of 6 (boundaries
+    # mid-block for blocks of 4 and 16; prompts run past several) and weightless q/k norms after RoPE; layer 3
+    # without RoPE, over every key, its queries temperature-tuned (floor_scale 4: the factor grows from position 3);
+    # layers 1 and 3 MoE (interleave_moe_layer_step): the top 2 of 4 experts' sigmoids scaling the experts' inputs,
+    # a shared expert of width 48; layers 0 and 2 dense MLPs of width 96 (intermediate_size_mlp)
+    "llama4_text": dict(model_type="llama4_text", head_dim=16, num_hidden_layers=4, attention_chunk_size=6,
+                        interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                        intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5),
 }
+
+# the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside
+# it, skipped)
+MOE_FAMILIES["llama4"] = dict(MOE_FAMILIES["llama4_text"], model_type="llama4")
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
 SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
-                                                  "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v3-moe", "gpt_oss")}
+                                                  "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v3-moe", "gpt_oss",
+                                                  "llama4_text", "llama4")}
 SERVED_FAMILIES = {**LLAMA_FAMILIES, **FAMILIES, **SERVED_MOE}
 assert len(SERVED_FAMILIES) == len(LLAMA_FAMILIES) + len(FAMILIES) + len(SERVED_MOE), "a family name appears twice"
 

@@ -27,8 +27,8 @@ MIXED_SPECS: list[tuple[int, int]] = [(0, 19), (21, 7), (37, 1), (0, 1), (3, 1),
 DECODE_SPECS: list[tuple[int, int]] = [(1, 1), (15, 1), (16, 1), (33, 1), (70, 1)]
 PREFILL_SPECS: list[tuple[int, int]] = [(0, 33), (0, 5), (0, 64)]
 
-# For the attention variants (window, softcap, sinks), with block_size 16: prompts longer than
-# the windows below, chunks after cached keys (one window starting mid-block, one chunk starting
+# For the attention variants (window, softcap, sinks, chunk), with block_size 16: prompts longer than
+# the windows and chunks below, chunks after cached keys (one window starting mid-block, one chunk starting
 # on a block boundary), decodes far past their window, at position 0 and on a block's last slot.
 WINDOW_SPECS: list[tuple[int, int]] = [(0, 45), (37, 20), (70, 1), (15, 1), (16, 1), (0, 1), (31, 17), (100, 33),
                                        (48, 16)]
@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict] = {
     "window-softcap": dict(window=20, softcap=1.5),  # Gemma 2's sliding layers
     "window-sinks": dict(window=20, sinks=True),  # gpt-oss's sliding layers
     "all": dict(window=9, softcap=2.0, sinks=True),
+    "chunk7": dict(attention_chunk=7),  # Llama 4's chunked layers: chunks not a multiple of any block size
+    "chunk32": dict(attention_chunk=32),  # chunks of whole blocks (16), every boundary a block's
 }
 
 
@@ -57,16 +59,28 @@ def variant_kwargs(name: str, num_heads: int, *, device: str | torch.device = "c
     return kwargs
 
 
-def poison_outside_windows(batch: PagedBatch, window: int) -> int:
-    """Fills with NaN each pool block of a sequence that lies wholly before the window of the
-    step's first query of that sequence (so of every query): a kernel that reads any of them
-    returns NaN. dense_k/dense_v keep the real keys for the oracle. Returns how many blocks."""
+def first_visible_key(position: int, window: int | None = None, attention_chunk: int | None = None) -> int:
+    """The first key a query at `position` sees: 0, its window's first, or its chunk's first."""
+    first = 0 if window is None else max(position - window + 1, 0)
+    return first if attention_chunk is None else max(first, position // attention_chunk * attention_chunk)
+
+
+def hides_keys(variants: dict) -> bool:
+    """Whether the variants hide keys before a query's own (a window or a chunk)."""
+    return "window" in variants or "attention_chunk" in variants
+
+
+def poison_outside_windows(batch: PagedBatch, window: int | None = None, attention_chunk: int | None = None) -> int:
+    """Fills with NaN each pool block of a sequence that lies wholly before the window (or the
+    chunk) of the step's first query of that sequence (so of every query): a kernel that reads
+    any of them returns NaN. dense_k/dense_v keep the real keys for the oracle. Returns how many
+    blocks."""
     block_size = batch.k_cache.shape[1]
     qsl, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
     poisoned = 0
     for s, seq_len in enumerate(seq_lens):
-        first_visible = seq_len - (qsl[s + 1] - qsl[s]) - window + 1  # of the first query
-        for index in range(max(first_visible, 0) // block_size):  # blocks ending at or before it
+        first_visible = first_visible_key(seq_len - (qsl[s + 1] - qsl[s]), window, attention_chunk)  # first query's
+        for index in range(first_visible // block_size):  # blocks ending at or before it
             block = int(batch.block_tables[s, index])
             batch.k_cache[block] = float("nan")
             batch.v_cache[block] = float("nan")
@@ -182,13 +196,14 @@ def make_batch(
 
 
 def naive_attention(batch: PagedBatch, *, window: int | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] float64: per-sequence dense causal GQA softmax
     attention over the whole sequence's keys, read from dense_k/dense_v, never the pool.
     The variants as transformers computes them: window W, the query at p sees keys (p - W, p]
     (Gemma 2's sliding_window_causal_mask_function); softcap c, scores = c tanh(scores / c)
     after the scale (Gemma 2's eager attention); sinks [num_heads], one more logit per head in
-    the softmax, with no value (gpt-oss's eager attention)."""
+    the softmax, with no value (gpt-oss's eager attention); attention_chunk C, the query at p sees
+    keys [floor(p / C) * C, p], its own chunk's (Llama 4's chunked_causal_mask_function)."""
     num_heads = batch.q.shape[1]
     outs = []
     qsl = batch.query_start_loc.tolist()
@@ -206,6 +221,8 @@ def naive_attention(batch: PagedBatch, *, window: int | None = None, softcap: fl
         visible = k_pos[None, :] <= q_pos[:, None]  # [n, L]
         if window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - window
+        if attention_chunk is not None:
+            visible &= k_pos[None, :] // attention_chunk == q_pos[:, None] // attention_chunk
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.double().to(q.device).view(num_heads, 1, 1).expand(num_heads, query_len, 1)

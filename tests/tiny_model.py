@@ -39,6 +39,9 @@ def add(a, b): return a + b  # numbers 0123456789 and symbols !?.,;:()[]{}<>+-*/
 MULTIMODAL = {
     "gemma3": ("gemma3_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=28, patch_size=14)),
+    "llama4": ("llama4_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                   projector_output_dim=32)),
 }
 DEFAULT_SHAPE = dict(
     hidden_size=64,
@@ -100,7 +103,12 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
                              eos_token_id=EOS_TOKEN_ID, bos_token_id=1, pad_token_id=EOS_TOKEN_ID)
     config = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type == "llama4":  # transformers' causal-LM class for it is the text model alone: the whole one
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # make the norms and biases non-trivial too, so they are tested
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -78,7 +78,7 @@ class ModelConfig:
     model_type: str  # a key of workers.families.FAMILIES
     vocab_size: int  # rows of the embedding and of lm_head
     hidden_size: int  # model width
-    intermediate_size: int  # dense MLP width (an expert's width is moe.intermediate_size)
+    intermediate_size: int  # dense MLP width (Llama 4's intermediate_size_mlp); an expert's is moe.intermediate_size
     num_layers: int  # decoder layers
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA: num_heads % num_kv_heads == 0)
@@ -123,6 +123,10 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         windows = self.traits.layer_windows
         return None if windows is None else windows[layer]
+
+    def layer_chunk(self, layer: int) -> int | None:
+        chunks = self.traits.layer_chunks
+        return None if chunks is None else chunks[layer]
 
     def uses_local_rope(self, layer: int) -> bool:
         return self.traits.local_rope_layers is not None and self.traits.local_rope_layers[layer]
@@ -208,7 +212,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=traits.dense_intermediate_size or int(raw["intermediate_size"]),
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,

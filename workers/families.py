@@ -69,6 +69,16 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 top k logits, then a softmax over those k; experts with biases, stored [E, in, out]
                 with gate and up interleaved (or MXFP4 blocks and scales, dequantized at load), and a
                 clamped SwiGLU (swiglu_limit, swiglu_alpha)
+    llama4_text RoPE over interleaved pairs (FamilyTraits.rope_interleaved) on all but every
+                no_rope_layer_interval-th layer (no_rope_layers: 1 keeps RoPE), and on those layers
+                chunked attention (attention_chunk_size; layer_types) and an RMSNorm without weight of
+                each rotated q and k head (use_qk_norm); the layers without RoPE attend to every key,
+                each query x (1 + attn_scale * log(1 + floor((p + 1) / floor_scale))) at position p
+                (attn_temperature_tuning); MoE MLPs (feed_forward) in every interleave_moe_layer_step-th
+                layer (or moe_layers): the top k router logits, their sigmoids (not renormalised)
+                multiplying each chosen expert's input, not its output; experts [E, in, out] with gate
+                and up in halves; a shared expert of intermediate_size on every token; dense MLPs of
+                intermediate_size_mlp elsewhere
     deepseek_v3 multi-head latent attention in every layer (MlaTraits, workers/mla.py): q through a
                 low-rank pair (q_a_proj, q_a_layernorm, q_b_proj) or q_proj; one latent and one
                 shared RoPE key per token (kv_a_proj_with_mqa, kv_a_layernorm), expanded per head by
@@ -97,34 +107,47 @@ class FamilyTraits:
     sliding_window: int | None = None  # one window for every layer (caps the served context); None: full
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (each head, weights [head_dim]) or
     #                             "projection" (the whole q and the whole k, weights [heads * head_dim]);
-    #                             or after RoPE: "head_after_rope" (each rotated head: Hunyuan)
+    #                             or after RoPE: "head_after_rope" (each rotated head: Hunyuan), or
+    #                             "l2_after_rope" (each rotated head, no weight, on the layers with RoPE
+    #                             only: Llama 4's L2 norm, x / sqrt(mean(x^2) + eps))
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")  # their tensors: self_attn.{name}.weight
     norms: str = "pre"  # "pre": RMSNorm before each branch; "post": on each branch's output instead (OLMo 2)
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
     norm_weight_offset: float = 0.0  # every RMSNorm multiplies by (offset + w): Gemma's 1
     layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None: full; None: all full
+    # per layer: its attention chunk C (the query at p sees keys [p // C * C, p]: Llama 4's RoPE layers), None:
+    # none; None: no layer is chunked
+    layer_chunks: tuple[int | None, ...] | None = None
     attention_softcap: float | None = None  # scores soft-capped to c * tanh(scores / c) (Gemma 2)
     logits_softcap: float | None = None  # final logits soft-capped the same way (Gemma 2)
     local_rope_layers: tuple[bool, ...] | None = None  # per layer: uses the local RoPE base (Gemma 3's sliding layers)
     rope_layers: tuple[bool, ...] | None = None  # per layer: applies RoPE; None: every layer does
-    # RoPE rotates interleaved pairs (2i, 2i + 1) of each head (ERNIE 4.5), not halves: q_proj's and k_proj's
-    # rows (and LoRA B's) are reordered at load into halves, which our RoPE rotates alike (q and k move
-    # together: the scores are unchanged; workers/rope.py, deinterleave_rows); no family with it has q/k norms
+    # RoPE rotates interleaved pairs (2i, 2i + 1) of each head (ERNIE 4.5, Llama 4), not halves: q_proj's and
+    # k_proj's rows (and LoRA B's) are reordered at load into halves, which our RoPE rotates alike (q and k move
+    # together: the scores are unchanged; workers/rope.py, deinterleave_rows); no family with it has weighted
+    # q/k norms (Llama 4's, without weight, are blind to the order)
     rope_interleaved: bool = False
+    # (floor_scale, attn_scale): on the layers without RoPE, the query at position p is multiplied by
+    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (Llama 4's attn_temperature_tuning); None: none
+    query_temperature: tuple[float, float] | None = None
     embedding_multiplier: float = 1.0  # embeddings are scaled by it
     residual_multiplier: float = 1.0  # each attention and MLP output is scaled by it before the residual add
     attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
     attention_sinks: bool = False  # each attention layer has a learned sink logit per head (self_attn.sinks)
     logits_scale: float = 1.0  # logits are multiplied by it
     moe: MoeTraits | None = None  # the mixture-of-experts MLP; None: every layer's MLP is dense
+    mlp_block: str = "mlp"  # the dense MLP's name: model.layers.N.{mlp_block}.gate_proj.weight (Llama 4: feed_forward)
+    # the dense MLPs' width where the config's intermediate_size is the experts' (Llama 4: intermediate_size_mlp);
+    # None: intermediate_size
+    dense_intermediate_size: int | None = None
     mla: MlaTraits | None = None  # multi-head latent attention in every layer (DeepSeek V3); None: q/k/v heads
     # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
     # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
     num_extra_layers: int = 0
 
 
-ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax")
-EXPERT_LAYOUTS = ("stacked", "gpt_oss")
+ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
+EXPERT_LAYOUTS = ("stacked", "gpt_oss", "in_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +162,11 @@ class MoeTraits:
     layers: tuple[bool, ...]  # per layer: True: the MoE MLP; False: the dense MLP (ModelConfig.intermediate_size)
     scoring: str = "softmax_topk"  # "softmax_topk": softmax over every expert's logit, then the top k;
     #                                "sigmoid_topk": each logit's sigmoid, then the top k;
-    #                                "topk_softmax": the top k logits, then softmax over those k
+    #                                "topk_softmax": the top k logits, then softmax over those k;
+    #                                "topk_sigmoid": the top k logits, then each one's sigmoid (Llama 4)
     renormalize: bool = True  # softmax_topk, sigmoid_topk: the k weights are divided by their sum
+    # the k weights multiply each chosen expert's input (x * w through the expert, Llama 4), not its output
+    weight_inputs: bool = False
     # a per-expert bias added to the scores only to choose the k (the weights stay unbiased): the names its
     # tensor ([E], or [1, E]) may have under the block, the first present is read (GLM-4.5:
     # "gate.e_score_correction_bias"); (): none
@@ -155,7 +181,9 @@ class MoeTraits:
     block: str = "mlp"  # classic names: model.layers.N.{block}.gate.weight, {block}.experts.E.{projection}.weight
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     expert_layout: str = "stacked"  # "stacked": transformers' fused [E, out, in] tensors or the classic ones;
-    #                                 "gpt_oss": [E, in, out], gate and up interleaved, biases, or MXFP4
+    #                                 "gpt_oss": [E, in, out], gate and up interleaved, biases, or MXFP4;
+    #                                 "in_out": {block}.experts.gate_up_proj [E, in, out] with gate then up,
+    #                                 down_proj [E, in, out], no biases (Llama 4)
     activation: str | None = None  # the experts' gated activation (workers/layer_ops.py); None: the model's
     swiglu_alpha: float = 1.702  # activation "swiglu_oai": the sigmoid's gain
     swiglu_limit: float = 7.0  # activation "swiglu_oai": the clamp on gate (above) and up (both sides)
@@ -469,6 +497,47 @@ def _gpt_oss(raw: dict) -> FamilyTraits:
                         attention_sinks=True, moe=moe)
 
 
+def _llama4_text(raw: dict) -> FamilyTraits:
+    """Llama 4's text model (transformers' Llama4TextConfig defaults)."""
+    num_layers = int(raw["num_hidden_layers"])
+    rope_flags = raw.get("no_rope_layers") or [int((layer + 1) % int(raw.get("no_rope_layer_interval", 4)) != 0)
+                                               for layer in range(num_layers)]  # 1: RoPE; empty: the default
+    if len(rope_flags) < num_layers:
+        raise FamilyError(f"no_rope_layers has {len(rope_flags)} entries for {num_layers} layers")
+    rope_layers = tuple(bool(flag) for flag in rope_flags[:num_layers])
+    chunk = raw.get("attention_chunk_size", 8192)
+    types = raw.get("layer_types") or ["chunked_attention" if rope and chunk is not None else "full_attention"
+                                       for rope in rope_layers]
+    unknown = sorted(set(types) - {"chunked_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise FamilyError(f"llama4_text needs layer_types of chunked_attention / full_attention, one per layer "
+                          f"({num_layers}); got {types}")
+    if "chunked_attention" in types and not chunk:
+        raise FamilyError("chunked_attention layers need attention_chunk_size")
+    chunks = tuple(int(chunk) if kind == "chunked_attention" else None for kind in types)
+    moe_layers = raw.get("moe_layers")
+    if moe_layers is None:
+        step = int(raw.get("interleave_moe_layer_step", 1))
+        if step < 1:
+            raise FamilyError(f"interleave_moe_layer_step {step} is not a positive layer interval")
+        moe_layers = range(step - 1, num_layers, step)
+    moe_set, width = {int(layer) for layer in moe_layers}, int(raw.get("intermediate_size", 8192))
+    layers = tuple(layer in moe_set for layer in range(num_layers))
+    moe = MoeTraits(
+        num_experts=int(raw.get("num_local_experts", 16)), top_k=int(raw.get("num_experts_per_tok", 1)),
+        intermediate_size=width, layers=layers, scoring="topk_sigmoid", renormalize=False, weight_inputs=True,
+        router="router", block="feed_forward", expert_layout="in_out", shared_intermediate_size=width,
+    ) if any(layers) else None
+    bias = bool(raw.get("attention_bias", False))
+    temperature = (float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1)))
+    return FamilyTraits(
+        qkv_bias=bias, o_bias=bias, qk_norm="l2_after_rope" if raw.get("use_qk_norm", True) else None,
+        layer_chunks=chunks if any(chunks) else None, rope_layers=rope_layers, rope_interleaved=True,
+        query_temperature=temperature if raw.get("attn_temperature_tuning", True) else None,
+        moe=moe, mlp_block="feed_forward", dense_intermediate_size=int(raw.get("intermediate_size_mlp", 16384)),
+    )
+
+
 def _deepseek_v3(raw: dict) -> FamilyTraits:
     q_lora_rank = raw.get("q_lora_rank", 1536)
     mla = MlaTraits(
@@ -522,12 +591,13 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe,
     "gpt_oss": _gpt_oss,
+    "llama4_text": _llama4_text,
     "deepseek_v3": _deepseek_v3,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
 # tower's tensors are skipped at load).
-MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
@@ -554,11 +624,13 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     moe = "mixture-of-experts layers" if traits.moe is not None else None
     mla = "multi-head latent attention layers" if traits.mla is not None else None
     multiplier = "a residual multiplier" if traits.residual_multiplier != 1.0 else None
-    late_norms = "q/k norms after RoPE" if traits.qk_norm == "head_after_rope" else None
+    late_norms = "q/k norms after RoPE" if traits.qk_norm in ("head_after_rope", "l2_after_rope") else None
+    chunks = "chunked attention layers" if traits.layer_chunks is not None else None
+    temperature = "query temperature tuning" if traits.query_temperature is not None else None
     return FamilyPaths(
-        # the experts' MLP, latent attention and late q/k norms have no C form: the Python loop runs them
-        # (MLA in torch)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms) if why) or None,
+        # the experts' MLP, latent attention, late q/k norms, chunked layers and query temperatures have no C
+        # form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier) if why) or None,  # grouped experts take

@@ -12,7 +12,8 @@ Gemma's x * (1 + w) norms (the 1 added to the weights at load), a second RoPE ba
 layers (Gemma 3), per-layer sliding windows and attention soft-capping (the attention
 backend's), final logit soft-capping (Gemma 2), an embedding
 multiplier, a residual multiplier (folded into the o_proj and down_proj weights at load), an
-attention scale and a logits scale (Granite).
+attention scale and a logits scale (Granite), chunked attention (the backend's), q/k norms without
+weight after RoPE, and queries scaled by their position on the layers without RoPE (Llama 4).
 In some or all layers a mixture of experts takes the dense MLP's place (Mixtral, Qwen3-MoE,
 gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
 DeepSeek V3's layers run multi-head latent attention instead of q/k/v heads, over a pool of one
@@ -114,16 +115,22 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor | None  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
-    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no norm
+    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each query head (Qwen3); None: no weight
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each key head
     qk_norm_whole: bool = False  # q_norm [heads * head_dim] and k_norm span the whole projection (OLMo 2)
-    qk_norm_after_rope: bool = False  # the q/k norms apply to the rotated heads (Hunyuan), not before RoPE
+    # the q/k norms apply to the rotated heads (Hunyuan), not before RoPE; with no q_norm, k_norm: without weight
+    # (Llama 4's L2 norm)
+    qk_norm_after_rope: bool = False
     attn_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP's output (OLMo 2)
     use_rope: bool = True  # False: the layer applies no RoPE (SmolLM3)
     local_rope: bool = False  # True: RoPE with the model's local base (Gemma 3's sliding-window layers)
     # attention variants (workers/kernels/__init__.py); None: plain causal attention
     window: int | None = None  # sliding window: a query sees its own key and the window - 1 before it
+    attention_chunk: int | None = None  # chunked attention: a query at p sees keys [p // chunk * chunk, p]
+    # (floor_scale, attn_scale): each query x (1 + attn_scale * log(1 + floor((p + 1) / floor_scale))) (Llama 4's
+    # layers without RoPE); None: none
+    query_temperature: tuple[float, float] | None = None
     softcap: float | None = None  # attention scores soft-capped to softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
     moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
@@ -265,8 +272,11 @@ class PagedLlamaModel:
         if layer.qk_norm_after_rope:  # each rotated head [tokens, heads, head_dim] over its head_dim
             q = F.rms_norm(q, (config.head_dim,), layer.q_norm, config.rms_norm_eps)
             k = F.rms_norm(k, (config.head_dim,), layer.k_norm, config.rms_norm_eps)
+        if layer.query_temperature is not None:
+            q = _temperature_tuned(q, positions, *layer.query_temperature)
         step.write(k, v, *kv_cache)
-        attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
+        attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks,
+                               attention_chunk=layer.attention_chunk)
         return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
 
     @classmethod
@@ -307,6 +317,13 @@ class PagedLlamaModel:
         return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
 
 
+def _temperature_tuned(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """q [tokens, heads, head_dim] x (1 + attn_scale * log(1 + floor((p + 1) / floor_scale))) at each token's
+    position p, the factor in fp32 as transformers' Llama 4 computes it."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * scales.view(-1, 1, 1)).to(q.dtype)
+
+
 def _for_kernels(weight: torch.Tensor | LinearWeight, logits: bool = False) -> torch.Tensor | LinearWeight:
     """A checkpoint's weight as our kernels read it fastest (GgufWeight.for_kernels); a plain tensor as it is."""
     return weight if isinstance(weight, torch.Tensor) else weight.for_kernels(logits)
@@ -317,7 +334,8 @@ def _for_kernels(weight: torch.Tensor | LinearWeight, logits: bool = False) -> t
 # projector), which we skip.
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                         "language_model.lm_head.": "lm_head."}
-_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                   "vision_model.", "model.vision_model.")  # Gemma 3's tower, Llama 4's
 
 
 def _text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -441,7 +459,7 @@ class _WeightReader:
     def layer(self, index: int) -> LayerWeights:
         c = self.config
         prefix = f"model.layers.{index}."
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        attn, mlp = prefix + "self_attn.", prefix + c.traits.mlp_block + "."
         qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         qkv_names = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
@@ -460,6 +478,8 @@ class _WeightReader:
         dense = moe is None
         if c.traits.mla is not None:
             return self.mla_layer(index, moe)
+        weighted_qk_norm = c.traits.qk_norm in ("head", "projection", "head_after_rope")
+        temperature = c.traits.query_temperature if not c.uses_rope(index) else None
         return LayerWeights(
             input_norm=self.take_norm(prefix, norms["input_norm"]),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
@@ -480,15 +500,18 @@ class _WeightReader:
             down_bias=(
                 self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
             ),
-            q_norm=self.take_norm(attn, c.traits.qk_norm_names[0], q_norm_width) if c.traits.qk_norm else None,
-            k_norm=self.take_norm(attn, c.traits.qk_norm_names[1], k_norm_width) if c.traits.qk_norm else None,
+            q_norm=self.take_norm(attn, c.traits.qk_norm_names[0], q_norm_width) if weighted_qk_norm else None,
+            k_norm=self.take_norm(attn, c.traits.qk_norm_names[1], k_norm_width) if weighted_qk_norm else None,
             qk_norm_whole=c.traits.qk_norm == "projection",
-            qk_norm_after_rope=c.traits.qk_norm == "head_after_rope",
+            qk_norm_after_rope=c.traits.qk_norm == "head_after_rope" or (c.traits.qk_norm == "l2_after_rope"
+                                                                         and c.uses_rope(index)),
             attn_out_norm=self.take_norm(prefix, norms["attn_out_norm"]),
             mlp_out_norm=self.take_norm(prefix, norms["mlp_out_norm"]),
             use_rope=c.uses_rope(index),
             local_rope=c.uses_local_rope(index),
             window=c.layer_window(index),
+            attention_chunk=c.layer_chunk(index),
+            query_temperature=temperature,
             softcap=c.traits.attention_softcap,
             sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,

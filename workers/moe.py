@@ -9,6 +9,7 @@ Routing (MoeTraits, workers/families.py), all in fp32 whatever the model's dtype
 that the per-expert loop and the fused Triton kernel both take their weights from:
 
     topk_softmax   the k largest logits; softmax over those k (gpt-oss, whose router has a bias)
+    topk_sigmoid   the k largest logits; the sigmoid of each (Llama 4)
     softmax_topk   p = softmax(logits)                           (Mixtral, Qwen-MoE)
     sigmoid_topk   p = sigmoid(logits)                           (GLM-4.5, MiniMax-M2)
        then        c = p + correction_bias                       choice scores (e_score_correction_bias)
@@ -25,6 +26,10 @@ The experts (only those this step's tokens chose run; an expert with no token co
     out_e = down_e(act(gate_e(rows_e)) * up_e(rows_e))     gate and up fused, one product per expert
                                                    (each with its bias where the family has one: gpt-oss)
     delta[token] += weight(token, slot) * out_e    one index_add_ in fp32, in expert order per token
+
+A family whose weights scale the experts' inputs (Llama 4, MoeTraits.weight_inputs: expert_e(x * w),
+which the gated MLP makes differ from w * expert_e(x)) runs the same code on one row per (token,
+slot) pair, x * w, each choosing its one expert at weight 1, and sums each token's k rows after.
 
 A shared expert (Qwen2-MoE, GLM-4.5: MoeTraits.shared_intermediate_size) runs on every token beside
 them, a dense gated MLP whose output, times sigmoid(x . shared_gate) where the family has that
@@ -74,9 +79,10 @@ def route(logits: torch.Tensor, traits: MoeTraits,
     [num_experts] -> (weights fp32 [tokens, k], expert ids int64 [tokens, k]), by the family's
     scoring (module docstring). No host sync: CUDA graphs capture it."""
     logits = logits.float()
-    if traits.scoring == "topk_softmax":
+    if traits.scoring in ("topk_softmax", "topk_sigmoid"):
         top_logits, expert_ids = torch.topk(logits, traits.top_k, dim=-1)
-        return torch.softmax(top_logits, dim=-1), expert_ids
+        scores = torch.softmax(top_logits, dim=-1) if traits.scoring == "topk_softmax" else torch.sigmoid(top_logits)
+        return scores, expert_ids
     scores = torch.sigmoid(logits) if traits.scoring == "sigmoid_topk" else torch.softmax(logits, dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias
     if traits.num_groups > 1:
@@ -110,6 +116,10 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activatio
     """The MoE MLP of the normed hidden states x [tokens, hidden] -> [tokens, hidden] in x's dtype."""
     traits = weights.traits
     routing, expert_ids = route(router_logits(x, weights, linear_backend), traits, weights.correction_bias)
+    routed_x = x
+    if traits.weight_inputs:  # a row per (token, slot): x * w, its one expert at weight 1 (module docstring)
+        routed_x = x.repeat_interleave(traits.top_k, dim=0) * routing.to(x.dtype).view(-1, 1)
+        routing, expert_ids = torch.ones_like(routing).view(-1, 1), expert_ids.view(-1, 1)
     if traits.activation == "swiglu_oai":
         def act_mul(gate_up):
             return ops.gated_mul(gate_up, "swiglu_oai", alpha=traits.swiglu_alpha, limit=traits.swiglu_limit)
@@ -119,9 +129,11 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, linear_backend, ops, activatio
     if weights.stacked is not None and x.is_cuda:
         from workers.kernels.triton_moe import fused_moe  # triton only where CUDA runs
 
-        routed = fused_moe(x, *weights.stacked, routing, expert_ids, traits.activation or activation)
+        routed = fused_moe(routed_x, *weights.stacked, routing, expert_ids, traits.activation or activation)
     else:
-        routed = run_experts(x, routing, expert_ids, weights, linear_backend.linear, act_mul)
+        routed = run_experts(routed_x, routing, expert_ids, weights, linear_backend.linear, act_mul)
+    if traits.weight_inputs:  # each token's k rows summed
+        routed = routed.view(x.shape[0], traits.top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
     if weights.shared_gate_up is None:
         return routed
     linear = linear_backend.linear
@@ -174,6 +186,8 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
     if traits.expert_layout == "gpt_oss":
         gate_up, down, gate_up_bias, down_bias = _read_gpt_oss_experts(reader, prefix, traits, hidden)
         block = f"{prefix}{traits.block}."
+    elif traits.expert_layout == "in_out":
+        gate_up, down, block = _read_in_out_experts(reader, prefix, traits, hidden)
     else:
         gate_up, down, block = _read_stacked_experts(reader, prefix, traits, hidden)
     router_name = f"{block}{traits.router}."
@@ -236,6 +250,15 @@ def _read_stacked_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -
                                          [(width, hidden)] * 2))
         down.append(reader.residual_branch(reader.take(f"{names}{down_name}.weight", (hidden, width))))
     return gate_up, down, block
+
+
+def _read_in_out_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, str]:
+    """Llama 4's experts: {block}.experts.gate_up_proj [E, H, 2 * I] (the gate's columns, then the up's) and
+    down_proj [E, I, H], each [E, in, out]; returned as ours, per expert [2 * I, H] and [H, I]."""
+    num_experts, width, block = traits.num_experts, traits.intermediate_size, f"{prefix}{traits.block}."
+    gate_up = reader.take(block + "experts.gate_up_proj", (num_experts, hidden, 2 * width)).transpose(1, 2)
+    down = reader.residual_branch(reader.take(block + "experts.down_proj", (num_experts, width, hidden)))
+    return list(gate_up.unbind(0)), list(down.transpose(1, 2).unbind(0)), block
 
 
 def _read_gpt_oss_experts(reader, prefix: str, traits: MoeTraits, hidden: int) -> tuple[list, list, list, list]:

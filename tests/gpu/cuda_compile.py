@@ -91,6 +91,7 @@ CASES = [
     ("window softcap bf16", 90, torch.bfloat16, kc.WINDOW_SPECS, 16, 256, 2, 4, "window-softcap"),
     ("window sinks bf16", 90, torch.bfloat16, kc.WINDOW_SPECS, 16, 64, 8, 8, "window-sinks"),
     ("all variants fp32", 80, torch.float32, kc.WINDOW_SPECS, 16, 64, 3, 2, "all"),
+    ("chunked bf16", 90, torch.bfloat16, kc.WINDOW_SPECS, 16, 128, 5, 8, "chunk7"),  # Llama 4's chunked layers
 ]
 
 

@@ -128,8 +128,8 @@ def _check_variants(specs, variants: dict, *, block_size, head_dim, gqa, dtype, 
     NaN in every slot no sequence owns and in every block wholly before a sequence's windows."""
     batch = kc.make_batch(specs, block_size=block_size, num_kv_heads=num_kv_heads, num_queries_per_kv=gqa,
                           head_dim=head_dim, dtype=dtype, device=DEVICE, seed=seed)
-    if "window" in variants:
-        kc.poison_outside_windows(batch, variants["window"])
+    if kc.hides_keys(variants):
+        kc.poison_outside_windows(batch, variants.get("window"), variants.get("attention_chunk"))
     triton_cache.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
     out = triton_attention.paged_attention(*batch.attention_args(), **variants)
     torch.cuda.synchronize()

@@ -261,7 +261,7 @@ def _attend_half_pool(batch, **variants):
 
 @needs_tiles
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("variant", [None, "window7", "all"])
+@pytest.mark.parametrize("variant", [None, "window7", "all", "chunk7"])
 def test_prompts_over_a_half_pool_on_tiles_match_the_oracle_to_bf16(head_dim, variant):
     """fp32 queries over an fp16 pool (a GGUF model's): prompts on tiles, their queries, keys and
     values rounded to bf16 as they are laid out for the tiles, within bf16's bound of the dense
@@ -271,8 +271,8 @@ def test_prompts_over_a_half_pool_on_tiles_match_the_oracle_to_bf16(head_dim, va
     batch = kc.make_batch(TILE_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=head_dim,
                           dtype=torch.float32, seed=head_dim)
     variants = kc.variant_kwargs(variant, 6) if variant else {}
-    if "window" in variants:
-        kc.poison_outside_windows(batch, variants["window"])
+    if kc.hides_keys(variants):
+        kc.poison_outside_windows(batch, variants.get("window"), variants.get("attention_chunk"))
     tiles = _attend_half_pool(batch, **variants)
     with using_plan(without_tiles(cpu_isa.detected_plan())):
         vectors = _attend_half_pool(batch, **variants)
@@ -287,18 +287,18 @@ def test_prompts_over_a_half_pool_on_tiles_match_the_oracle_to_bf16(head_dim, va
 @needs_tiles
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("variant", [None, "window16", "window7", "all"])
+@pytest.mark.parametrize("variant", [None, "window16", "window7", "all", "chunk7", "chunk32"])
 def test_prompts_attention_on_tiles_matches_the_oracle(head_dim, block_size, variant):
     """Sequences of 16+ queries on tiles, the rest on the vector body, in one call: every output
     within the bf16 bound of the dense oracle, pool slots outside the sequences (and blocks
-    outside windows) NaN; the tile rows differ from the vector body's in rounding only."""
+    before windows and chunks) NaN; the tile rows differ from the vector body's in rounding only."""
     import kernel_cases as kc
 
     batch = kc.make_batch(TILE_SPECS, block_size=block_size, num_kv_heads=2, num_queries_per_kv=3,
                           head_dim=head_dim, dtype=torch.bfloat16, seed=block_size)
     variants = kc.variant_kwargs(variant, 6) if variant else {}
-    if "window" in variants:
-        kc.poison_outside_windows(batch, variants["window"])
+    if kc.hides_keys(variants):
+        kc.poison_outside_windows(batch, variants.get("window"), variants.get("attention_chunk"))
     plan = cpu_isa.detected_plan()
     tiles = _attend_bf16(batch, **variants)
     with using_plan(without_tiles(plan)):

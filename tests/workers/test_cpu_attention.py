@@ -229,8 +229,8 @@ def test_variants_match_dense_oracle_and_torch_reference(variant, block_size, gq
                  seed=block_size + gqa)
     variants = kc.variant_kwargs(variant, 3 * gqa, seed=gqa)
     batch = kc.make_batch(kc.WINDOW_SPECS, **shape)
-    if "window" in variants:
-        assert kc.poison_outside_windows(batch, variants["window"]) > 0
+    if kc.hides_keys(variants):
+        assert kc.poison_outside_windows(batch, variants.get("window"), variants.get("attention_chunk")) > 0
     out = _attend(batch, **variants)
     assert not out.isnan().any(), "read a slot outside the sequence's keys or windows"
     assert kc.max_abs_err(out, kc.naive_attention(batch, **variants)) <= kc.ATOL[dtype]
@@ -292,7 +292,8 @@ import torch
 import kernel_cases as kc
 from workers.kernels import cpu_attention
 
-window, head_dim, dtype = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+hides = {sys.argv[1]: int(sys.argv[2])}  # window=W or attention_chunk=C
+head_dim, dtype = int(sys.argv[3]), getattr(torch, sys.argv[4])
 batch = kc.make_batch(kc.WINDOW_SPECS, block_size=16, num_kv_heads=2, num_queries_per_kv=3, head_dim=head_dim,
                       dtype=dtype)
 num_blocks, block_size, num_kv_heads, _ = batch.k_cache.shape
@@ -311,33 +312,35 @@ cpu_attention.write_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.s
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 qsl, seq_lens, protected = batch.query_start_loc.tolist(), batch.seq_lens.tolist(), 0
-for s, seq_len in enumerate(seq_lens):  # blocks wholly before the first query's window: no access at all
-    first_visible = seq_len - (qsl[s + 1] - qsl[s]) - window + 1
-    for index in range(max(first_visible, 0) // block_size):
+for s, seq_len in enumerate(seq_lens):  # blocks wholly before the first query's window or chunk: no access at all
+    first_visible = kc.first_visible_key(seq_len - (qsl[s + 1] - qsl[s]), **hides)
+    for index in range(first_visible // block_size):
         address = pool.data_ptr() + int(batch.block_tables[s, index]) * block_bytes
         assert libc.mprotect(address, block_bytes, 0) == 0, ctypes.get_errno()  # PROT_NONE
         protected += 1
 assert protected > 0
-expected = kc.naive_attention(batch, window=window, softcap=1.5)
+expected = kc.naive_attention(batch, **hides, softcap=1.5)
 for threads in (1, 2):
     torch.set_num_threads(threads)
     out = cpu_attention.paged_attention(*batch.attention_args()[:1], k_cache, v_cache, *batch.attention_args()[3:],
-                                        window=window, softcap=1.5)
+                                        **hides, softcap=1.5)
     assert kc.max_abs_err(out, expected) <= kc.ATOL[dtype], kc.max_abs_err(out, expected)
 print("ok", protected)
 """
 
 
-@pytest.mark.parametrize("window", [7, 16, 40])
+@pytest.mark.parametrize("hides", [("window", 7), ("window", 16), ("window", 40), ("attention_chunk", 7),
+                                   ("attention_chunk", 32)], ids=lambda hides: f"{hides[0]}{hides[1]}")
 @pytest.mark.parametrize("head_dim,dtype", [(64, "float32"), (32, "float32"), (64, "bfloat16")],
                          ids=["d64-fp32", "d32-portable", "d64-bf16"])
-def test_windowed_attention_does_not_touch_blocks_outside_the_window(window, head_dim, dtype):
-    """The blocks of each sequence wholly before its windows are made unreadable (mprotect
-    PROT_NONE, in a child process): the kernel neither computes with them nor streams or
+def test_windowed_attention_does_not_touch_blocks_outside_the_window(hides, head_dim, dtype):
+    """The blocks of each sequence wholly before its windows (or its chunks) are made unreadable
+    (mprotect PROT_NONE, in a child process): the kernel neither computes with them nor streams or
     prefetches them (a read would kill the child), and its results are still right."""
     tests_dir = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir)])}
-    child = subprocess.run([sys.executable, "-c", _UNREAD_BLOCKS_CHILD, str(window), str(head_dim), dtype],
+    kind, size = hides
+    child = subprocess.run([sys.executable, "-c", _UNREAD_BLOCKS_CHILD, kind, str(size), str(head_dim), dtype],
                            env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, f"rc {child.returncode} (-11: read a protected block)\n{child.stderr[-2000:]}"
     assert child.stdout.startswith("ok")

@@ -29,7 +29,8 @@ from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import NativeLinear, TorchLinear
 from workers.loader import ModelPathError
 from workers.model import PagedLlamaModel, WeightError
-from workers.moe import MoeWeights, route, router_logits, run_experts
+from workers.moe import MoeWeights, moe_mlp, route, router_logits, run_experts
+from workers.simple_driver import SimpleDriver
 
 CHECKPOINTS = MOE_FAMILIES
 PATHS = {
@@ -45,9 +46,10 @@ def float64_route(logits: torch.Tensor, traits: MoeTraits,
     num_experts = logits.shape[1]
     bias = torch.zeros(num_experts, dtype=torch.float64) if correction_bias is None else correction_bias.double()
     for row in logits.double():
-        if traits.scoring == "topk_softmax":
+        if traits.scoring in ("topk_softmax", "topk_sigmoid"):
             ranked = sorted(range(num_experts), key=lambda expert: -float(row[expert]))[:traits.top_k]
-            all_weights.append(torch.softmax(row[ranked], dim=0))
+            top = row[ranked]
+            all_weights.append(torch.softmax(top, dim=0) if traits.scoring == "topk_softmax" else torch.sigmoid(top))
             all_ids.append(ranked)
             continue
         scores = torch.sigmoid(row) if traits.scoring == "sigmoid_topk" else torch.softmax(row, dim=0)
@@ -83,8 +85,9 @@ CORRECTED = dict(biased=True)  # a correction bias on the choice (e_score_correc
     ("softmax_topk", True, {}), ("softmax_topk", False, {}), ("topk_softmax", False, {}), ("sigmoid_topk", True, {}),
     ("softmax_topk", True, CORRECTED), ("sigmoid_topk", True, CORRECTED), ("sigmoid_topk", False, GROUPED),
     ("sigmoid_topk", True, dict(GROUPED, **CORRECTED)), ("sigmoid_topk", False, dict(GROUPED, **CORRECTED)),
+    ("topk_sigmoid", False, {}),
 ], ids=["softmax", "softmax-not-renormalised", "topk_softmax", "sigmoid", "softmax-corrected", "sigmoid-corrected",
-        "sigmoid-grouped", "sigmoid-grouped-corrected", "sigmoid-grouped-corrected-not-renormalised"])
+        "sigmoid-grouped", "sigmoid-grouped-corrected", "sigmoid-grouped-corrected-not-renormalised", "topk_sigmoid"])
 def test_routing_equals_float64(scoring, renormalize, routing):
     routing = dict(routing)
     biased = routing.pop("biased", False)
@@ -100,8 +103,8 @@ def test_routing_equals_float64(scoring, renormalize, routing):
     sums = weights.sum(dim=-1) / traits.routed_scaling_factor
     if renormalize or scoring == "topk_softmax":
         torch.testing.assert_close(sums, torch.ones_like(sums))
-    elif scoring == "softmax_topk":
-        assert bool((sums < 1).all())
+    elif scoring in ("softmax_topk", "topk_sigmoid"):  # topk_sigmoid: k sigmoids, none renormalised
+        assert bool((sums < {"softmax_topk": 1, "topk_sigmoid": traits.top_k}[scoring]).all())
     if biased:  # the bias changes which experts are chosen
         assert not torch.equal(route(logits, traits)[1], expert_ids)
     if traits.num_groups > 1:  # each token's experts come from at most topk_groups groups
@@ -128,14 +131,16 @@ def test_router_bias_is_added_before_the_top_k():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
-                                    "minimax_m2", "ernie4_5_moe"])
+                                    "minimax_m2", "ernie4_5_moe", "llama4_text"])
 def test_routing_equals_transformers_routers(family):
     """Our route() on transformers' router modules' logits picks the same experts with the same weights
-    (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id)."""
+    (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id; Llama 4's gives
+    every expert's score, 0 where not chosen: compared as ours scattered so)."""
     from transformers import AutoConfig
     from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -145,7 +150,7 @@ def test_routing_equals_transformers_routers(family):
                                   norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG)
     router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
                     "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter,
-                    "ernie4_5_moe": Ernie4_5_MoeTopKRouter}
+                    "ernie4_5_moe": Ernie4_5_MoeTopKRouter, "llama4_text": Llama4Router}
     router = router_class[model_type](config)
     torch.manual_seed(2)
     correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
@@ -163,10 +168,16 @@ def test_routing_equals_transformers_routers(family):
         "glm4_moe": traits_of("sigmoid_topk", num_experts=8, top_k=3, renormalize=False, **GROUPED),
         "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
         "ernie4_5_moe": traits_of(num_experts=8, top_k=3),
+        "llama4_text": traits_of("topk_sigmoid", renormalize=False, num_experts=8, top_k=3),
     }[model_type]
     x = torch.randn(40, 32)
     with torch.no_grad():
-        _, hf_weights, hf_ids = router(x, correction_bias) if model_type == "minimax_m2" else router(x)
+        if model_type == "llama4_text":  # every expert's score [tokens, E]: the ids are where they are not 0
+            hf_scores = router(x)[0]
+            hf_ids = hf_scores.topk(3, dim=-1)[1]
+            hf_weights = hf_scores.gather(1, hf_ids)
+        else:
+            _, hf_weights, hf_ids = router(x, correction_bias) if model_type == "minimax_m2" else router(x)
     bias = router.bias.detach() if model_type == "gpt_oss" else None
     weights = MoeWeights(traits, router.weight.detach(), bias, (), (), correction_bias=correction_bias)
     ours_weights, ours_ids = route(router_logits(x, weights, TorchLinear()), traits, weights.correction_bias)
@@ -226,6 +237,27 @@ def test_experts_equal_float64_and_run_only_the_chosen_ones(backend, num_tokens)
         assert len(chosen) == traits.top_k < traits.num_experts
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_weights_on_the_inputs_equal_float64(backend):
+    """Llama 4's experts take x * w (MoeTraits.weight_inputs): each chosen expert's gated MLP of the
+    token times its weight, summed over the k; which is not w * expert(x), the other families' sum."""
+    if backend == "native" and not native_available():
+        pytest.skip("the C kernels do not build here")
+    linear, ops = (TorchLinear(), TorchOps()) if backend == "torch" else (NativeLinear(), NativeOps())
+    traits = replace(traits_of("topk_sigmoid", renormalize=False, num_experts=6, top_k=2), intermediate_size=20,
+                     weight_inputs=True)
+    weights, gate_up, down = random_experts(traits, hidden=32, linear=linear)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(5))
+    routing, expert_ids = route(router_logits(x, weights, linear), traits)
+    out = moe_mlp(x, weights, linear, ops)
+    ones = torch.ones(x.shape[0], 1)
+    expected = sum(float64_experts(x * routing[:, [slot]], ones, expert_ids[:, [slot]], gate_up, down)
+                   for slot in range(traits.top_k))
+    torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=1e-4)
+    on_outputs = float64_experts(x, routing, expert_ids, gate_up, down)
+    assert (on_outputs - expected).abs().max() > 0.05
+
+
 def test_experts_of_no_tokens():
     weights, _, _ = random_experts(traits_of(), hidden=16, linear=TorchLinear())
     out = run_experts(torch.empty(0, 16), torch.empty(0, 4), torch.empty(0, 4, dtype=torch.int64), weights,
@@ -271,19 +303,43 @@ def test_logprobs_equal_transformers(moe_dir, path):
         assert_logprobs_match_hf(request, oracle, 4)
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_llama4_prefix_in_the_pool_gives_transformers_tokens(tmp_path, path):
+    """A prompt whose first 13 tokens' KV is already in the pool (a prefix-cache hit ending mid-chunk and
+    mid-block): its chunked layers read the chunk's cached keys, the layer without RoPE every cached key
+    and its queries' temperatures from their positions; the tokens are transformers'."""
+    model_dir = build_tiny_model_dir(tmp_path / "llama4_text", **CHECKPOINTS["llama4_text"])
+    runner = moe_runner(model_dir, path)
+    prefix, suffix = prompts_of_lengths([13, 11], runner.model_info.vocab_size, seed=4)
+    driver = SimpleDriver(runner)
+    owner = driver.add_request("owner", prefix, greedy(1), keep_blocks=True)
+    driver.run()
+    block_size, num_full = runner.block_size, len(prefix) // runner.block_size
+    partial_copy = driver.allocate_blocks(1)[0]
+    driver.add_request("reuser", prefix + suffix, greedy(8), num_computed_tokens=len(prefix),
+                       prefix_block_ids=owner.block_ids[:num_full] + [partial_copy],
+                       copy_blocks=[(owner.block_ids[num_full], partial_copy)])
+    driver.free_blocks([partial_copy])
+    driver.step()
+    assert driver.last_output.num_scheduled_tokens["reuser"] == len(suffix) and len(prefix) % block_size
+    driver.run()
+    assert_greedy_matches(driver.requests["reuser"].output_token_ids, HfOracle(model_dir).greedy(prefix + suffix, 8))
+
+
 def test_layers_and_model_info(moe_dir):
     config = ModelConfig.from_model_dir(moe_dir)
     settings = CHECKPOINTS[moe_dir.name]
     first_moe = settings.get("first_k_dense_replace", settings.get("moe_layer_start_index", 0))
+    step = settings.get("interleave_moe_layer_step", 1)  # Llama 4: every step-th layer
     expected_layers = tuple(layer not in settings.get("mlp_only_layers", []) and layer >= first_moe
-                            for layer in range(config.num_layers))
+                            and (layer + 1) % step == 0 for layer in range(config.num_layers))
     assert config.traits.moe.layers == expected_layers
-    assert config.traits.moe.renormalize == settings.get("norm_topk_prob", True)
+    assert config.traits.moe.renormalize == settings.get("norm_topk_prob", config.model_type != "llama4_text")
     num_experts = next(settings[key] for key in ("num_local_experts", "num_experts", "n_routed_experts",
                                                  "moe_num_experts") if key in settings)
     assert config.traits.moe.num_experts == num_experts
     qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection",
-                "hunyuan_v1_moe": "head_after_rope"}
+                "hunyuan_v1_moe": "head_after_rope", "llama4_text": "l2_after_rope"}
     assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
@@ -368,6 +424,41 @@ def test_hunyuan_v1_moe_config_as_published_checkpoints_write_it():
     assert "q/k norms after RoPE" in config.paths.c_layer_loop
     with pytest.raises(ModelConfigError, match="moe_topk varying between layers"):
         ModelConfig.from_dict(dict(hunyuan, moe_topk=[2, 2, 4, 2]))
+
+
+def test_llama4_text_config_as_published_checkpoints_write_it():
+    """Llama 4 Scout's keys: no_rope_layers (every fourth layer without RoPE), every layer MoE (moe_layers),
+    llama3 RoPE, chunked attention on the RoPE layers only, temperature tuning given as a number; Maverick's:
+    MoE every other layer (interleave_moe_layer_step), no q/k norm, an empty no_rope_layers (the default);
+    a null attention_chunk_size, or layer_types, leaves layers full."""
+    scout = dict(SHAPE, model_type="llama4_text", num_hidden_layers=8, intermediate_size_mlp=96, num_local_experts=16,
+                 num_experts_per_tok=1, attention_chunk_size=8192, no_rope_layers=[1, 1, 1, 0] * 2,
+                 moe_layers=list(range(8)), rope_theta=5e5, use_qk_norm=True, attn_temperature_tuning=4,
+                 floor_scale=8192, attn_scale=0.1,
+                 rope_scaling=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                                   original_max_position_embeddings=8192))
+    config = ModelConfig.from_dict(scout)
+    traits, moe = config.traits, config.traits.moe
+    assert traits.rope_layers == (True, True, True, False) * 2 and traits.rope_interleaved
+    assert traits.layer_chunks == (8192, 8192, 8192, None) * 2 and config.layer_chunk(3) is None
+    assert traits.query_temperature == (8192.0, 0.1) and traits.qk_norm == "l2_after_rope"
+    assert moe.layers == (True,) * 8 and (moe.top_k, moe.scoring, moe.weight_inputs, moe.renormalize) == (
+        1, "topk_sigmoid", True, False)
+    assert (moe.shared_intermediate_size, moe.shared_expert_gate, config.intermediate_size) == (128, False, 96)
+    assert config.rope_scaling.rope_type == "llama3" and config.rope_theta == 5e5
+    assert "chunked attention layers" in config.paths.c_layer_loop
+    maverick = ModelConfig.from_dict(dict(scout, moe_layers=None, interleave_moe_layer_step=2, use_qk_norm=False,
+                                          no_rope_layers=[]))
+    assert maverick.traits.moe.layers == (False, True) * 4 and maverick.traits.qk_norm is None
+    assert maverick.traits.rope_layers == (True, True, True, False) * 2
+    unchunked = ModelConfig.from_dict(dict(scout, attention_chunk_size=None, attn_temperature_tuning=False))
+    assert unchunked.traits.layer_chunks is None and unchunked.traits.query_temperature is None
+    assert ModelConfig.from_dict(dict(scout, layer_types=["full_attention"] * 8)).traits.layer_chunks is None
+    assert ModelConfig.from_dict(dict(scout, moe_layers=[])).traits.moe is None
+    with pytest.raises(ModelConfigError, match="layer_types"):
+        ModelConfig.from_dict(dict(scout, layer_types=["sliding_attention"] * 8))
+    with pytest.raises(ModelConfigError, match="no_rope_layers has 3 entries for 8 layers"):
+        ModelConfig.from_dict(dict(scout, no_rope_layers=[1, 1, 0]))
 
 
 def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_in_fp32(tmp_path):

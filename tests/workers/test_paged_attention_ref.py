@@ -153,11 +153,14 @@ def test_backend_selector(monkeypatch):
 def test_dense_oracle_is_transformers_attention():
     """kernel_cases.naive_attention, the oracle of every backend's variants, is transformers'
     own maths: Gemma 2's eager attention (soft-cap) and gpt-oss's (sinks), each over the mask
-    transformers builds with sliding_window_causal_mask_function (or the causal one), for a
-    chunk of queries after cached keys (positions 37..56), in float64."""
-    from transformers.masking_utils import causal_mask_function, eager_mask, sliding_window_causal_mask_function
+    transformers builds with sliding_window_causal_mask_function (or the causal one), and Llama 4's
+    over chunked_causal_mask_function's, for a chunk of queries after cached keys (positions
+    37..56), in float64."""
+    from transformers.masking_utils import (causal_mask_function, chunked_causal_mask_function, eager_mask,
+                                            sliding_window_causal_mask_function)
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_attention
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_attention
+    from transformers.models.llama4.modeling_llama4 import eager_attention_forward as llama4_attention
 
     context_len, query_len, window, softcap = 37, 20, 9, 1.5
     batch = kc.make_batch([(context_len, query_len)], block_size=16, num_kv_heads=2, num_queries_per_kv=3,
@@ -173,12 +176,15 @@ def test_dense_oracle_is_transformers_attention():
 
     sliding = mask(sliding_window_causal_mask_function(window))
     assert int((sliding[0, 0, -1] == 0).sum()) == window  # the last query sees exactly `window` keys
+    chunked = mask(chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)))
+    assert int((chunked[0, 0, -1] == 0).sum()) == 56 % 8 + 1  # position 56 sees its chunk's 48..56
     cases = [
         (gemma2_attention(module, q, k, v, sliding, scaling=batch.scale, softcap=softcap)[0],
          dict(window=window, softcap=softcap), 1e-6),  # Gemma 2 takes its softmax in fp32
         (gpt_oss_attention(module, q, k, v, sliding, scaling=batch.scale)[0], dict(window=window, sinks=sinks), 1e-12),
         (gpt_oss_attention(module, q, k, v, mask(causal_mask_function), scaling=batch.scale)[0], dict(sinks=sinks),
          1e-12),
+        (llama4_attention(module, q, k, v, chunked, scaling=batch.scale)[0], dict(attention_chunk=8), 1e-12),
     ]
     for expected, kwargs, atol in cases:
         ours = kc.naive_attention(batch, **kwargs)
@@ -221,15 +227,16 @@ def test_one_plan_serves_layers_with_and_without_variants(monkeypatch):
     torch_ref.write_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
     sinks = kc.variant_kwargs("sinks", 4)["sinks"]
     layers = [dict(window=7), dict(), dict(window=7, softcap=2.0), dict(sinks=sinks), dict(window=40, sinks=sinks),
-              dict(window=7)]
+              dict(attention_chunk=7), dict(window=7)]
     for kwargs in layers:
         out = torch_ref.paged_attention(*batch.attention_args(), **kwargs)
         assert kc.max_abs_err(out, kc.naive_attention(batch, **kwargs)) <= kc.ATOL[torch.float32], kwargs
     plan = torch_ref._last_plan[1]
-    assert {key[0] for group in plan.groups for key in group.masks} == {None, 7, 40}
+    assert {key[:2] for group in plan.groups for key in group.masks} == {(None, None), (7, None), (40, None), (None, 7)}
 
 
 @pytest.mark.parametrize("kwargs", [dict(window=0), dict(window=-3), dict(window=2.5), dict(window=True),
+                                    dict(attention_chunk=0), dict(attention_chunk=8.0),
                                     dict(softcap=0.0), dict(softcap=-1.0), dict(sinks=torch.zeros(3)),
                                     dict(sinks=torch.zeros(4, 1))], ids=str)
 def test_bad_variants_are_refused(kwargs):

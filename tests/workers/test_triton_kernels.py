@@ -283,8 +283,8 @@ def _check_variants(kernels, variant, *, block_size, head_dim, gqa, dtype, specs
     batch = kc.make_batch(specs, block_size=block_size, num_kv_heads=num_kv_heads, num_queries_per_kv=gqa,
                           head_dim=head_dim, dtype=dtype, seed=gqa)
     variants = kc.variant_kwargs(variant, num_kv_heads * gqa, seed=gqa)
-    if "window" in variants:
-        assert kc.poison_outside_windows(batch, variants["window"]) > 0
+    if kc.hides_keys(variants):
+        assert kc.poison_outside_windows(batch, variants.get("window"), variants.get("attention_chunk")) > 0
     out = _run(kernels, batch, **variants)
     assert not out.isnan().any(), "read a page outside the sequence's keys or windows"
     err = kc.max_abs_err(out, kc.naive_attention(batch, **variants))
@@ -300,14 +300,14 @@ def test_paged_attention_variants_fp32(kernels, variant, block_size, head_dim, g
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("variant", ["window7", "all"])
+@pytest.mark.parametrize("variant", ["window7", "all", "chunk7"])
 def test_paged_attention_variants_16_bit(kernels, bf16_dot, variant, dtype):
     _check_variants(kernels, variant, block_size=16, head_dim=64, gqa=4, dtype=dtype)
 
 
-@pytest.mark.parametrize("variant", ["window-sinks", "window-softcap"])
+@pytest.mark.parametrize("variant", ["window-sinks", "window-softcap", "chunk7"])
 def test_paged_attention_variants_decode_tiles(kernels, variant):
-    """Decode-only batches (16-row tiles of 2 tokens x 8 heads) far past their windows."""
+    """Decode-only batches (16-row tiles of 2 tokens x 8 heads) far past their windows (or chunk starts)."""
     _check_variants(kernels, variant, block_size=16, head_dim=64, gqa=8, dtype=torch.float32, num_kv_heads=1,
                     specs=[(70, 1), (15, 1), (16, 1), (0, 1), (130, 1)])
 

@@ -3,7 +3,7 @@
     allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> (k_cache, v_cache)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
     paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    *, window=None, softcap=None, sinks=None) -> Tensor
+                    *, window=None, softcap=None, sinks=None, attention_chunk=None) -> Tensor
 
 The pool's layout is the backend's own (whatever allocate_kv_cache returns); the runner only
 copies whole blocks (dimension 0) between requests.
@@ -12,7 +12,10 @@ The keyword arguments are a layer's attention variants, None meaning plain causa
 (torch_ref's docstring has their exact maths): `window` (int) a sliding window, the query at
 position p seeing keys (p - window, p] (Gemma 2/3, gpt-oss); `softcap` (float) the scores
 soft-capped to softcap * tanh(scores / softcap) after the scale (Gemma 2); `sinks` (Tensor
-[num_heads]) one more logit per head in the softmax's denominator, with no value (gpt-oss).
+[num_heads]) one more logit per head in the softmax's denominator, with no value (gpt-oss);
+`attention_chunk` (int) C, chunked local attention, the query at position p seeing keys
+[floor(p / C) * C, p] (Llama 4's RoPE layers: positions cut into chunks of C, each attending
+within its own chunk only).
 
 The model binds a step's metadata once (bind_attention) and calls write/attend per layer; a
 backend may provide its own `bind(metadata, scale)` that does the per-step work (checks,
@@ -64,10 +67,12 @@ def resolve_attention_backend_name(name: str | None, device: str | torch.device,
     return "cpu" if fits and native_available() else "torch"
 
 
-def check_variants(num_heads: int, window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> None:
+def check_variants(num_heads: int, window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                   attention_chunk: int | None = None) -> None:
     """Raises ValueError on an attention variant no backend takes (see the module docstring)."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    for name, value in (("window", window), ("attention_chunk", attention_chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap!r}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
@@ -84,9 +89,11 @@ class StepAttention:
         self.backend.write_kv_cache(k, v, k_cache, v_cache, self.metadata.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None,
+               attention_chunk: int | None = None) -> torch.Tensor:
         m = self.metadata
-        variants = {name: value for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks))
+        variants = {name: value for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks),
+                                                    ("attention_chunk", attention_chunk))
                     if value is not None}  # a plain layer calls the backend as before
         return self.backend.paged_attention(q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
                                             self.scale, **variants)

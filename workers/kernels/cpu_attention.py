@@ -14,10 +14,10 @@ through the block table: nothing is gathered into fresh tensors.
     step = bind(metadata, scale); step.write(k, v, k_cache, v_cache); out = step.attend(q, k_cache, v_cache)
     out = step.attend(q, k_cache, v_cache, window=4096, softcap=50.0, sinks=sinks)  # a layer's variants
 
-The variants (workers/kernels/__init__.py) are per call: a window makes each task start at the
-block of its first query's first visible key (blocks before it are not read); the soft-cap and
-the sinks (fp32 [num_heads], converted here if the layer keeps them in another dtype) change
-only the scores and the softmax's start (csrc/paged_attention.c).
+The variants (workers/kernels/__init__.py) are per call: a window or an attention chunk makes
+each task start at the block of its first query's first visible key (blocks before it are not
+read); the soft-cap and the sinks (fp32 [num_heads], converted here if the layer keeps them in
+another dtype) change only the scores and the softmax's start (csrc/paged_attention.c).
 
 bind() checks and packs a step's metadata once for all its layers (per-layer Python cost
 measured ~50 us per attention call before, of a ~10 us kernel at one decoding sequence).
@@ -156,9 +156,11 @@ def paged_attention(
     window: int | None = None,  # the layer's variants (workers/kernels/__init__.py); None: none
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     metadata = _Metadata(None, block_tables, query_start_loc, seq_lens)
-    return CpuStepAttention(metadata, scale).attend(q, k_cache, v_cache, window=window, softcap=softcap, sinks=sinks)
+    return CpuStepAttention(metadata, scale).attend(q, k_cache, v_cache, window=window, softcap=softcap, sinks=sinks,
+                                                    attention_chunk=attention_chunk)
 
 
 class _Metadata:
@@ -198,7 +200,8 @@ class CpuStepAttention:
         _write(k, v, k_cache, v_cache, self.slots)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None,
+               attention_chunk: int | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads, pool_head_dim, block_stride = pool_layout(k_cache, v_cache)
         assert q.stride(2) == 1 and pool_head_dim == head_dim
@@ -212,12 +215,13 @@ class CpuStepAttention:
         a.q_stride_token, a.q_stride_head, a.out_stride_token, a.out_stride_head = (
             q.stride(0), q.stride(1), out.stride(0), out.stride(1))
         a.block_stride, a.dtype, a.kv_dtype = block_stride, DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype]
-        if window is None and softcap is None and sinks is None:
-            a.window, a.softcap, a.sinks = 0, 0.0, None
+        if window is None and softcap is None and sinks is None and attention_chunk is None:
+            a.window, a.attention_chunk, a.softcap, a.sinks = 0, 0, 0.0, None
         else:
-            check_variants(num_heads, window, softcap, sinks)
+            check_variants(num_heads, window, softcap, sinks, attention_chunk)
             sinks = fp32_sinks(sinks)  # kept alive by this frame while the kernel runs
-            a.window, a.softcap, a.sinks = window or 0, softcap or 0.0, _ptr(sinks)
+            a.window, a.attention_chunk = window or 0, attention_chunk or 0
+            a.softcap, a.sinks = softcap or 0.0, _ptr(sinks)
         check_status(self.function(ctypes.byref(a)), "rayllm_paged_attention")
         return out
 

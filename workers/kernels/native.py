@@ -177,6 +177,7 @@ class AttentionArgs(ctypes.Structure):
         ("kv_dtype", ctypes.c_int32),  # the pool's: dtype, or fp16 under fp32 queries (KV_DTYPE_CODES)
         ("num_threads", ctypes.c_int32),
         ("window", ctypes.c_int64),  # 0: no sliding window
+        ("attention_chunk", ctypes.c_int64),  # 0: no chunked attention
         ("softcap", ctypes.c_float),  # 0: no soft-cap
         ("sinks", ctypes.c_void_p),  # [num_heads] fp32, or None: no sinks
         ("tile_min_queries", ctypes.c_int64),  # sequences of this many queries on AMX tiles (cpu_isa); 0: never

@@ -32,11 +32,14 @@ softmax attention):
   its own and the W - 1 before it, as transformers' sliding_window_causal_mask_function;
 - softcap c (Gemma 2): scores = c * tanh(scores / c) after the scale, before the mask and softmax;
 - sinks [num_heads] (gpt-oss): one more logit per head in each softmax's denominator, with no
-  value: out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
+  value: out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j));
+- attention_chunk C (Llama 4's RoPE layers): the query at position p sees keys
+  [floor(p / C) * C, p], those of its own chunk of C positions, as transformers'
+  chunked_causal_mask_function.
 
 SDPA has no soft-cap nor sinks: a layer with either runs the same plan through an explicit
-fp32 product, mask and softmax instead. A window only changes the mask (built once per plan
-and window, and kept while the plan is).
+fp32 product, mask and softmax instead. A window or a chunk only changes the mask (built once
+per plan, window and chunk, and kept while the plan is).
 """
 
 from __future__ import annotations
@@ -80,24 +83,26 @@ class _SequenceGroup:
     query_len: int
     block_size: int
     pieces: tuple[tuple[int, int], ...]  # (num_queries, first_position) of each member, in padded order
-    masks: dict = field(default_factory=dict)  # (window, dtype, heads) -> additive mask, built on first use
+    masks: dict = field(default_factory=dict)  # (window, chunk, dtype, heads) -> additive mask, built on first use
 
-    def mask_for(self, group_size: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    def mask_for(self, group_size: int, dtype: torch.dtype, window: int | None = None,
+                 attention_chunk: int | None = None) -> torch.Tensor:
         """[num_seqs, 1, group_size * query_len (or 1 row per query), keys] additive mask in dtype
         (0 sees, -inf not): rows ordered (head in group, query); a decode's mask broadcasts over heads."""
         heads = group_size if self.query_len > 1 else 1
-        key = (window, dtype, heads)
+        key = (window, attention_chunk, dtype, heads)
         mask = self.masks.get(key)
         if mask is None:
-            mask = _additive(self._visible(window)).to(dtype).unsqueeze(1)
+            mask = _additive(self._visible(window, attention_chunk)).to(dtype).unsqueeze(1)
             if heads > 1:
                 mask = mask.repeat(1, 1, heads, 1)
             self.masks[key] = mask
         return mask
 
-    def _visible(self, window: int | None) -> torch.Tensor:
+    def _visible(self, window: int | None, attention_chunk: int | None = None) -> torch.Tensor:
         """[num_seqs, query_len, keys] bool: query i of a piece sits at position first_position + i
-        and sees keys [0, that position], or with a window only the last `window` of them."""
+        and sees keys [0, that position], or with a window only the last `window` of them, or with
+        a chunk C only those from floor(position / C) * C on."""
         device = self.key_blocks.device
         num_keys = self.key_blocks.shape[1] * self.block_size
         visible = torch.zeros(len(self.pieces), self.query_len, num_keys, dtype=torch.bool, device=device)
@@ -106,6 +111,10 @@ class _SequenceGroup:
             seen = seen.tril(first_position)
             if window is not None:
                 seen = seen.triu(first_position - window + 1)
+            if attention_chunk is not None:
+                positions = torch.arange(first_position, first_position + num_queries, device=device)
+                chunk_starts = positions // attention_chunk * attention_chunk
+                seen &= torch.arange(first_position + num_queries, device=device)[None, :] >= chunk_starts[:, None]
             visible[index, :num_queries, : first_position + num_queries] = seen
             visible[index, num_queries:, 0] = True  # padding rows see one key: no all -inf row
         return visible
@@ -145,11 +154,12 @@ def paged_attention(
     window: int | None = None,  # sliding window: a query sees its own key and the window - 1 before it
     softcap: float | None = None,  # scores = softcap * tanh(scores / softcap), after the scale
     sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (no value) in the softmax
+    attention_chunk: int | None = None,  # chunked attention: a query sees the keys of its own chunk of positions
 ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads, v_head_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     group_size = num_heads // num_kv_heads
-    check_variants(num_heads, window, softcap, sinks)
+    check_variants(num_heads, window, softcap, sinks, attention_chunk)
     plan = _plan_for(block_tables, query_start_loc, seq_lens, block_size)
     assert plan.num_tokens == num_tokens, (plan.num_tokens, num_tokens)
     explicit = softcap is not None or sinks is not None  # SDPA has neither
@@ -166,10 +176,10 @@ def paged_attention(
         keys = k_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, block_ids).view(num_seqs, max_keys, num_kv_heads, v_head_dim).transpose(1, 2)
         if explicit:
-            mask = group.mask_for(group_size, torch.float32, window)
+            mask = group.mask_for(group_size, torch.float32, window, attention_chunk)
             attended = _explicit_attention(group_q, keys, values, mask, scale, softcap, sinks, query_len)
         else:
-            mask = group.mask_for(group_size, q.dtype, window)
+            mask = group.mask_for(group_size, q.dtype, window, attention_chunk)
             attended = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
         attended = attended.view(num_seqs, num_kv_heads, group_size, query_len, v_head_dim)
         attended = attended.permute(0, 3, 1, 2, 4).reshape(num_seqs * query_len, num_heads, v_head_dim)

@@ -27,6 +27,8 @@ A layer's variants (workers/kernels/__init__.py), each a constexpr switch, so a 
 compiles to the kernel without them:
 - USE_WINDOW: the query at p sees keys (p - window, p]; the KV loop starts at the page of the
   tile's first query's first visible key, so pages before every window of the tile are not read;
+- USE_CHUNK: the query at p sees keys [p // chunk * chunk, p] (Llama 4's chunked attention); the
+  KV loop starts at the page of the tile's first query's chunk (or window) start, as for a window;
 - USE_SOFTCAP: s = c * tanh(s / c) on the scaled scores (done in log2 units: c log2(e) tanh(s / (c log2(e))));
 - USE_SINKS: a row's running max starts at its head's sink (log2 units) and its sum at 1, so the
   sink enters the softmax's denominator and adds no value.
@@ -88,6 +90,7 @@ def _paged_attention_kernel(
     qk_scale,  # float: softmax scale * log2(e) (the softmax uses exp2)
     sinks_ptr,  # [num_heads] fp32 sink logits (USE_SINKS; any pointer otherwise)
     window,  # int: sliding window (USE_WINDOW)
+    attention_chunk,  # int: chunk of positions a query attends within (USE_CHUNK)
     softcap_log2,  # float: soft-cap * log2(e) (USE_SOFTCAP)
     num_seqs,  # int
     stride_q_t,  # q.stride(0), elements
@@ -109,6 +112,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program = BLOCK_M // NUM_QUERIES_PER_KV
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; ignored for fp16/bf16
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
@@ -147,13 +151,16 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
 
     # The tile's last valid query sees keys [0, context_len + last_q]; pages past that are skipped,
-    # and with a window the pages before the first key its first query sees.
+    # and with a window or a chunk the pages before the first key its first query sees.
     last_q = tl.minimum((q_tile_in_seq + 1) * BLOCK_Q, query_len) - 1
     num_pages = tl.cdiv(context_len + last_q + 1, BLOCK_SIZE)
+    first_pos = context_len + q_tile_in_seq * BLOCK_Q  # of the tile's first query
+    first_key = 0
     if USE_WINDOW:
-        first_page = tl.maximum(context_len + q_tile_in_seq * BLOCK_Q - window + 1, 0) // BLOCK_SIZE
-    else:
-        first_page = 0
+        first_key = tl.maximum(first_pos - window + 1, 0)
+    if USE_CHUNK:
+        first_key = tl.maximum(first_key, first_pos // attention_chunk * attention_chunk)
+    first_page = first_key // BLOCK_SIZE
     for page in range(first_page, num_pages):
         block_id = tl.load(block_tables_ptr + seq_idx * stride_bt_s + page).to(tl.int64)
         k_pos = page * BLOCK_SIZE + offs_n  # [BLOCK_SIZE]
@@ -168,6 +175,8 @@ def _paged_attention_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        if USE_CHUNK:
+            visible = visible & (k_pos[None, :] >= q_pos[:, None] // attention_chunk * attention_chunk)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -237,11 +246,12 @@ def paged_attention(
     window: int | None = None,  # the layer's variants (workers/kernels/__init__.py); None: none
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads], on q's device
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
     """Causal GQA attention of each sequence's new queries over its paged K/V (which must
     already hold this step's keys: call write_kv_cache first)."""
     _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-    check_variants(q.shape[1], window, softcap, sinks)
+    check_variants(q.shape[1], window, softcap, sinks, attention_chunk)
     if sinks is not None:
         assert sinks.device == q.device and sinks.is_contiguous(), (sinks.device, sinks.stride())
     num_tokens, num_heads, head_dim = q.shape
@@ -257,7 +267,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         float(scale) * _LOG2E,
-        q if sinks is None else sinks, window or 0, (softcap or 1.0) * _LOG2E,
+        q if sinks is None else sinks, window or 0, attention_chunk or 0, (softcap or 1.0) * _LOG2E,
         num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -271,6 +281,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_WINDOW=window is not None,
+        USE_CHUNK=attention_chunk is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
     )

@@ -2,7 +2,7 @@
  * step (a prompt, or a chunk of one), over a bf16 pool under bf16 queries. paged_attention.c
  * sends them here (AttentionArgs.tile_min_queries) and keeps the rest (decodes, short chunks,
  * other dtypes) on its vector bodies. The contract is the same: query i of a sequence sits at
- * position seq_len - query_len + i and sees the keys up to it (within the layer's window), with
+ * position seq_len - query_len + i and sees the keys up to it (within the layer's window or chunk), with
  * the layer's soft-cap and sinks.
  *
  * A task is (sequence, kv head, up to QUERY_BLOCKS_PER_TASK blocks of 16 queries). It copies
@@ -233,8 +233,7 @@ static void tile_values(int64_t D, int64_t padded, int64_t stride, int64_t d0, f
 }
 
 static inline int64_t first_key_of(const AttentionArgs *a, int64_t position) {
-    const int64_t first = a->window > 0 ? position - a->window + 1 : 0;
-    return first > 0 ? first : 0;
+    return rayllm_first_visible_key(a, position); /* the window's or the chunk's first */
 }
 
 static void tile_task(void *context, int64_t index) {

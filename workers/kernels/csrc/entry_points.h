@@ -25,6 +25,7 @@ typedef struct {
     int32_t num_threads; /* OpenMP threads for the tasks */
     /* the layer's variants (paged_attention.c); zero / NULL: none */
     int64_t window;      /* > 0: a query at position p sees keys (p - window, p] only */
+    int64_t attention_chunk; /* > 0: a query at position p sees keys [p / chunk * chunk, p] only (Llama 4) */
     float softcap;       /* > 0: scores = softcap * tanh(scores / softcap) before the softmax */
     const float *sinks;  /* [num_heads] fp32: each head's sink logit in the softmax, or NULL */
     /* sequences computing at least this many queries run on AMX tiles where the shapes allow
@@ -33,6 +34,16 @@ typedef struct {
 } AttentionArgs;
 
 int rayllm_paged_attention(const AttentionArgs *a);
+
+/* The first key a query at `position` sees: 0, or the first of its window, or of its chunk
+ * (whichever is later). Never decreases as the position grows, so a task's first query's is the
+ * task's first key. */
+static inline int64_t rayllm_first_visible_key(const AttentionArgs *a, int64_t position) {
+    int64_t first = a->window > 0 ? position - a->window + 1 : 0;
+    if (a->attention_chunk > 0 && position / a->attention_chunk * a->attention_chunk > first)
+        first = position / a->attention_chunk * a->attention_chunk;
+    return first > 0 ? first : 0;
+}
 int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
                     int64_t block_stride, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                     int64_t head_dim, int64_t block_size, int32_t dtype, int32_t kv_dtype, int32_t num_threads);

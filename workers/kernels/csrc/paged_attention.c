@@ -12,6 +12,9 @@
  *   window W > 0  the query at position p sees keys (p - W, p] only (Gemma 2/3, gpt-oss sliding
  *                 layers). A task starts at the block holding its first query's first visible key:
  *                 blocks wholly before every window of the task are never read.
+ *   attention_chunk C > 0  the query at position p sees keys [p / C * C, p] only, its own chunk of
+ *                 C positions (Llama 4's RoPE layers); blocks before the task's first query's chunk
+ *                 are never read, as with a window (both: the later first key of the two).
  *   softcap c > 0 scores = c * tanh(scores / c) after the scale, before the softmax (Gemma 2).
  *   sinks         [num_heads] fp32: one more logit per head in the softmax's denominator, with no
  *                 value (gpt-oss). A row's running max starts at its head's sink and its sum at 1
@@ -102,7 +105,7 @@ typedef struct {
     float l[MAX_ROWS][16] __attribute__((aligned(64))); /* running sum of p_j, per lane (portable: lane 0) */
     float m[MAX_ROWS], correction[MAX_ROWS];
     int64_t keys_seen[MAX_ROWS]; /* keys row r may see: its position (first_position + r / num_heads) + 1 */
-    int64_t first_key[MAX_ROWS]; /* the first key row r may see: 0, or with a window position - window + 1 */
+    int64_t first_key[MAX_ROWS]; /* the first key row r may see: 0, or its window's or chunk's first */
 } Scratch;
 
 /* The keys row r may see in the chunk [start, start + n), as the chunk's lanes [lo, hi) (none
@@ -122,10 +125,9 @@ static inline int row_sees_some(const Scratch *w, int64_t r, int64_t start, int6
     return visible.hi > visible.lo;
 }
 
-/* The first key a query at `position` sees: 0, or with a window the window's first. */
+/* The first key a query at `position` sees: 0, or the first of its window or chunk. */
 static inline int64_t first_visible_key(const AttentionArgs *a, int64_t position) {
-    const int64_t first = a->window > 0 ? position - a->window + 1 : 0;
-    return first > 0 ? first : 0;
+    return rayllm_first_visible_key(a, position);
 }
 
 /* The soft-cap c * tanh(s / c) (c > 0). */
@@ -871,8 +873,8 @@ int rayllm_layout_attention_args(int64_t *offsets, char *names, int64_t capacity
     FIELD(q) FIELD(out) FIELD(k_cache) FIELD(v_cache) FIELD(block_tables) FIELD(query_start_loc) FIELD(seq_lens)
     FIELD(num_seqs) FIELD(num_heads) FIELD(num_kv_heads) FIELD(head_dim) FIELD(block_size) FIELD(max_blocks_per_seq)
     FIELD(q_stride_token) FIELD(q_stride_head) FIELD(out_stride_token) FIELD(out_stride_head) FIELD(block_stride)
-    FIELD(scale) FIELD(dtype) FIELD(kv_dtype) FIELD(num_threads) FIELD(window) FIELD(softcap) FIELD(sinks)
-    FIELD(tile_min_queries)
+    FIELD(scale) FIELD(dtype) FIELD(kv_dtype) FIELD(num_threads) FIELD(window) FIELD(attention_chunk) FIELD(softcap)
+    FIELD(sinks) FIELD(tile_min_queries)
 #undef FIELD
     return n;
 }
