@@ -46,7 +46,7 @@ typedef struct {         /* one task: rows [row0, row0 + num_rows) of a segment,
 } LoraItem;
 
 typedef struct {
-    LoraItem *items;
+    const LoraItem *items;
     const void *x;
     void *out;
     int64_t N, K;
@@ -257,9 +257,8 @@ static void run_task(void *ctx, int64_t index) {
  * adapter: o and down would run on one thread); then each is cut in column ranges that whole
  * panels fill, one per thread, and each range's task repeats the shrink. */
 static int64_t column_splits(int64_t num_pairs, int64_t len, int32_t num_threads) {
-    const int64_t wanted = num_threads;
-    if (num_pairs >= wanted) return 1;
-    int64_t splits = (wanted + num_pairs - 1) / num_pairs, panels = (len + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    if (num_pairs >= num_threads) return 1;
+    int64_t splits = (num_threads + num_pairs - 1) / num_pairs, panels = (len + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     return splits < panels ? splits : panels;
 }
 
@@ -279,15 +278,10 @@ int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const 
         }
     }
     if (num_pairs == 0) return 0; /* no adapter of the step targets this product */
-    int64_t num_tasks = 0;
-    for (int64_t s = 0; s < step->num_segments; s++) {
-        const LoraPart *parts = step->segments[s].parts + (layer * LORA_PRODUCTS + product) * LORA_MAX_PARTS;
-        const int64_t blocks = (step->segments[s].num_rows + LORA_ROWS - 1) / LORA_ROWS;
-        for (int p = 0; p < LORA_MAX_PARTS; p++)
-            if (parts[p].rank > 0) num_tasks += blocks * column_splits(num_pairs, parts[p].len, num_threads);
-    }
+    /* tasks: a pair each, or (fewer pairs than threads) at most ceil(threads / pairs) each */
+    const int64_t max_tasks = num_pairs + num_threads;
     LoraItem stack_items[64];
-    LoraItem *items = num_tasks <= 64 ? stack_items : malloc((size_t)num_tasks * sizeof(LoraItem));
+    LoraItem *items = max_tasks <= 64 ? stack_items : malloc((size_t)max_tasks * sizeof(LoraItem));
     if (items == NULL) return 4;
     LoraItem *task = items;
     for (int64_t s = 0; s < step->num_segments; s++) {
@@ -309,7 +303,7 @@ int rayllm_lora_add(const LoraStep *step, int64_t layer, int32_t product, const 
         }
     }
     LoraJob job = {items, x, out, N, K, dtype};
-    rayllm_parallel_for(num_tasks, num_threads, run_task, &job);
+    rayllm_parallel_for(task - items, num_threads, run_task, &job);
     if (items != stack_items) free(items);
     return 0;
 }
