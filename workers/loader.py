@@ -388,7 +388,7 @@ def read_quantized_safetensors(model_dir: Path, config: ModelConfig, dtype: torc
     from workers.quant_checkpoint import QuantCheckpointError, dequantize_checkpoint, pack_checkpoint
 
     try:
-        tensors = read_safetensors(model_dir, None)
+        tensors = read_safetensors(model_dir, None, skip=layers_not_run(config))
         if packed_on is None:
             return dequantize_checkpoint(config.quant_spec, tensors, dtype)
         return pack_checkpoint(config.quant_spec, tensors, dtype, packed_on)
