@@ -1,0 +1,134 @@
+"""Layers that keep a fixed-size state per sequence instead of keys and values per token.
+
+A short convolution (LFM2), a Gated DeltaNet (Qwen3-Next) or a Mamba-2 mixer (Granite 4)
+reads a sequence's tokens in order and folds each into a state: the last L - 1 inputs of a
+causal convolution, a matrix per head of a linear attention or a state-space model. The
+state's size does not grow with the tokens, so these layers add nothing to the paged KV pool.
+
+The state pool of a recurrent layer is a tuple of tensors, each [num_rows, *shape] (a
+mixer's `state_specs`). Rows 0 .. max_num_seqs are the worker's per-sequence rows (the
+runner gives each running sequence one, zeroed when its computation starts at token 0);
+the rows after them keep snapshots: the state of some sequence at a block boundary, copied
+there so that a later request whose prompt starts with the same blocks continues from it
+(the scheduler's prefix cache, scheduler/state_snapshots.py).
+
+A mixer implements:
+
+    state_specs() -> ((shape, dtype), ...)            one entry per state tensor of a sequence
+    prefill(model, x, pool, row) -> y                 one sequence's n >= 1 tokens [n, hidden], in
+                                                      order, continuing from pool[i][row] (updated)
+    decode(model, x, pool, rows) -> y                 one token per sequence [s, hidden]; rows [s]
+                                                      int64; pool[i][rows] updated
+
+where x is the layer's normed input and y its output before the residual add. StateStep and
+run_mixer below split a step's sequences between the two and take the snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+StatePool = tuple[torch.Tensor, ...]  # each [num_rows, *shape]: a recurrent layer's states
+
+
+@dataclass(slots=True)
+class StateStep:
+    """Where each sequence of a step keeps its recurrent state (shared by every recurrent layer)."""
+
+    query_start_loc: list[int]  # [num_seqs + 1]: each sequence's rows in the step's tokens
+    rows: list[int]  # [num_seqs]: each sequence's row in every state pool
+    # sequence index -> (tokens of its chunk after which its state is copied, the snapshot's pool row)
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+    rows_tensor: torch.Tensor | None = None  # rows as int64 on the device, built on first use
+
+    def decode_sequences(self) -> list[int]:
+        """Sequences that compute one token and take no snapshot: one batched decode."""
+        starts = self.query_start_loc
+        return [i for i in range(len(self.rows)) if starts[i + 1] - starts[i] == 1 and i not in self.saves]
+
+
+def copy_rows(pools: list[StatePool], sources: list[int], destinations: list[int]) -> None:
+    """Every recurrent layer's state rows sources copied to destinations (a fork, a snapshot's
+    save or restore)."""
+    if not sources:
+        return
+    for pool in pools:
+        device = pool[0].device
+        src = torch.tensor(sources, dtype=torch.long, device=device)
+        dst = torch.tensor(destinations, dtype=torch.long, device=device)
+        for tensor in pool:
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+def zero_rows(pools: list[StatePool], rows: list[int]) -> None:
+    """The rows' states zeroed: a sequence whose computation starts at its first token."""
+    if not rows:
+        return
+    for pool in pools:
+        index = torch.tensor(rows, dtype=torch.long, device=pool[0].device)
+        for tensor in pool:
+            tensor.index_fill_(0, index, 0)
+
+
+def run_mixer(mixer, model, x: torch.Tensor, pool: StatePool, step: StateStep) -> torch.Tensor:
+    """The mixer over a step's tokens x [num_tokens, hidden]: its one-token sequences in one
+    batched decode, every other sequence alone, in order; a sequence with a save is cut there,
+    and its state copied to the snapshot row between the two halves."""
+    singles = step.decode_sequences()
+    if len(singles) == len(step.rows):  # a decode step: every row is a sequence
+        if step.rows_tensor is None:
+            step.rows_tensor = torch.tensor(step.rows, dtype=torch.long, device=x.device)
+        return mixer.decode(model, x, pool, step.rows_tensor)
+    out = torch.empty((x.shape[0], *_out_shape(mixer, x)), dtype=x.dtype, device=x.device)
+    starts = step.query_start_loc
+    if singles:
+        rows = torch.tensor([starts[i] for i in singles], dtype=torch.long, device=x.device)
+        slots = torch.tensor([step.rows[i] for i in singles], dtype=torch.long, device=x.device)
+        out.index_copy_(0, rows, mixer.decode(model, x.index_select(0, rows), pool, slots))
+    single = set(singles)
+    for i, row in enumerate(step.rows):
+        if i in single:
+            continue
+        begin, end = starts[i], starts[i + 1]
+        cut, snapshot = step.saves.get(i, (end - begin, None))
+        if cut > 0:
+            out[begin:begin + cut] = mixer.prefill(model, x[begin:begin + cut], pool, row)
+        if snapshot is not None:
+            copy_rows([pool], [row], [snapshot])
+        if begin + cut < end:
+            out[begin + cut:end] = mixer.prefill(model, x[begin + cut:end], pool, row)
+    return out
+
+
+def _out_shape(mixer, x: torch.Tensor) -> tuple[int, ...]:
+    """A mixer's output row shape: the hidden size unless it says otherwise."""
+    width = getattr(mixer, "out_features", None)
+    return (x.shape[1],) if width is None else (width,)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                state: torch.Tensor) -> torch.Tensor:
+    """A depthwise causal convolution over one sequence's next tokens, continuing from its state.
+
+    x [n, channels]; weight [channels, width]; state [channels, width - 1]: the inputs of the
+    width - 1 tokens before x (zeros before the first token), replaced by the last width - 1
+    inputs of state ++ x. Returns [n, channels], y[t, c] = sum_j weight[c, j] * u[t + j, c] with
+    u = state ++ x along the tokens (bias added). No activation."""
+    width = weight.shape[1]
+    joined = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [channels, width - 1 + n]
+    state.copy_(joined[:, joined.shape[1] - (width - 1):])
+    y = F.conv1d(joined.unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]  # [channels, n]
+    return y.t()
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+    """causal_conv for one token of each of s sequences: x [s, channels], their states
+    states[rows] [s, channels, width - 1] (updated in place)."""
+    window = torch.cat([states.index_select(0, rows).to(x.dtype), x.unsqueeze(2)], dim=2)  # [s, channels, width]
+    states.index_copy_(0, rows, window[:, :, 1:].to(states.dtype))
+    y = (window * weight.unsqueeze(0)).sum(dim=2)
+    return y if bias is None else y + bias
