@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # config.json's activation names -> ours (gated MLPs: act(gate) * up)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn", "proportional")
 
 
 class ModelConfigError(ValueError):
@@ -71,6 +71,9 @@ class RopeScaling:
     beta_fast: float = 32.0  # yarn: rotations per original context above which a frequency is kept as is
     beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated (divided by factor)
     truncate: bool = True  # yarn: the correction range rounded outward to whole dimensions
+    # proportional (Gemma 4's full-attention layers): the whole head rotates in halves, but only the first
+    # int(proportion * head_dim) // 2 frequencies (theta ** (-2i / head_dim), / factor) are nonzero
+    proportion: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +113,36 @@ class ModelConfig:
         """Values one token keeps in layer's pool: per-head keys and values, or MLA's latent and RoPE key."""
         if self.is_recurrent_layer(layer):
             return 0  # its state is per sequence (workers/recurrent.py)
+        if self.kv_source(layer) is not None:
+            return 0  # it reads another layer's pool
         if self.traits.mla is not None:
             return self.traits.mla.cache_width
-        return 2 * self.num_kv_heads * self.head_dim
+        return 2 * self.layer_num_kv_heads(layer) * self.layer_head_dim(layer)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """The layer's q/k/v head width (Gemma 4's full-attention layers have their own)."""
+        dims = self.traits.layer_head_dims
+        return self.head_dim if dims is None else dims[layer]
+
+    @property
+    def max_head_dim(self) -> int:
+        """The widest head of any layer: what the attention backend must take."""
+        dims = self.traits.layer_head_dims
+        return self.head_dim if dims is None else max(dims)
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        heads = self.traits.layer_kv_heads
+        return self.num_kv_heads if heads is None else heads[layer]
+
+    def kv_source(self, layer: int) -> int | None:
+        """The earlier layer whose K/V pool this layer reads and never writes (Gemma 4); None: its own."""
+        sources = self.traits.kv_sources
+        return None if sources is None else sources[layer]
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """The layer's dense MLP width (Gemma 4's double-wide MLPs on the layers sharing K/V)."""
+        sizes = self.traits.layer_intermediate_sizes
+        return self.intermediate_size if sizes is None else sizes[layer]
 
     def is_recurrent_layer(self, layer: int) -> bool:
         """The layer keeps a fixed-size state per sequence (a mixer: workers/recurrent.py), not keys and values."""
@@ -295,6 +325,9 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
     if rope_type == "dynamic" and params.get("alpha"):  # Hunyuan's NTK alpha: a fixed base, whatever the length
         head_dim = _head_dim(raw)
         theta, rope_type = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2)), "default"
+    proportion = 1.0
+    if rope_type == "proportional":  # the whole head rotates; the fraction only zeroes frequencies
+        proportion, partial = partial, 1.0
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope scaling {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
@@ -307,6 +340,7 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling, float, float]:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=None if original is None else int(original),
+        proportion=proportion,
     )
     if rope_type == "llama3" and scaling.original_max_position_embeddings is None:
         raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings")

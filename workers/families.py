@@ -24,6 +24,12 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 sliding-window layers (layer_types); attention and final logits soft-capped
     gemma3_text as gemma2, plus per-head q/k norms, no soft-capping by default, and a second
                 RoPE base (rope_local_base_freq) on the sliding-window layers
+    gemma4_text as gemma3_text, but norms x w (no offset), a weightless RMSNorm of each value head, scores x 1,
+                each layer's output x its layer_scalar; per-layer inputs (a second embedding table plus a
+                projection of the embeddings, gated into each layer after its MLP); the last
+                num_kv_shared_layers layers read the K/V pool of the last earlier layer of their type; full-
+                attention layers with their own head size and "proportional" RoPE; attention_k_eq_v (v is k's
+                projection) and use_double_wide_mlp; enable_moe_block is refused
     olmo3       as olmo2, plus sliding-window layers (layer_types; by default three of every four)
                 whose RoPE is rope_parameters' sliding_attention entry (the full-attention layers'
                 may be scaled)
@@ -157,6 +163,23 @@ class FamilyTraits:
     # the checkpoint's names for what ours are called, as (theirs, ours) fragments replaced in every
     # tensor name at load (LFM2's operator_norm is our input_layernorm); (): the same names
     tensor_names: tuple[tuple[str, str], ...] = ()
+    # per layer: its head_dim and key/value heads where some layers differ from the config's (Gemma 4's
+    # full-attention layers: global_head_dim, num_global_key_value_heads); None: head_dim and
+    # num_key_value_heads in every layer
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    # per layer: the earlier layer whose K/V pool it reads, computing no K/V of its own and writing none
+    # (Gemma 4's num_kv_shared_layers); None: its own pool. None: every layer has its own
+    kv_sources: tuple[int | None, ...] | None = None
+    # per layer: v is k's projection before k's norm and RoPE (no v_proj: Gemma 4's attention_k_eq_v on its
+    # full-attention layers); None: every layer has a v_proj
+    k_eq_v_layers: tuple[bool, ...] | None = None
+    value_norm: bool = False  # each value head RMS-normalised without a weight before the pool (Gemma 4)
+    layer_scalars: bool = False  # each layer's output, the whole residual stream, x its layer_scalar [1] (Gemma 4)
+    # Gemma 4's per-layer inputs: a [T, num_layers, this] input per token from a second embedding table and a
+    # projection of the embeddings, gated into each layer's residual stream after its MLP; 0: none
+    per_layer_input_size: int = 0
+    layer_intermediate_sizes: tuple[int, ...] | None = None  # per layer: its dense MLP's width; None: the config's
 
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
@@ -367,6 +390,75 @@ def _gemma3_text(raw: dict) -> FamilyTraits:
     shared = _gemma(raw)
     return FamilyTraits(**shared, qk_norm="head",
                         local_rope_layers=tuple(window is not None for window in shared["layer_windows"]))
+
+
+def _gemma4_text(raw: dict) -> FamilyTraits:
+    """Gemma 4's text model (transformers' Gemma4TextConfig): Gemma 3's sandwich norms and per-head q/k
+    norms, but every norm x * w (no offset), a weightless norm of each value head, a scale of 1 on the
+    scores, a layer_scalar on each layer's output, per-layer inputs, the last num_kv_shared_layers layers
+    reading the pool of the last earlier layer of their type, and full-attention layers of their own head
+    size (per_layer_config, or global_head_dim and num_global_key_value_heads) whose RoPE is
+    "proportional" (workers/config.py)."""
+    for key in ("enable_moe_block", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise FamilyError(f"gemma4_text with {key}={raw[key]!r} is not supported")
+    num_layers, windows = int(raw["num_hidden_layers"]), _layer_windows(raw)
+    full = tuple(window is None for window in windows)
+    head_dims, kv_heads = _gemma4_layer_shapes(raw, full)
+    sources = _gemma4_kv_sources(num_layers, int(raw.get("num_kv_shared_layers") or 0), windows)
+    width = int(raw["intermediate_size"])
+    wide = bool(raw.get("use_double_wide_mlp")) and any(source is not None for source in sources)
+    per_layer_size = int(raw.get("hidden_size_per_layer_input") or 0)
+    if per_layer_size and int(raw.get("vocab_size_per_layer_input", raw["vocab_size"])) < int(raw["vocab_size"]):
+        raise FamilyError(f"gemma4_text with vocab_size_per_layer_input {raw['vocab_size_per_layer_input']} below "
+                          f"vocab_size {raw['vocab_size']} is not supported")
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(
+        qkv_bias=bias, o_bias=bias, qk_norm="head", norms="sandwich", layer_windows=windows,
+        local_rope_layers=tuple(not is_full for is_full in full), attention_scale=1.0,
+        embedding_multiplier=float(raw["hidden_size"]) ** 0.5, logits_softcap=raw.get("final_logit_softcapping") or None,
+        layer_head_dims=head_dims if len(set(head_dims)) > 1 else None,
+        layer_kv_heads=kv_heads if len(set(kv_heads)) > 1 else None,
+        kv_sources=sources if any(source is not None for source in sources) else None,
+        k_eq_v_layers=full if raw.get("attention_k_eq_v") else None, value_norm=True, layer_scalars=True,
+        per_layer_input_size=per_layer_size,
+        layer_intermediate_sizes=tuple(width * 2 if wide and source is not None else width for source in sources),
+    )
+
+
+def _gemma4_layer_shapes(raw: dict, full: tuple[bool, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's (head_dim, key/value heads): per_layer_config's overrides where the config was saved by
+    transformers (keys are layer indices), else the full-attention layers' global_head_dim (512 by default)
+    and, with attention_k_eq_v, num_global_key_value_heads."""
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    kv_heads = int(raw.get("num_key_value_heads") or raw["num_attention_heads"])
+    overrides = raw.get("per_layer_config")
+    if overrides is None:
+        shape = {"head_dim": raw.get("global_head_dim", 512)}
+        if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads") is not None:
+            shape["num_key_value_heads"] = raw["num_global_key_value_heads"]
+        overrides = {str(layer): shape for layer, is_full in enumerate(full) if is_full}
+    unknown = sorted({key for shape in overrides.values() for key in shape} - {"head_dim", "num_key_value_heads"})
+    if unknown:
+        raise FamilyError(f"gemma4_text's per_layer_config sets {unknown}, which are not supported")
+    layers = [overrides.get(str(layer), {}) for layer in range(len(full))]
+    return (tuple(int(shape.get("head_dim", head_dim)) for shape in layers),
+            tuple(int(shape.get("num_key_value_heads", kv_heads)) for shape in layers))
+
+
+def _gemma4_kv_sources(num_layers: int, num_shared: int, windows: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """Each layer's K/V source (transformers' kv_sharing_modes): the last num_shared layers read the pool of
+    the last layer before them of their attention type; None: the layer's own."""
+    first_shared = num_layers - num_shared
+    if not 0 <= num_shared < num_layers:
+        raise FamilyError(f"num_kv_shared_layers {num_shared} of {num_layers} layers leaves no layer to share from")
+    sources: list[int | None] = [None] * num_layers
+    for layer in range(first_shared, num_layers):
+        same_type = [earlier for earlier in range(first_shared) if windows[earlier] == windows[layer]]
+        if not same_type:
+            raise FamilyError(f"layer {layer} shares K/V, but no earlier layer has its attention type")
+        sources[layer] = same_type[-1]
+    return tuple(sources)
 
 
 def _mixtral(raw: dict) -> FamilyTraits:
@@ -627,6 +719,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
+    "gemma4_text": _gemma4_text,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
@@ -642,7 +735,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
 # tower's tensors are skipped at load).
-MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
@@ -673,10 +766,15 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     chunks = "chunked attention layers" if traits.layer_chunks is not None else None
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
     recurrent = "layers with a recurrent state" if traits.mixers is not None else None  # the C loop calls their mixers
+    gemma4 = ("per-layer inputs, value norms and layer scalars" if traits.per_layer_input_size or traits.value_norm
+              or traits.layer_scalars else None)
+    shared_kv = "layers reading another layer's K/V" if traits.kv_sources is not None else None
+    head_dims = "head sizes that differ between layers" if traits.layer_head_dims is not None else None
     return FamilyPaths(
         # the experts' MLP, latent attention, late q/k norms, chunked layers and query temperatures have no C
         # form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature) if why) or None,
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gemma4, shared_kv, head_dims)
+                               if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, recurrent) if why) or None,  # grouped experts take

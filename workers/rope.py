@@ -12,6 +12,10 @@ position's row of the table is chosen by the position itself: rows below
 original_max_position_embeddings use short_factor, rows from it on use long_factor. Inside the
 original context the two agree exactly.
 
+proportional (Gemma 4's full-attention layers) rotates the whole head in halves with the
+default frequencies over head_dim, of which only the first int(proportion * head_dim) // 2 are
+nonzero: the other pairs pass through unrotated.
+
 yarn (gpt-oss) keeps the high frequencies (more than beta_fast rotations over the original
 context), divides the low ones (fewer than beta_slow) by factor, and blends linearly by
 dimension between the two; cos and sin are multiplied by its attention factor. One table for
@@ -52,6 +56,10 @@ def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling, lon
         if factors.shape != exponents.shape:
             raise ValueError(f"longrope factors have {factors.numel()} entries for a rotary_dim of {rotary_dim}")
         return 1.0 / (factors * theta**exponents)
+    if scaling.rope_type == "proportional":  # Gemma 4: the first frequencies of the whole head, the rest 0
+        num_rotated = int(scaling.proportion * rotary_dim // 2)
+        rotated = 1.0 / (theta ** exponents[:num_rotated])
+        return torch.cat((rotated, torch.zeros(rotary_dim // 2 - num_rotated))) / scaling.factor
     inv_freq = 1.0 / (theta**exponents)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
