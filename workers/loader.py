@@ -321,7 +321,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     check_model_dir(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     attention_backend = resolve_attention_backend_name(
-        attention_backend, device, dtype, (config.num_heads, config.num_kv_heads, config.head_dim))
+        attention_backend, device, dtype, (config.num_heads, config.num_kv_heads, config.max_head_dim))
     model = load_weights(model_dir, config, dtype, device, attention_backend, max_model_len, linear_backend,
                          gguf_path=gguf_path)
     return config, model

@@ -245,6 +245,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     if config.has_recurrent_layers:  # their products (a convolution's in_proj, ...) are not ours to adapt yet
         raise LoraError(f"{path}: LoRA adapters on a model with recurrent layers ({config.model_type}) are not "
                         "supported yet")
+    if config.traits.layer_head_dims is not None or config.traits.kv_sources is not None:  # qkv's rows differ by layer
+        raise LoraError(f"{path}: LoRA adapters on a model whose layers differ in head size or share K/V "
+                        f"({config.model_type}) are not supported yet")
     rank, scaling, targets = read_adapter_config(path, max_rank)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():

@@ -63,6 +63,8 @@ from workers.lora import StepLora
 from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
+from workers.per_layer_inputs import (PerLayerBranch, PerLayerInputWeights, per_layer_branch, per_layer_inputs,
+                                      read_per_layer_branch, read_per_layer_input_weights)
 from workers.recurrent import StateStep, run_mixer
 from workers.rope import RotaryEmbedding, deinterleave_rows
 from workers.short_conv import read_short_conv
@@ -142,6 +144,14 @@ class LayerWeights:
     # a layer that keeps a state per sequence in attention's place (workers/recurrent.py: a short convolution,
     # ...); its products are its own (qkv and o are None); None: attention
     mixer: object | None = None
+    head_dim: int = 0  # the layer's q/k/v head width (ModelConfig.layer_head_dim); 0 in an MLA or mixer's layer
+    num_kv_heads: int = 0  # its key/value heads (ModelConfig.layer_num_kv_heads)
+    # only q is projected (qkv holds q's rows alone): k and v are read from the pool the layer is given, another
+    # layer's (Gemma 4's shared K/V), and nothing is written to it
+    shares_kv: bool = False
+    value_norm: bool = False  # each value head RMS-normalised without weight before it is written (Gemma 4)
+    per_layer: PerLayerBranch | None = None  # Gemma 4's per-layer input branch after the MLP (workers/per_layer_inputs.py)
+    scalar: torch.Tensor | None = None  # [1]: the layer's output, the whole residual stream, times it (Gemma 4)
 
 
 # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim] in torch_ref's layout; an MLA layer's:
@@ -154,7 +164,7 @@ class PagedLlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor | GgufWeight, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: object, rope: RotaryEmbedding,
                  attention: ModuleType, linear: TorchLinear | OneDnnLinear | NativeLinear, ops: TorchOps | NativeOps,
-                 local_rope: RotaryEmbedding | None = None):
+                 local_rope: RotaryEmbedding | None = None, per_layer_inputs: PerLayerInputWeights | None = None):
         self.config = config
         # [vocab, hidden]; a GgufWeight: the GGUF file's blocks, of which a step dequantizes only its tokens' rows
         self.embed = embed
@@ -166,6 +176,7 @@ class PagedLlamaModel:
         self.lm_head = lm_head  # [vocab, hidden] in the linear backend's form (from the embedding when tied)
         self.rope = rope
         self.local_rope = local_rope  # the sliding-window layers' (Gemma 3); None: every layer uses rope
+        self.per_layer_inputs = per_layer_inputs  # Gemma 4's per-layer inputs' tensors; None: none
         self.attention = attention  # module with write_kv_cache and paged_attention
         self.linear_backend = linear
         self.linear = linear.linear  # (x, packed weight, bias) -> x @ weight.T + bias
@@ -208,6 +219,8 @@ class PagedLlamaModel:
         step = (MlaStep(metadata, self.scale) if self.config.traits.mla is not None
                 else bind_attention(self.attention, metadata, self.scale))
         residual, delta = self.embed_tokens(input_ids), None
+        inputs = (None if self.per_layer_inputs is None  # Gemma 4: [tokens, layers, size]
+                  else per_layer_inputs(self.per_layer_inputs, input_ids, residual, self.linear, eps))
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
             if layer.mixer is not None:  # a layer with a state per sequence (workers/recurrent.py)
@@ -224,7 +237,20 @@ class PagedLlamaModel:
                 delta = self._product(gated, layer.down, layer.down_bias, lora, index, "down")
             if layer.mlp_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.mlp_out_norm, eps)
+            if layer.per_layer is not None or layer.scalar is not None:  # Gemma 4: the layer's output is changed
+                residual = self._layer_output(layer, residual, delta, None if inputs is None else inputs[:, index])
+                delta = None
         return self.ops.add_rms_norm(residual, delta, self.final_norm, eps)[1]
+
+    def _layer_output(self, layer: LayerWeights, residual: torch.Tensor, delta: torch.Tensor,
+                      inputs: torch.Tensor | None) -> torch.Tensor:
+        """residual + delta, plus the per-layer input branch, times the layer's scalar (Gemma 4); inputs [T, size]."""
+        eps = self.config.rms_norm_eps
+        residual = self.ops.add_rms_norm(residual, delta, None, eps)[0]
+        if layer.per_layer is not None:
+            residual = residual + per_layer_branch(layer.per_layer, residual, inputs, self.linear, self.config.activation,
+                                                   eps)
+        return residual if layer.scalar is None else residual * layer.scalar
 
     def _product(self, x: torch.Tensor, weight: object, bias: torch.Tensor | None, lora: StepLora | None,
                  index: int, product: str) -> torch.Tensor:
@@ -272,20 +298,25 @@ class PagedLlamaModel:
             attended = mla_attention(self, layer.mla, x, positions, step, kv_cache)
             return self._product(attended, layer.o, layer.o_bias, lora, index, "o")
         qkv = self._product(x, layer.qkv, layer.qkv_bias, lora, index, "qkv")
+        head_dim, eps = layer.head_dim, config.rms_norm_eps
+        kv_heads = 0 if layer.shares_kv else layer.num_kv_heads  # a layer sharing K/V projects q alone
         if layer.q_norm is not None and not layer.qk_norm_after_rope:
-            self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, config.num_heads, config.num_kv_heads,
-                                   config.rms_norm_eps, layer.qk_norm_whole)
+            self.ops.head_rms_norm(qkv, layer.q_norm, layer.q_norm if layer.k_norm is None else layer.k_norm,
+                                   config.num_heads, kv_heads, eps, layer.qk_norm_whole)
         if layer.use_rope:
             rope = self.local_rope if layer.local_rope else self.rope
-            q, k, v = self.ops.rope(qkv, positions, rope, config.num_heads, config.num_kv_heads)
+            q, k, v = self.ops.rope(qkv, positions, rope, config.num_heads, kv_heads)
         else:
-            q, k, v = self.ops.split_qkv(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
+            q, k, v = self.ops.split_qkv(qkv, config.num_heads, kv_heads, head_dim)
         if layer.qk_norm_after_rope:  # each rotated head [tokens, heads, head_dim] over its head_dim
-            q = F.rms_norm(q, (config.head_dim,), layer.q_norm, config.rms_norm_eps)
-            k = F.rms_norm(k, (config.head_dim,), layer.k_norm, config.rms_norm_eps)
+            q = F.rms_norm(q, (head_dim,), layer.q_norm, eps)
+            k = F.rms_norm(k, (head_dim,), layer.k_norm, eps)
         if layer.query_temperature is not None:
             q = _temperature_tuned(q, positions, *layer.query_temperature)
-        step.write(k, v, *kv_cache)
+        if layer.value_norm:  # in fp32, as transformers' Gemma 4 norms
+            v = F.rms_norm(v.float(), (head_dim,), None, eps).to(v.dtype)
+        if not layer.shares_kv:
+            step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks,
                                attention_chunk=layer.attention_chunk)
         return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
@@ -307,6 +338,12 @@ class PagedLlamaModel:
         weights = _WeightReader(config, tensors, device, linear)
         embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         layers = [weights.layer(index) for index in range(config.num_layers)]
+        size = config.traits.per_layer_input_size
+        per_layer = (read_per_layer_input_weights(weights, config.num_layers, size, config.hidden_size,
+                                                  weights.tensors["model.embed_tokens_per_layer.weight"].shape[0])
+                     if size and "model.embed_tokens_per_layer.weight" in weights.tensors else None)
+        if size and per_layer is None:
+            raise WeightError("missing tensor model.embed_tokens_per_layer.weight")
         final_norm = weights.take_norm("model.", "norm")
         if config.tie_word_embeddings:
             weights.discard("lm_head.weight")
@@ -322,12 +359,24 @@ class PagedLlamaModel:
             weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's, DeepSeek's MTP)
         weights.check_all_used()
         weights.warn_dequantized()
-        rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
+        rope = RotaryEmbedding(_rope_config(config, local=False), max_positions, final_norm.dtype, device)
         local_rope = None
         if config.traits.local_rope_layers is not None:
-            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling("default"))
+            local = dataclasses.replace(_rope_config(config, local=True), rope_theta=config.local_rope_theta,
+                                        rope_scaling=RopeScaling("default"))
             local_rope = RotaryEmbedding(local, max_positions, final_norm.dtype, device)
-        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope)
+        return cls(config, embed, layers, final_norm, lm_head, rope, attention, linear, ops or TorchOps(), local_rope,
+                   per_layer)
+
+
+def _rope_config(config: ModelConfig, local: bool) -> ModelConfig:
+    """The config whose head_dim the global (local: the local) RoPE table rotates: the first such layer's
+    (Gemma 4's full-attention layers have a head size of their own)."""
+    if config.traits.layer_head_dims is None:
+        return config
+    locals_ = config.traits.local_rope_layers or (False,) * config.num_layers
+    layers = [layer for layer in range(config.num_layers) if locals_[layer] == local]
+    return config if not layers else dataclasses.replace(config, head_dim=config.layer_head_dim(layers[0]))
 
 
 def _temperature_tuned(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -348,7 +397,8 @@ def _for_kernels(weight: torch.Tensor | LinearWeight, logits: bool = False) -> t
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                         "language_model.lm_head.": "lm_head."}
 _NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                   "vision_model.", "model.vision_model.")  # Gemma 3's tower, Llama 4's
+                   "vision_model.", "model.vision_model.",  # Gemma 3's tower, Llama 4's
+                   "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")  # Gemma 4's towers and embedders
 
 
 def _renamed(tensors: dict[str, torch.Tensor], names: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
@@ -483,20 +533,29 @@ class _WeightReader:
         c = self.config
         prefix = f"model.layers.{index}."
         attn, mlp = prefix + "self_attn.", prefix + c.traits.mlp_block + "."
-        qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        qkv_names = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+        head_dim, kv_heads, width = c.layer_head_dim(index), c.layer_num_kv_heads(index), c.layer_intermediate_size(index)
+        shares_kv = c.kv_source(index) is not None
+        qkv_rows = [c.num_heads * head_dim] + [kv_heads * head_dim] * (0 if shares_kv else 2)
+        qkv_names = [attn + "q_proj"] + ([] if shares_kv else [attn + "k_proj", attn + "v_proj"])
+        if shares_kv:  # a checkpoint may still hold them (transformers ignores them at load)
+            for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_norm.weight"):
+                self.discard(attn + name)
+        elif c.traits.k_eq_v_layers is not None and c.traits.k_eq_v_layers[index]:  # v is k's projection
+            for suffix in (".weight", ".bias"):
+                if attn + "k_proj" + suffix in self.tensors:
+                    self.tensors[attn + "v_proj" + suffix] = self.tensors[attn + "k_proj" + suffix]
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
         if c.traits.fused_projections:  # Phi-3: the checkpoint already holds them as we run them
             qkv_rows, qkv_names = [sum(qkv_rows)], [attn + "qkv_proj"]
-            gate_up_rows, gate_up_names = [2 * c.intermediate_size], [mlp + "gate_up_proj"]
+            gate_up_rows, gate_up_names = [2 * width], [mlp + "gate_up_proj"]
         else:
-            gate_up_rows = [c.intermediate_size] * 2
+            gate_up_rows = [width] * 2
         norms = _NORM_NAMES[c.traits.norms]
         if c.traits.rope_interleaved:
             self.deinterleave_rope(attn + "q_proj", c.num_heads)
             self.deinterleave_rope(attn + "k_proj", c.num_kv_heads)
-        q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
-                                      if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
+        q_norm_width, k_norm_width = ((c.num_heads * head_dim, kv_heads * head_dim)
+                                      if c.traits.qk_norm == "projection" else (head_dim, head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
         dense = moe is None
         if c.traits.mla is not None:
@@ -509,7 +568,7 @@ class _WeightReader:
             input_norm=self.take_norm(prefix, norms["input_norm"]),
             qkv=self.pack(self.take_fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows])),
             qkv_bias=self.take_fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]) if c.traits.qkv_bias else None,
-            o=self.pack(self.take_residual_branch(attn + "o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))),
+            o=self.pack(self.take_residual_branch(attn + "o_proj.weight", (c.hidden_size, c.num_heads * head_dim))),
             o_bias=self.take_residual_branch(attn + "o_proj.bias", (c.hidden_size,)) if c.traits.o_bias else None,
             post_norm=self.take_norm(prefix, norms["post_norm"]),
             gate_up=self.pack(
@@ -520,13 +579,14 @@ class _WeightReader:
                 if c.mlp_bias and dense else None
             ),
             down=self.pack(
-                self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))
+                self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, width))
             ) if dense else None,
             down_bias=(
                 self.take_residual_branch(mlp + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias and dense else None
             ),
             q_norm=self.take_norm(attn, c.traits.qk_norm_names[0], q_norm_width) if weighted_qk_norm else None,
-            k_norm=self.take_norm(attn, c.traits.qk_norm_names[1], k_norm_width) if weighted_qk_norm else None,
+            k_norm=(self.take_norm(attn, c.traits.qk_norm_names[1], k_norm_width)
+                    if weighted_qk_norm and not shares_kv else None),
             qk_norm_whole=c.traits.qk_norm == "projection",
             qk_norm_after_rope=c.traits.qk_norm == "head_after_rope" or (c.traits.qk_norm == "l2_after_rope"
                                                                          and c.uses_rope(index)),
@@ -540,6 +600,13 @@ class _WeightReader:
             softcap=c.traits.attention_softcap,
             sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,
+            head_dim=head_dim,
+            num_kv_heads=kv_heads,
+            shares_kv=shares_kv,
+            value_norm=c.traits.value_norm,
+            per_layer=(read_per_layer_branch(self, prefix, c.traits.per_layer_input_size, c.hidden_size)
+                       if c.traits.per_layer_input_size else None),
+            scalar=self.take(prefix + "layer_scalar", (1,)).to(self.dtype) if c.traits.layer_scalars else None,
         )
 
     def mixer_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:

@@ -295,7 +295,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         c = self.model_config
         self.attention_backend = resolve_attention_backend_name(
-            config.attention_backend, self.device, dtype, (c.num_heads, c.num_kv_heads, c.head_dim), config.block_size)
+            config.attention_backend, self.device, dtype,
+            (c.num_heads, c.num_kv_heads, c.max_head_dim), config.block_size)
         if c.traits.mla is not None and self.attention_backend != "torch":
             if config.attention_backend is not None:
                 logger.warning("%s: latent attention layers run on the torch reference (workers/mla.py), not on the "
@@ -428,11 +429,13 @@ class ModelRunner:
         if c.traits.mla is not None:  # one latent and one RoPE key per token (workers/mla.py)
             return [allocate_latent_cache(self.num_blocks, self.block_size, c.traits.mla, dtype, self.device)
                     for _ in range(c.num_layers)]
-        return [
-            self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                                                   dtype, self.device)
-            for _ in range(c.num_layers)
-        ]
+        pools: list[KVCache] = []
+        for layer in range(c.num_layers):
+            source = c.kv_source(layer)  # a layer sharing K/V reads its source's pool: the same tensors
+            pools.append(pools[source] if source is not None else self.model.attention.allocate_kv_cache(
+                self.num_blocks, self.block_size, c.layer_num_kv_heads(layer), c.layer_head_dim(layer), dtype,
+                self.device))
+        return pools
 
     def _allocate_states(self) -> StateRows | None:
         """The recurrent layers' state pools (workers/recurrent.py); None when the model has none."""
@@ -444,9 +447,10 @@ class ModelRunner:
 
     @property
     def _attention_pools(self) -> list[KVCache]:
-        """The layers' pools that are paged KV (not recurrent states)."""
+        """The layers' pools that are paged KV (not recurrent states), each once (a layer sharing K/V has none)."""
         c = self.model_config
-        return [pool for layer, pool in enumerate(self.kv_caches) if not c.is_recurrent_layer(layer)]
+        return [pool for layer, pool in enumerate(self.kv_caches)
+                if not c.is_recurrent_layer(layer) and c.kv_source(layer) is None]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
