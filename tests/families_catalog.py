@@ -38,6 +38,23 @@ FAMILIES = {
     # the text model inside a multimodal checkpoint (a vision tower and projector beside it, skipped)
     "gemma3": dict(model_type="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Gemma 4's text model: 5 layers, windows of 8 on 0, 2 and 3 (prompts run past them); the full-attention layers
+    # 1 and 4 with heads of 32 (global_head_dim) and proportional RoPE (a quarter of the frequencies nonzero); layers
+    # 3 and 4 share K/V (num_kv_shared_layers) with layers 2 and 1, the last of their type before them; per-layer
+    # inputs of 8 per layer; random layer scalars; final logits soft-capped
+    "gemma4_text": dict(model_type="gemma4_text", num_hidden_layers=5, head_dim=16, global_head_dim=32,
+                        sliding_window=8, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=384, final_logit_softcapping=8.0,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                     "full_attention"]),
+    # the same with v = k's projection on the full-attention layers (attention_k_eq_v), which have 1 K/V head
+    # (num_global_key_value_heads), and double-wide MLPs on the layers sharing K/V (use_double_wide_mlp)
+    "gemma4_text-k-eq-v": dict(model_type="gemma4_text", num_hidden_layers=5, head_dim=16, global_head_dim=32,
+                               sliding_window=8, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                               vocab_size_per_layer_input=384, attention_k_eq_v=True, num_global_key_value_heads=1,
+                               use_double_wide_mlp=True,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                            "sliding_attention", "full_attention"]),
     # norms after each branch, q/k norms over the whole projection
     "olmo2": dict(model_type="olmo2"),
     # olmo2's norms, sliding windows of 8 on layers 0 and 1 (prompts run past them), full attention on layer 2
@@ -134,6 +151,9 @@ MOE_FAMILIES = {
 # the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside
 # it, skipped)
 MOE_FAMILIES["llama4"] = dict(MOE_FAMILIES["llama4_text"], model_type="llama4")
+
+# Gemma 4's text model inside its multimodal checkpoint (a vision tower and embedder beside it, skipped)
+FAMILIES["gemma4"] = dict(FAMILIES["gemma4_text"], model_type="gemma4")
 
 # every family served over HTTP: the dicts above, one checkpoint per MoE model_type (names must not collide)
 SERVED_MOE = {name: MOE_FAMILIES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",

@@ -39,6 +39,9 @@ def add(a, b): return a + b  # numbers 0123456789 and symbols !?.,;:()[]{}<>+-*/
 MULTIMODAL = {
     "gemma3": ("gemma3_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=28, patch_size=14)),
+    "gemma4": ("gemma4_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64,
+                                   pooling_kernel_size=2)),
     "llama4": ("llama4_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
                                    projector_output_dim=32)),
@@ -118,6 +121,8 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
         for name, buffer in model.named_buffers():  # a correction bias large enough to change experts' choice
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, init_std)
+            elif name.endswith("layer_scalar"):  # Gemma 4's, 1 at init: made to matter
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True, save_original_format=save_original_format)
     GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID).save_pretrained(path)
     (path / "tiny_model.json").write_text(json.dumps({"model_type": model_type, "seed": seed}) + "\n")

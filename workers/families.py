@@ -416,7 +416,8 @@ def _gemma4_text(raw: dict) -> FamilyTraits:
     return FamilyTraits(
         qkv_bias=bias, o_bias=bias, qk_norm="head", norms="sandwich", layer_windows=windows,
         local_rope_layers=tuple(not is_full for is_full in full), attention_scale=1.0,
-        embedding_multiplier=float(raw["hidden_size"]) ** 0.5, logits_softcap=raw.get("final_logit_softcapping") or None,
+        embedding_multiplier=float(raw["hidden_size"]) ** 0.5,
+        logits_softcap=raw.get("final_logit_softcapping") or None,
         layer_head_dims=head_dims if len(set(head_dims)) > 1 else None,
         layer_kv_heads=kv_heads if len(set(kv_heads)) > 1 else None,
         kv_sources=sources if any(source is not None for source in sources) else None,

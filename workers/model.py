@@ -150,7 +150,7 @@ class LayerWeights:
     # layer's (Gemma 4's shared K/V), and nothing is written to it
     shares_kv: bool = False
     value_norm: bool = False  # each value head RMS-normalised without weight before it is written (Gemma 4)
-    per_layer: PerLayerBranch | None = None  # Gemma 4's per-layer input branch after the MLP (workers/per_layer_inputs.py)
+    per_layer: PerLayerBranch | None = None  # Gemma 4's per-layer input branch after the MLP (per_layer_inputs.py)
     scalar: torch.Tensor | None = None  # [1]: the layer's output, the whole residual stream, times it (Gemma 4)
 
 
@@ -248,8 +248,8 @@ class PagedLlamaModel:
         eps = self.config.rms_norm_eps
         residual = self.ops.add_rms_norm(residual, delta, None, eps)[0]
         if layer.per_layer is not None:
-            residual = residual + per_layer_branch(layer.per_layer, residual, inputs, self.linear, self.config.activation,
-                                                   eps)
+            activation = self.config.activation
+            residual = residual + per_layer_branch(layer.per_layer, residual, inputs, self.linear, activation, eps)
         return residual if layer.scalar is None else residual * layer.scalar
 
     def _product(self, x: torch.Tensor, weight: object, bias: torch.Tensor | None, lora: StepLora | None,
@@ -533,7 +533,8 @@ class _WeightReader:
         c = self.config
         prefix = f"model.layers.{index}."
         attn, mlp = prefix + "self_attn.", prefix + c.traits.mlp_block + "."
-        head_dim, kv_heads, width = c.layer_head_dim(index), c.layer_num_kv_heads(index), c.layer_intermediate_size(index)
+        head_dim, kv_heads = c.layer_head_dim(index), c.layer_num_kv_heads(index)
+        width = c.layer_intermediate_size(index)
         shares_kv = c.kv_source(index) is not None
         qkv_rows = [c.num_heads * head_dim] + [kv_heads * head_dim] * (0 if shares_kv else 2)
         qkv_names = [attn + "q_proj"] + ([] if shares_kv else [attn + "k_proj", attn + "v_proj"])

@@ -391,6 +391,11 @@ class ModelRunner:
                     f"per sequence in the other {num_recurrent} ({', '.join(kinds)}: workers/recurrent.py, "
                     f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
                     f"{self.states.num_snapshots} prefix-cache snapshots)")
+        if c.traits.kv_sources is not None:  # Gemma 4: the last layers read earlier layers' pools
+            readers = [layer for layer in range(c.num_layers) if c.kv_source(layer) is not None]
+            pairs = ", ".join(f"{layer} <- {c.kv_source(layer)}" for layer in readers)
+            return (f"{PER_HEAD_KV} in {c.num_layers - len(readers)} of {c.num_layers} layers; the other "
+                    f"{len(readers)} read an earlier layer's ({pairs})")
         if mla is None:
             return PER_HEAD_KV
         return (f"MLA latent: {mla.kv_lora_rank} + {mla.qk_rope_head_dim} values per token and layer; its attention "

@@ -76,10 +76,11 @@ def test_traits_read_from_the_config(family_dir):
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
-                                     "gemma3_text": "head", "exaone4": "head", "lfm2": "head"}.get(config.model_type)
+                                     "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
+                                     "lfm2": "head"}.get(config.model_type)
     assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "exaone4": "post", "gemma2": "sandwich",
-                                   "gemma3_text": "sandwich"}.get(config.model_type, "pre")
-    if config.model_type.startswith("gemma"):
+                                   "gemma3_text": "sandwich", "gemma4_text": "sandwich"}.get(config.model_type, "pre")
+    if config.model_type in ("gemma2", "gemma3_text"):
         assert config.text_model_of == ("gemma3" if family_dir.name == "gemma3" else None)
         assert config.traits.layer_windows == (8, None, 8) and config.activation == "gelu_tanh"
         assert config.traits.norm_weight_offset == 1.0 and config.traits.attention_scale == 24 ** -0.5
@@ -89,6 +90,16 @@ def test_traits_read_from_the_config(family_dir):
     if family_dir.name == "gemma3_text":
         assert config.traits.local_rope_layers == (True, False, True) and config.local_rope_theta == 1e4
         assert config.rope_theta == 1e6 and config.rope_scaling.rope_type == "linear"
+    if config.model_type == "gemma4_text":  # more in tests/workers/test_gemma4.py
+        assert config.text_model_of == ("gemma4" if family_dir.name == "gemma4" else None)
+        assert config.traits.layer_windows == (8, None, 8, 8, None)
+        assert config.traits.kv_sources == (None, None, None, 2, 1)
+        assert config.traits.layer_head_dims == (16, 32, 16, 16, 32) and config.traits.per_layer_input_size == 8
+        traits = config.traits
+        assert (traits.norm_weight_offset, traits.attention_scale, config.partial_rotary_factor) == (0, 1, 1)
+        assert (config.rope_scaling.rope_type, config.rope_scaling.proportion, config.rope_theta) == ("proportional",
+                                                                                                   0.25, 1e6)
+        assert config.paths.c_layer_loop is not None and "per-layer inputs" in config.paths.c_layer_loop
     if config.model_type == "phi3":
         assert config.traits.fused_projections and config.rotary_dim == config.head_dim // 2
         assert config.rope_scaling.rope_type == "longrope" and config.rope_scaling.attention_factor > 1.0
@@ -127,6 +138,8 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              # 3 layers x 64 channels x 2 inputs x 4 bytes
              "lfm2": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
                      "(short_conv: workers/recurrent.py, 1536 bytes per sequence, in torch ops; 64 prefix-cache snapshots)"}
+    for name in ("gemma4_text", "gemma4"):  # layers 3 and 4 read layers 2's and 1's pools
+        kinds[name] = "keys and values per head in 3 of 5 layers; the other 2 read an earlier layer's (3 <- 2, 4 <- 1)"
     assert info.kv_cache_kind == kinds.get(info.model_type, "keys and values per head")
 
 
