@@ -48,6 +48,7 @@ MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
 RECURRENT_TYPES = ("lfm2",)  # families with layers that keep a state per sequence (workers/recurrent.py)
+SHARED_KV_TYPES = ("gemma4", "gemma4_text")  # families whose last layers read earlier layers' K/V (the Python loop)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
@@ -172,11 +173,15 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
-    # the C loop has no MoE MLP and no recurrent layer: the Python loop over our kernels runs those
-    layer_loop = "python" if family in SERVED_MOE or recurrent else "c"
+    shared_kv = SERVED_FAMILIES[family]["model_type"] in SHARED_KV_TYPES
+    # the C loop has no MoE MLP, no recurrent layer and none of Gemma 4's parts: the Python loop over our kernels
+    layer_loop = "python" if family in SERVED_MOE or recurrent or shared_kv else "c"
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
     if recurrent:
         assert backend["kv_cache_kind"].startswith("keys and values per head in 1 of 4 layers; a fixed-size state")
+    elif shared_kv:
+        assert backend["kv_cache_kind"] == ("keys and values per head in 3 of 5 layers; the other 2 read an earlier "
+                                            "layer's (3 <- 2, 4 <- 1)")
     else:
         assert backend["kv_cache_kind"] == "keys and values per head"
 
