@@ -233,6 +233,60 @@ class MlaTraits:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True, slots=True)
+class Mamba2Traits:
+    """A Mamba-2 mixer (workers/mamba2.py, Granite 4's mamba layers): in_proj splits each token into
+    a gate (inner), the convolved x ++ B ++ C (conv_channels) and a time step per head; the state of
+    a sequence is the conv's last conv_kernel - 1 inputs and an SSM state per head."""
+
+    num_heads: int
+    head_dim: int  # num_heads * head_dim is the mixer's inner width
+    state_size: int  # N: each head's state is [head_dim, N]
+    num_groups: int  # B and C are shared by num_heads / num_groups heads each; the gated norm's groups
+    conv_kernel: int  # the causal conv's width
+    chunk_size: int  # a prompt's scan runs in chunks of this many tokens
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj and out_proj carry biases
+    norm_eps: float = 1e-6
+    time_step_min: float = 0.0  # each time step softplus(dt + dt_bias) is clamped to [min, max]
+    time_step_max: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_groups:
+            raise FamilyError(f"mamba_n_groups {self.num_groups} does not divide mamba_n_heads {self.num_heads}")
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """x, B and C: what the causal conv runs over."""
+        return self.inner + 2 * self.num_groups * self.state_size
+
+    @property
+    def in_proj_rows(self) -> int:
+        return self.inner + self.conv_channels + self.num_heads
+
+
+def mamba2_traits(raw: dict) -> Mamba2Traits:
+    """A granitemoehybrid config's Mamba-2 settings (transformers' GraniteMoeHybridConfig defaults)."""
+    hidden, heads = int(raw["hidden_size"]), int(raw.get("mamba_n_heads", 128))
+    inner = int(raw.get("mamba_expand", 2)) * hidden
+    head_dim = raw.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != inner:
+        raise FamilyError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} is not mamba_expand x hidden_size {inner}")
+    limit = raw.get("time_step_limit") or (0.0, math.inf)
+    return Mamba2Traits(
+        num_heads=heads, head_dim=head_dim, state_size=int(raw.get("mamba_d_state", 256)),
+        num_groups=int(raw.get("mamba_n_groups", 1)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+        chunk_size=int(raw.get("mamba_chunk_size", 256)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        proj_bias=bool(raw.get("mamba_proj_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        time_step_min=float(limit[0]), time_step_max=float(limit[1]),
+    )
+
+
 def _llama(raw: dict) -> FamilyTraits:
     bias = bool(raw.get("attention_bias", False))
     return FamilyTraits(qkv_bias=bias, o_bias=bias)
