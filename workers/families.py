@@ -89,6 +89,12 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 per-head q/k norms (q_layernorm, k_layernorm); the MLP's w1, w3, w2, of a width
                 derived from block_ff_dim; its names (operator_norm, ffn_norm, embedding_norm) read as
                 ours at load (FamilyTraits.tensor_names)
+    granitemoehybrid  Granite 4: Mamba-2 layers (workers/mamba2.py: a conv window and an SSM state per
+                sequence) between attention layers (layer_types "mamba" / "attention"); granite's
+                multipliers; RoPE only with position_embedding_type "rope" (Granite 4.0-H: none); the
+                MLP is shared_mlp (input_linear: gate and up in one tensor), plus a MoE of
+                num_local_experts when there are any (top k logits, softmax over those k), the
+                shared_mlp then its shared expert
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -150,10 +156,11 @@ class FamilyTraits:
     # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
     num_extra_layers: int = 0
     # per layer: the kind of the layer that keeps a fixed-size state per sequence in attention's place
-    # (workers/recurrent.py): "short_conv" (LFM2), ...; None: attention. None: every layer attends
+    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4); None: attention. None: every layer attends
     mixers: tuple[str | None, ...] | None = None
     short_conv_width: int = 3  # "short_conv" layers: tokens the convolution spans (LFM2's conv_L_cache)
     short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
+    mamba2: Mamba2Traits | None = None  # "mamba2" layers (Granite 4's mamba layers, workers/mamba2.py)
     # the checkpoint's names for what ours are called, as (theirs, ours) fragments replaced in every
     # tensor name at load (LFM2's operator_norm is our input_layernorm); (): the same names
     tensor_names: tuple[tuple[str, str], ...] = ()
@@ -296,8 +303,13 @@ def mamba2_traits(raw: dict) -> Mamba2Traits:
         num_groups=int(raw.get("mamba_n_groups", 1)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
         chunk_size=int(raw.get("mamba_chunk_size", 256)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
         proj_bias=bool(raw.get("mamba_proj_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        time_step_min=float(limit[0]), time_step_max=float(limit[1]),
+        time_step_min=_json_float(limit[0]), time_step_max=_json_float(limit[1]),
     )
+
+
+def _json_float(value) -> float:
+    """A number from config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 def _llama(raw: dict) -> FamilyTraits:
@@ -655,6 +667,39 @@ def _lfm2(raw: dict) -> FamilyTraits:
     )
 
 
+def _granitemoehybrid(raw: dict) -> FamilyTraits:
+    """Granite 4 (transformers' GraniteMoeHybridConfig defaults): Mamba-2 layers and attention layers per
+    layer_types, Granite's multipliers, RoPE only with position_embedding_type "rope"; each layer's MLP the
+    shared_mlp (input_linear: gate and up as one tensor; output_linear), beside a MoE of num_local_experts
+    (block_sparse_moe: top k router logits, softmax over those k) when there are any. The checkpoint's names
+    are read as ours (tensor_names): the MLP's as mlp.gate_up_proj / down_proj, or as the MoE's shared expert."""
+    num_layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types") or ["mamba"] * num_layers
+    mamba, attention = {"mamba", "linear_attention"}, {"attention", "full_attention"}
+    if len(kinds) != num_layers or set(kinds) - mamba - attention:
+        raise FamilyError(f"layer_types must name mamba or attention for each of {num_layers} layers: {kinds}")
+    num_experts = int(raw.get("num_local_experts") or 0)
+    shared_width = int(raw.get("shared_intermediate_size", 1024))
+    moe = MoeTraits(
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 2)),
+        intermediate_size=int(raw.get("intermediate_size", 11008)), layers=(True,) * num_layers,
+        scoring="topk_softmax", shared_intermediate_size=shared_width,
+    ) if num_experts > 0 else None
+    mlp = "mlp.shared_expert" if moe is not None else "mlp"
+    names = ((".shared_mlp.input_linear.", f".{mlp}.gate_up_proj."),
+             (".shared_mlp.output_linear.", f".{mlp}.down_proj."),
+             # the MoE: the checkpoint's layout, or transformers' own (save_original_format=False)
+             (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+             (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+             (".block_sparse_moe.router.layer.", ".mlp.gate."), (".block_sparse_moe.router.", ".mlp.gate."),
+             (".block_sparse_moe.experts.", ".mlp.experts."))
+    rope = raw.get("position_embedding_type") == "rope"
+    return replace(_granite(raw), rope_layers=None if rope else (False,) * num_layers, moe=moe,
+                   dense_intermediate_size=shared_width,
+                   mixers=tuple("mamba2" if kind in mamba else None for kind in kinds),
+                   mamba2=mamba2_traits(raw), tensor_names=names)
+
+
 def _yarn_mscale_squared(raw: dict) -> float:
     """DeepSeek's softmax scale factor under yarn: mscale(factor, mscale_all_dim) ** 2, as transformers'
     yarn_apply_mscale (1 without scaling or without mscale_all_dim)."""
@@ -692,6 +737,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama4_text": _llama4_text,
     "deepseek_v3": _deepseek_v3,
     "lfm2": _lfm2,
+    "granitemoehybrid": _granitemoehybrid,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
