@@ -137,6 +137,13 @@ MOE_FAMILIES = {
     "llama4_text": dict(model_type="llama4_text", head_dim=16, num_hidden_layers=4, attention_chunk_size=6,
                         interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                         intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5),
+    # Granite 4 with experts: Mamba-2 layers 0 and 2, attention with RoPE on layer 1; every layer the top 2 of 4
+    # experts of width 48 (softmax over the two logits) plus the shared_mlp of width 56 (the checkpoint's names:
+    # block_sparse_moe.input_linear / output_linear / router.layer, shared_mlp.input_linear / output_linear)
+    "granitemoehybrid-moe": dict(model_type="granitemoehybrid", layer_types=["mamba", "attention", "mamba"],
+                                 position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2,
+                                 intermediate_size=48, shared_intermediate_size=56, mamba_n_heads=4, mamba_d_state=8,
+                                 mamba_chunk_size=8, residual_multiplier=0.5),
 }
 
 # the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside
