@@ -33,9 +33,9 @@ def test_a_granite_4_config_is_read_as_written():
     config = ModelConfig.from_dict(GRANITE_4)
     t, mamba = config.traits, config.traits.mamba2
     assert t.mixers == ("mamba2", "mamba2", None, "mamba2") and t.rope_layers == (False,) * 4
-    assert (mamba.num_heads, mamba.head_dim, mamba.state_size, mamba.num_groups, mamba.conv_kernel) == (16, 32, 64, 1, 4)
-    assert (mamba.inner, mamba.conv_channels, mamba.in_proj_rows) == (512, 512 + 2 * 64, 512 + 640 + 16)
-    assert (mamba.chunk_size, mamba.norm_eps, mamba.time_step_min, mamba.time_step_max) == (256, 1e-5, 0.0, float("inf"))
+    assert (mamba.num_heads, mamba.head_dim, mamba.state_size, mamba.num_groups) == (16, 32, 64, 1)
+    assert (mamba.inner, mamba.conv_channels, mamba.in_proj_rows, mamba.conv_kernel) == (512, 640, 512 + 640 + 16, 4)
+    assert (mamba.chunk_size, mamba.norm_eps, mamba.time_step_min, mamba.time_step_max) == (256, 1e-5, 0, float("inf"))
     assert (t.moe.num_experts, t.moe.top_k, t.moe.intermediate_size, t.moe.scoring) == (8, 3, 64, "topk_softmax")
     assert (t.moe.shared_intermediate_size, t.moe.shared_expert) == (128, "shared_expert")
     assert (t.embedding_multiplier, t.residual_multiplier, t.attention_scale, t.logits_scale) == (12.0, 0.22, 0.0078125,
