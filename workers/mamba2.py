@@ -11,7 +11,7 @@ of width P, G groups, state size N, inner = H * P):
     y             = h @ C + D * u                         [H, P]
     out           = out_proj(gated_rms_norm(y * silu(gate)))   the norm over each group's inner / G values
 
-A sequence's state is its conv's last K - 1 inputs [conv_channels, K - 1] (the model's dtype)
+A sequence's state is its conv's last K - 1 inputs [K - 1, conv_channels] (the model's dtype)
 and h [H, P, N] (fp32). Decodes take one recurrent step for every sequence at once. A prompt
 (or a piece of one) runs the chunked form of the same recurrence (the "state space duality"
 of Mamba-2): within each chunk of chunk_size tokens the outputs are a masked, decay-weighted
@@ -84,7 +84,7 @@ class Mamba2Mixer:
     def state_specs(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """The conv's last K - 1 inputs (the model's dtype) and the SSM state per head (fp32)."""
         t = self.traits
-        return (((t.conv_channels, t.conv_kernel - 1), self.weights.conv.dtype),
+        return (((t.conv_kernel - 1, t.conv_channels), self.weights.conv.dtype),
                 ((t.num_heads, t.head_dim, t.state_size), torch.float32))
 
     def prefill(self, model, x: torch.Tensor, pool: StatePool, row: int) -> torch.Tensor:

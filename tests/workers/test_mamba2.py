@@ -80,7 +80,7 @@ def run_in_pieces(mixer, x: torch.Tensor, pool, row: int, pieces: list[int], bet
 def test_the_state_is_a_conv_window_and_an_fp32_ssm_state_per_head(layers):
     _, mixer = layers
     t = mixer.traits
-    assert mixer.state_specs() == (((t.inner + 2 * t.num_groups * t.state_size, t.conv_kernel - 1), torch.float32),
+    assert mixer.state_specs() == (((t.conv_kernel - 1, t.inner + 2 * t.num_groups * t.state_size), torch.float32),
                                    ((t.num_heads, t.head_dim, t.state_size), torch.float32))
 
 
@@ -124,8 +124,8 @@ def break_ssm_state(pool, row):
 
 def shift_conv_state(pool, row):
     """The conv window one token late: its oldest input repeated, its newest dropped."""
-    window = pool[0][row]
-    window[:, 1:] = window[:, :-1].clone()
+    window = pool[0][row]  # [taps, channels]
+    window[1:] = window[:-1].clone()
 
 
 @pytest.mark.parametrize("between", [break_ssm_state, shift_conv_state])
