@@ -772,11 +772,11 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     late_norms = "q/k norms after RoPE" if traits.qk_norm in ("head_after_rope", "l2_after_rope") else None
     chunks = "chunked attention layers" if traits.layer_chunks is not None else None
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
-    recurrent = "layers with a recurrent state" if traits.mixers is not None else None
+    recurrent = "layers with a recurrent state" if traits.mixers is not None else None  # the C loop calls their mixers
     return FamilyPaths(
         # the experts' MLP, latent attention, late q/k norms, chunked layers and query temperatures have no C
         # form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, recurrent) if why) or None,
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, recurrent) if why) or None,  # grouped experts take
