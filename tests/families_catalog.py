@@ -75,6 +75,14 @@ FAMILIES = {
     # rounded up to 16)
     "lfm2": dict(model_type="lfm2", num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
                  conv_bias=True, conv_L_cache=3, block_ff_dim=96, block_ffn_dim_multiplier=1.5, block_multiple_of=16),
+    # Granite 4: Mamba-2 layers 0, 1 and 3 (4 heads of 32 in 2 groups, a state of 8, a 4-token conv window, chunks
+    # of 8: prompts cross several), attention without RoPE on layer 2; granite's multipliers; the shared_mlp of
+    # width 96 as every layer's MLP (no experts)
+    "granitemoehybrid": dict(model_type="granitemoehybrid", num_hidden_layers=4,
+                             layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0,
+                             shared_intermediate_size=96, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                             mamba_d_conv=4, mamba_chunk_size=8, embedding_multiplier=4.0, residual_multiplier=0.4,
+                             attention_multiplier=0.09, logits_scaling=3.0),
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                                       short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.0, 3.0, 4.5])),
@@ -146,6 +154,13 @@ MOE_FAMILIES = {
     "llama4_text": dict(model_type="llama4_text", head_dim=16, num_hidden_layers=4, attention_chunk_size=6,
                         interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                         intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5),
+    # Granite 4 with experts: Mamba-2 layers 0 and 2, attention with RoPE on layer 1; every layer the top 2 of 4
+    # experts of width 48 (softmax over the two logits) plus the shared_mlp of width 56 (the checkpoint's names:
+    # block_sparse_moe.input_linear / output_linear / router.layer, shared_mlp.input_linear / output_linear)
+    "granitemoehybrid-moe": dict(model_type="granitemoehybrid", layer_types=["mamba", "attention", "mamba"],
+                                 position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2,
+                                 intermediate_size=48, shared_intermediate_size=56, mamba_n_heads=4, mamba_d_state=8,
+                                 mamba_chunk_size=8, residual_multiplier=0.5),
 }
 
 # the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside

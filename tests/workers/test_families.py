@@ -124,9 +124,16 @@ def test_traits_read_from_the_config(family_dir):
         assert config.paths.c_layer_loop is None  # the C loop calls the mixers back
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
-    if config.model_type == "granite":
+    if config.model_type in ("granite", "granitemoehybrid"):
         assert (config.traits.embedding_multiplier, config.traits.residual_multiplier, config.traits.attention_scale) == (4.0, 0.4, 0.09)
         assert config.traits.logits_scale == pytest.approx(1 / 3)
+    if config.model_type == "granitemoehybrid":
+        mamba = config.traits.mamba2
+        assert config.traits.mixers == ("mamba2", "mamba2", None, "mamba2") and config.traits.moe is None
+        assert (mamba.num_heads, mamba.head_dim, mamba.num_groups, mamba.state_size, mamba.chunk_size) == (4, 32, 2, 8, 8)
+        assert config.traits.rope_layers == (False,) * 4 and config.intermediate_size == 96  # the shared_mlp's
+        assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
+        assert config.paths.c_layer_loop is None  # the C loop calls the mixers back
 
 
 def test_model_info_names_the_family_and_the_layer_loop(family_dir):
@@ -137,7 +144,11 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
                             "(prompts expanded, decodes absorbed), not on our C loop or kernels",
              # 3 layers x 64 channels x 2 inputs x 4 bytes
              "lfm2": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
-                     "(short_conv: workers/recurrent.py, 1536 bytes per sequence, in torch ops; 64 prefix-cache snapshots)"}
+                     "(short_conv: workers/recurrent.py, 1536 bytes per sequence, in torch ops; 64 prefix-cache snapshots)",
+             # 3 layers x (160 conv channels x 3 inputs + 4 heads x 32 x 8 of SSM state) x 4 bytes
+             "granitemoehybrid": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the "
+                                 "other 3 (mamba2: workers/recurrent.py, 18048 bytes per sequence, in torch ops; "
+                                 "64 prefix-cache snapshots)"}
     for name in ("gemma4_text", "gemma4"):  # layers 3 and 4 read layers 2's and 1's pools
         kinds[name] = "keys and values per head in 3 of 5 layers; the other 2 read an earlier layer's (3 <- 2, 4 <- 1)"
     assert info.kv_cache_kind == kinds.get(info.model_type, "keys and values per head")
