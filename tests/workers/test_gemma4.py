@@ -136,3 +136,11 @@ def test_proportional_rope_equals_transformers():
     expected, _ = ROPE_INIT_FUNCTIONS["proportional"](hf_config, "cpu", layer_type="full_attention")
     ours = inverse_frequencies(32, config.rope_theta, config.rope_scaling)
     assert torch.equal(ours, expected) and int((ours != 0).sum()) == 4
+
+
+def test_lora_is_refused_in_one_line(model_dir, tmp_path):
+    """qkv's rows differ between Gemma 4's layers (head sizes, layers projecting q alone): not ours to adapt yet."""
+    from workers.lora import LoraError, load_adapter
+
+    with pytest.raises(LoraError, match="differ in head size or share K/V"):
+        load_adapter("a", tmp_path, ModelConfig.from_model_dir(model_dir), torch.float32)
