@@ -233,6 +233,36 @@ class MlaTraits:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True, slots=True)
+class GatedDeltaTraits:
+    """A Gated DeltaNet mixer (workers/gated_delta.py, Qwen3-Next's linear_attention layers): a
+    causal convolution over q, k and v, then a linear attention whose state per value head is a
+    [head_k_dim, head_v_dim] matrix, updated by the gated delta rule."""
+
+    num_k_heads: int  # query and key heads (linear_num_key_heads)
+    num_v_heads: int  # value heads (linear_num_value_heads), a multiple of num_k_heads
+    head_k_dim: int  # each query and key head's width (linear_key_head_dim)
+    head_v_dim: int  # each value head's width (linear_value_head_dim)
+    conv_kernel: int  # the causal convolution's width (linear_conv_kernel_dim)
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise FamilyError(f"{self.num_v_heads} value heads do not share {self.num_k_heads} key heads evenly")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
 def _llama(raw: dict) -> FamilyTraits:
     bias = bool(raw.get("attention_bias", False))
     return FamilyTraits(qkv_bias=bias, o_bias=bias)
