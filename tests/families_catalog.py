@@ -124,6 +124,14 @@ MOE_FAMILIES = {
     "llama4_text": dict(model_type="llama4_text", head_dim=16, num_hidden_layers=4, attention_chunk_size=6,
                         interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                         intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5),
+    # Qwen3-Next with every layer full attention (its Gated DeltaNet layers: FAMILIES' "qwen3_next"): q_proj's rows
+    # each head's query then its output gate, per-head q/k norms and every norm x (1 + w), a quarter of each head
+    # rotated (the default), q, k, v and o biases; layer 0 dense (mlp_only_layers), 1 and 2 MoE: top 2 of 5
+    # experts renormalised (the default) plus a shared expert of width 56 gated by sigmoid(x . shared_expert_gate)
+    "qwen3_next-full-attention": dict(model_type="qwen3_next", head_dim=16, layer_types=["full_attention"] * 3,
+                                      attention_bias=True, num_experts=5, num_experts_per_tok=2,
+                                      moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                                      mlp_only_layers=[0]),
 }
 
 # the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside

@@ -141,6 +141,9 @@ class FamilyTraits:
     # None: intermediate_size
     dense_intermediate_size: int | None = None
     mla: MlaTraits | None = None  # multi-head latent attention in every layer (DeepSeek V3); None: q/k/v heads
+    # q_proj gives each head's query and then its gate ([heads, 2, head_dim] rows, split at load); the attention's
+    # output x sigmoid(gate) before o_proj (Qwen3-Next's full-attention layers)
+    attention_output_gate: bool = False
     # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
     # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
     num_extra_layers: int = 0
@@ -408,10 +411,16 @@ def _qwen2_moe(raw: dict) -> FamilyTraits:
     return FamilyTraits(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False, moe=moe)
 
 
-def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
+# transformers' defaults of the keys _qwen_moe reads, per family
+QWEN_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False)
+QWEN3_NEXT_MOE_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True)
+
+
+def _qwen_moe(raw: dict, defaults: dict = QWEN_MOE_DEFAULTS, **shared) -> MoeTraits | None:
     """Qwen's MoE layers: every decoder_sparse_step-th layer but mlp_only_layers (None: no MoE layer)."""
     num_layers = int(raw["num_hidden_layers"])
-    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))  # transformers 5 saves the latter
+    # transformers 5 saves num_local_experts
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", defaults["num_experts"])))
     step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise FamilyError(f"decoder_sparse_step {step} is not a positive layer interval")
@@ -420,10 +429,41 @@ def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
     if not any(layers):
         return None
     return MoeTraits(
-        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)),
-        intermediate_size=int(raw.get("moe_intermediate_size", 768)), layers=layers,
-        renormalize=bool(raw.get("norm_topk_prob", False)), **shared,
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])),
+        intermediate_size=int(raw.get("moe_intermediate_size", defaults["moe_intermediate_size"])), layers=layers,
+        renormalize=bool(raw.get("norm_topk_prob", defaults["norm_topk_prob"])), **shared,
     )
+
+
+def _qwen3_next(raw: dict) -> FamilyTraits:
+    """Qwen3-Next: Gated DeltaNet layers (linear_attention) between full-attention layers whose q_proj
+    also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but the Gated
+    DeltaNet's own; qwen2_moe's MoE layers with a gated shared expert, renormalised by default."""
+    types = qwen3_next_layer_types(raw)
+    if "linear_attention" in types:
+        raise FamilyError("qwen3_next's linear_attention (Gated DeltaNet) layers are not served yet")
+    shared = int(raw.get("shared_expert_intermediate_size", 512))
+    moe = _qwen_moe(raw, QWEN3_NEXT_MOE_DEFAULTS, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head", norm_weight_offset=1.0,
+                        attention_output_gate=True, moe=moe)
+
+
+def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
+    """Each layer's kind, "linear_attention" or "full_attention": layer_types, else every
+    full_attention_interval-th layer full (transformers' Qwen3NextConfig, default 4)."""
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval", 4))
+        if interval < 1:
+            raise FamilyError(f"full_attention_interval {interval} is not a positive layer interval")
+        types = ["full_attention" if (layer + 1) % interval == 0 else "linear_attention" for layer in range(num_layers)]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise FamilyError(f"qwen3_next needs layer_types of linear_attention / full_attention, one per layer "
+                          f"({num_layers}); got {types}")
+    return tuple(types)
 
 
 def _glm4_moe(raw: dict) -> FamilyTraits:
@@ -623,6 +663,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "gpt_oss": _gpt_oss,
     "llama4_text": _llama4_text,
     "deepseek_v3": _deepseek_v3,
+    "qwen3_next": _qwen3_next,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
@@ -632,7 +673,7 @@ SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # partial_rotary_factor where a family's config has none (and no rotary_dim): transformers' default for it
-PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5}
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25}
 # tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
 # differences between experts decide the choice, and bf16 would round them away
 FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)
@@ -657,14 +698,16 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     late_norms = "q/k norms after RoPE" if traits.qk_norm in ("head_after_rope", "l2_after_rope") else None
     chunks = "chunked attention layers" if traits.layer_chunks is not None else None
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
+    gate = "an attention output gate" if traits.attention_output_gate else None
     return FamilyPaths(
-        # the experts' MLP, latent attention, late q/k norms, chunked layers and query temperatures have no C
-        # form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature) if why) or None,
+        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures and output gates
+        # have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
-        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier) if why) or None,  # grouped experts take
-    )  # plain weights; a multiplier is folded into them
+        # grouped experts take plain weights; a multiplier is folded into them; q_proj's rows are split at load
+        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, gate) if why) or None,
+    )
 
 
 def rope_type_of(model_type: str | None, rope_type: str) -> str:

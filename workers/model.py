@@ -135,6 +135,10 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
     moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
     mla: MlaWeights | None = None  # multi-head latent attention (workers/mla.py) in place of qkv; None: q/k/v heads
+    # [num_heads * head_dim, hidden]: the attention's output x sigmoid(x @ attn_gate.T + attn_gate_bias) before o_proj
+    # (Qwen3-Next; q_proj's gate rows, split from its query rows at load); None: no gate
+    attn_gate: object | None = None
+    attn_gate_bias: torch.Tensor | None = None  # [num_heads * head_dim]
 
 
 # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim] in torch_ref's layout; an MLA layer's:
@@ -276,8 +280,10 @@ class PagedLlamaModel:
             q = _temperature_tuned(q, positions, *layer.query_temperature)
         step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks,
-                               attention_chunk=layer.attention_chunk)
-        return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
+                               attention_chunk=layer.attention_chunk).reshape(x.shape[0], -1)
+        if layer.attn_gate is not None:
+            attended = attended * torch.sigmoid(self.linear(x, layer.attn_gate, layer.attn_gate_bias))
+        return self._product(attended, layer.o, layer.o_bias, lora, index, "o")
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor | GgufWeight],
@@ -433,6 +439,26 @@ class _WeightReader:
                 raise WeightError(f"{tensor_name} is a {tensor.label} weight; interleaved RoPE needs it plain")
             self.tensors[tensor_name] = deinterleave_rows(tensor, num_heads, self.config)
 
+    def split_output_gate(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """name.weight's (and name.bias's, where the family has q biases) rows, each head's query then
+        its gate ([heads, 2, head_dim] rows: Qwen3-Next's q_proj), split: the queries stay in the
+        checkpoint under name, to be fused with k and v; returns the gates (weight, bias or None)."""
+        c = self.config
+        rows = c.num_heads * c.head_dim
+        parts = []
+        for suffix, shape in ((".weight", (2 * rows, c.hidden_size)), (".bias", (2 * rows,))):
+            if suffix == ".bias" and not c.traits.qkv_bias:
+                parts.append(None)
+                continue
+            tensor = self.take(name + suffix, shape)
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightError(f"{name + suffix} is a {tensor.label} weight; its query and gate rows are split "
+                                  "at load, which needs it plain")
+            per_head = tensor.view(c.num_heads, 2, c.head_dim, *shape[1:])
+            self.tensors[name + suffix] = per_head[:, 0].reshape(rows, *shape[1:]).contiguous()
+            parts.append(per_head[:, 1].reshape(rows, *shape[1:]).contiguous())
+        return parts[0], parts[1]
+
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))
 
@@ -472,6 +498,7 @@ class _WeightReader:
         if c.traits.rope_interleaved:
             self.deinterleave_rope(attn + "q_proj", c.num_heads)
             self.deinterleave_rope(attn + "k_proj", c.num_kv_heads)
+        gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
         q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
                                       if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
@@ -515,6 +542,8 @@ class _WeightReader:
             softcap=c.traits.attention_softcap,
             sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,
+            attn_gate=None if gate is None else self.pack(gate),
+            attn_gate_bias=gate_bias,
         )
 
     def mla_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:

@@ -131,7 +131,7 @@ def test_router_bias_is_added_before_the_top_k():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
-                                    "minimax_m2", "ernie4_5_moe", "llama4_text"])
+                                    "minimax_m2", "ernie4_5_moe", "llama4_text", "qwen3_next-renormalised"])
 def test_routing_equals_transformers_routers(family):
     """Our route() on transformers' router modules' logits picks the same experts with the same weights
     (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id; Llama 4's gives
@@ -144,13 +144,15 @@ def test_routing_equals_transformers_routers(family):
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
     model_type = family.split("-")[0]
     config = AutoConfig.for_model(model_type, hidden_size=32, num_local_experts=8, num_experts=8, num_experts_per_tok=3,
                                   norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG)
     router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
                     "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter,
-                    "ernie4_5_moe": Ernie4_5_MoeTopKRouter, "llama4_text": Llama4Router}
+                    "ernie4_5_moe": Ernie4_5_MoeTopKRouter, "llama4_text": Llama4Router,
+                    "qwen3_next": Qwen3NextTopKRouter}
     router = router_class[model_type](config)
     torch.manual_seed(2)
     correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
@@ -164,6 +166,7 @@ def test_routing_equals_transformers_routers(family):
     traits = {
         "mixtral": traits_of(num_experts=8, top_k=3),
         "qwen3_moe": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
+        "qwen3_next": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
         "gpt_oss": traits_of("topk_softmax", num_experts=8, top_k=3, router_bias=True),
         "glm4_moe": traits_of("sigmoid_topk", num_experts=8, top_k=3, renormalize=False, **GROUPED),
         "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
@@ -339,7 +342,7 @@ def test_layers_and_model_info(moe_dir):
                                                  "moe_num_experts") if key in settings)
     assert config.traits.moe.num_experts == num_experts
     qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection",
-                "hunyuan_v1_moe": "head_after_rope", "llama4_text": "l2_after_rope"}
+                "hunyuan_v1_moe": "head_after_rope", "llama4_text": "l2_after_rope", "qwen3_next": "head"}
     assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
