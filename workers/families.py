@@ -147,6 +147,9 @@ class FamilyTraits:
     # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
     # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
     num_extra_layers: int = 0
+    # tensors outside the layers that a checkpoint may hold and we do not run, by name prefix, skipped at load
+    # (Qwen3-Next's multi-token-prediction module, "mtp.")
+    skipped_prefixes: tuple[str, ...] = ()
 
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
@@ -446,7 +449,7 @@ def _qwen3_next(raw: dict) -> FamilyTraits:
     moe = _qwen_moe(raw, QWEN3_NEXT_MOE_DEFAULTS, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
     bias = bool(raw.get("attention_bias", False))
     return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head", norm_weight_offset=1.0,
-                        attention_output_gate=True, moe=moe)
+                        attention_output_gate=True, moe=moe, skipped_prefixes=("mtp.",))
 
 
 def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:

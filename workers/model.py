@@ -313,6 +313,8 @@ class PagedLlamaModel:
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
         for index in range(config.num_layers, config.num_layers + config.traits.num_extra_layers):
             weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's, DeepSeek's MTP)
+        for prefix in config.traits.skipped_prefixes:  # modules we do not run (Qwen3-Next's MTP)
+            weights.discard_prefix(prefix)
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)

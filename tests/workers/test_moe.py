@@ -486,6 +486,22 @@ def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_
     assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 
+def test_qwen3_next_multi_token_prediction_module_is_skipped(tmp_path):
+    """Qwen3-Next checkpoints ship an MTP module beside the model (mtp.*), which we do not run: never
+    read from safetensors, and dropped where it reaches the model builder."""
+    from workers.loader import layers_not_run, read_safetensors
+
+    model_dir = build_tiny_model_dir(tmp_path / "qwen3_next", **CHECKPOINTS["qwen3_next-full-attention"])
+    tensors = load_file(model_dir / "model.safetensors")
+    mtp = {"mtp.fc.weight": torch.ones(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)}
+    save_file(dict(tensors, **mtp), model_dir / "model.safetensors", metadata={"format": "pt"})
+    read = read_safetensors(model_dir, None, skip=layers_not_run(ModelConfig.from_model_dir(model_dir)))
+    assert set(read) == set(tensors)
+    assert len(load_tensors(model_dir, dict(tensors, **mtp)).layers) == 3
+    with pytest.raises(WeightError, match="unexpected tensors: mtpx.fc.weight"):
+        load_tensors(model_dir, dict(tensors, **{"mtpx.fc.weight": torch.ones(2, 2)}))
+
+
 def load_tensors(model_dir, tensors: dict, **kwargs) -> PagedLlamaModel:
     config = ModelConfig.from_model_dir(model_dir)
     if kwargs:
