@@ -442,6 +442,8 @@ def _qwen3_next(raw: dict) -> FamilyTraits:
     """Qwen3-Next: Gated DeltaNet layers (linear_attention) between full-attention layers whose q_proj
     also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but the Gated
     DeltaNet's own; qwen2_moe's MoE layers with a gated shared expert, renormalised by default."""
+    if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
+        raise FamilyError(f"qwen3_next with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
     types = qwen3_next_layer_types(raw)
     if "linear_attention" in types:
         raise FamilyError("qwen3_next's linear_attention (Gated DeltaNet) layers are not served yet")
