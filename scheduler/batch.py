@@ -22,6 +22,10 @@ class StepBatch:
     num_prompt_tokens: int = 0  # scheduled tokens at prompt positions
     lora_unloads: list[str] = field(default_factory=list)  # adapters the worker drops before the forward
     lora_loads: dict[str, str] = field(default_factory=dict)  # adapter name -> directory, loaded before the forward
+    state_forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child): recurrent states copied
+    state_saves: dict[str, tuple[int, int]] = field(default_factory=dict)  # request_id -> (position, snapshot slot)
+    state_restores: dict[str, int] = field(default_factory=dict)  # request_id -> the snapshot its state starts from
+    starts: dict[str, int] = field(default_factory=dict)  # request_id -> the position its tokens start at
 
     def add(
         self, request: Request, num_tokens: int, new_block_ids: list[int], block_table: Callable[[], list[int]],
@@ -46,11 +50,13 @@ class StepBatch:
                     num_computed_tokens=start,
                     lora_name=request.lora_name,
                     lora_path=request.lora_path,
+                    state_snapshot=self.state_restores.get(rid),
                 )
             )
             request.sent_to_worker = True
         self.num_scheduled_tokens[rid] = num_tokens
         self.scheduled[rid] = request
+        self.starts[rid] = start
         self.total_num_scheduled_tokens += num_tokens
         num_prompt = len(request.prompt_token_ids)
         if start < num_prompt:
@@ -66,6 +72,8 @@ class StepBatch:
             copy_blocks=list(self.copies.values()),
             lora_unloads=self.lora_unloads,
             lora_loads=self.lora_loads,
+            state_forks=self.state_forks,
+            state_saves=self.state_saves,
         )
 
 

@@ -56,6 +56,10 @@ class SchedulerConfig:
     max_loras: int = 4
     max_cpu_loras: int = 8
     max_lora_wait_steps: int = 32
+    # The worker's model has recurrent layers (workers/recurrent.py): a prefix hit also needs a snapshot of
+    # their states at its end, of which the worker keeps num_state_snapshots (scheduler/state_snapshots.py).
+    recurrent_state: bool = False
+    num_state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         assert 1 <= self.max_loras <= self.max_cpu_loras, (self.max_loras, self.max_cpu_loras)

@@ -73,6 +73,9 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose KV is already in the pool (prefix hit / fork)
     lora_name: str | None = None  # the LoRA adapter to apply (loaded on the worker); None: the base model
     lora_path: str | None = None  # where it is, should the worker not hold it (None: the worker's start-time list)
+    # recurrent layers: the prefix-cache snapshot its state starts from (a hit of num_computed_tokens; the
+    # scheduler's scheduler/state_snapshots.py); None: from zero, or from its fork (SchedulerOutput.state_forks)
+    state_snapshot: int | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +96,11 @@ class SchedulerOutput:
     # LoRA adapters (scheduler/lora_slots.py), applied before the forward, unloads first:
     lora_unloads: list[str] = field(default_factory=list)  # adapter names the worker drops
     lora_loads: dict[str, str] = field(default_factory=dict)  # adapter name -> its directory, to load
+    # recurrent layers (workers/recurrent.py), before the finished are dropped: (parent, child) of each n>1 fork
+    # this step, the child's state a copy of the parent's; and request id -> (position, snapshot): keep its state
+    # after that many tokens as that prefix-cache snapshot (scheduler/state_snapshots.py)
+    state_forks: list[tuple[str, str]] = field(default_factory=list)
+    state_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

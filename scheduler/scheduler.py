@@ -57,6 +57,7 @@ from scheduler.block_pool import KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from scheduler.lora_slots import LoraSlots, SlotPlan
+from scheduler.state_snapshots import StateSnapshots
 from scheduler.outputs import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import CumulativeStats, StepStats
@@ -84,6 +85,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)  # token ids that finish with "stop"
         self.block_hasher = BlockHasher(config.block_size, hash_fn)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        # recurrent layers' prefix caching: which prefixes' states the worker keeps (None: no recurrent layers, or
+        # no prefix caching)
+        self.snapshots = (StateSnapshots(config.num_state_snapshots)
+                          if config.recurrent_state and config.enable_prefix_caching else None)
         self.requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.seqs_of_client: dict[str, list[str]] = {}  # client request id -> its live request_ids
         self.waiting: deque[Request] = deque()  # admission order; preempted ones at the front
@@ -205,6 +210,8 @@ class Scheduler:
         for request in requests:
             request.reset_for_recompute()
         self.kv.reset()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         self._lora_unloads.extend(self.loras.reset())  # a live worker (fail_all) drops them with the next step
         self.requests.clear()
         self.seqs_of_client.clear()
@@ -302,6 +309,8 @@ class Scheduler:
         if batch.total_num_scheduled_tokens > 0:
             finished, self.finished_for_worker = self.finished_for_worker, set()
             self._hand_out_loras(batch)
+            if self.snapshots is not None:
+                self._plan_state_saves(batch)
         output = batch.build(finished)
         self._fill_schedule_stats(stats, batch)
         if not output.is_empty:
@@ -396,6 +405,8 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             if result.copy is not None:
                 batch.copies[child.request_id] = result.copy
+            if self.config.recurrent_state:  # the child's recurrent states start as the parent's
+                batch.state_forks.append((parent.request_id, child.request_id))
             self._register(child)
         i = self.running.index(parent)
         self.running[i : i + 1] = children  # the children take the parent's age
@@ -445,6 +456,8 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                     continue
             computed = self.kv.get_computed_blocks(request, landing)
+            if self.config.recurrent_state:
+                computed = self._with_state_snapshot(request, computed, batch)
             if self._may_wait_for_prefix(request, computed):
                 if being_computed is None:
                     being_computed = self._hashes_being_computed()
@@ -506,11 +519,43 @@ class Scheduler:
         if plan.load:
             batch.lora_loads[plan.name] = plan.path
 
+    def _holds_fork_state(self, request: Request) -> bool:
+        """A fork child's recurrent states are the worker's from the fork on, sent to it or not."""
+        return self.config.recurrent_state and request.parent_request_id is not None
+
+    def _with_state_snapshot(self, request: Request, computed: ComputedBlocks, batch: StepBatch) -> ComputedBlocks:
+        """A recurrent model's prefix hit: cut back to the longest prefix whose states the worker kept
+        (scheduler/state_snapshots.py), and that snapshot noted for the worker; no hit without one."""
+        num_blocks = len(computed.blocks)
+        while num_blocks > 0:
+            slot = self.snapshots.lookup(request.block_hashes[num_blocks - 1]) if self.snapshots else None
+            if slot is not None:
+                batch.state_restores[request.request_id] = slot
+                break
+            num_blocks -= 1
+        return ComputedBlocks(computed.blocks[:num_blocks], num_blocks * self.config.block_size)
+
+    def _plan_state_saves(self, batch: StepBatch) -> None:
+        """Each scheduled request whose step reaches the last block boundary before its last prompt
+        token keeps its state there as a snapshot (scheduler/state_snapshots.py)."""
+        size = self.config.block_size
+        for rid, num_tokens in batch.num_scheduled_tokens.items():
+            request = batch.scheduled[rid]
+            boundary = (request.num_prompt_tokens - 1) // size * size
+            start = batch.starts[rid]
+            if boundary == 0 or not start < boundary <= start + num_tokens:
+                continue
+            if len(request.block_hashes) < boundary // size:
+                continue  # no hashes (prefix caching off for it)
+            slot = self.snapshots.reserve(request.block_hashes[boundary // size - 1])
+            if slot is not None:
+                batch.state_saves[rid] = (boundary, slot)
+
     def _may_wait_for_prefix(self, request: Request, computed: ComputedBlocks) -> bool:
         """Whether waiting could give the request a prefix hit of min_shared_prefix_to_wait more tokens."""
         min_tokens = self.config.min_shared_prefix_to_wait
-        if min_tokens is None or not self.config.enable_prefix_caching:
-            return False
+        if min_tokens is None or not self.config.enable_prefix_caching or self.config.recurrent_state:
+            return False  # recurrent layers: the blocks alone are no hit (they need a state snapshot)
         max_hit = (request.num_tokens_to_compute - 1) // self.config.block_size * self.config.block_size
         return max_hit - computed.num_tokens >= min_tokens
 
@@ -651,7 +696,7 @@ class Scheduler:
         self.num_running_seqs -= request.num_seqs
         self.kv.free(request)
         batch.copies.pop(request.request_id, None)  # a child forked this step: no copy needed
-        if request.sent_to_worker:
+        if request.sent_to_worker or self._holds_fork_state(request):
             self.finished_for_worker.add(request.request_id)
         request.reset_for_recompute()
         self.waiting.appendleft(request)
@@ -712,7 +757,7 @@ class Scheduler:
         """Finishes a request that is already off the waiting queue (running list: caller's)."""
         request.status = status
         self.kv.free(request)
-        if request.sent_to_worker:
+        if request.sent_to_worker or self._holds_fork_state(request):
             self.finished_for_worker.add(request.request_id)
         del self.requests[request.request_id]
         seqs = self.seqs_of_client[request.client_request_id]

@@ -12,6 +12,11 @@ Checks on every step:
 - nothing is scheduled past the tokens the worker knows, or past the block table;
 - a block written this step is referenced by no other live request, and never block 0;
 - every position read (all of [0, end)) holds the digest of this request's own prefix.
+
+With `recurrent`, it also keeps what a model with recurrent layers keeps per request (workers/
+recurrent.py): a state, here the digest of the prefix it has folded and its length. A step must
+continue it exactly; a fork copies the parent's (before the parent is forgotten); a prefix hit
+restores a snapshot, which must be of this request's own prefix, of exactly the hit's length.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class FakeRunner:
         check_kv: bool = True,
         delay_s: float = 0.0,
         next_token_fn: NextTokenFn | None = None,
+        recurrent: bool = False,
     ) -> None:
         self.block_size = block_size  # tokens per block, as the scheduler's
         self.vocab_size = vocab_size  # sampled ids are in [0, vocab_size)
@@ -90,6 +96,10 @@ class FakeRunner:
         self.lora_of: dict[str, str] = {}  # request_id -> its adapter, for requests of one
         self.num_lora_loads = 0  # adapters loaded, ever
         self.loras_per_step: list[set[str]] = []  # per step: the distinct adapters it ran
+        self.recurrent = recurrent  # keep and check a state per request (see the module doc)
+        self.states: dict[str, tuple[int, int]] = {}  # request_id -> (tokens folded, digest of them)
+        self.snapshots: dict[int, tuple[int, int]] = {}  # snapshot slot -> (tokens, digest)
+        self.num_restores = 0  # prefix hits that restored a snapshot
 
     def default_next_token(self, digest: int, params: SamplingParams, position: int) -> int:
         if params.is_greedy:
@@ -103,7 +113,11 @@ class FakeRunner:
         so = scheduler_output
         self.num_steps += 1
         self.scheduled_history.append(dict(so.num_scheduled_tokens))
+        for parent, child in so.state_forks:
+            assert self.recurrent, "state forks for a worker without recurrent layers"
+            self.states[child] = self.states[parent]  # KeyError: the parent's state is gone
         for rid in so.finished_request_ids:
+            self.states.pop(rid, None)
             # a request whose first step failed may be named without ever being registered
             # (Engine.fail_all); one registered and already forgotten may not, but after a failure
             assert rid in self.requests or rid not in self.registered or self.forgets_may_repeat, (
@@ -134,6 +148,8 @@ class FakeRunner:
         assert listed == set(so.num_scheduled_tokens), "scheduled and listed requests differ"
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         self._check_exclusive_writes(so.num_scheduled_tokens)
+        assert set(so.state_saves) <= set(so.num_scheduled_tokens), "a snapshot of a request the step does not run"
+        self._saves = so.state_saves
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         for rid, num_tokens in so.num_scheduled_tokens.items():
@@ -155,6 +171,15 @@ class FakeRunner:
         self.requests[rid] = FakeSeq(
             rid, tokens, len(new.prompt_token_ids), new.sampling_params, list(new.block_ids), new.num_computed_tokens
         )
+        if not self.recurrent:
+            assert new.state_snapshot is None, f"{rid}: a snapshot for a worker without recurrent layers"
+        elif new.state_snapshot is not None:
+            self.states[rid] = self.snapshots[new.state_snapshot]
+            self.num_restores += 1
+        elif new.num_computed_tokens == 0:
+            self.states[rid] = (0, 0)
+        assert not self.recurrent or self.states.get(rid, (None,))[0] == new.num_computed_tokens, (
+            f"{rid} starts at {new.num_computed_tokens} with a state of {self.states.get(rid)}")
 
     def _check_exclusive_writes(self, num_scheduled: dict[str, int]) -> None:
         owners: dict[int, list[str]] = {}
@@ -181,6 +206,8 @@ class FakeRunner:
             for p in range(end):
                 got = self.kv[seq.block_table[p // bs]][p % bs]
                 assert got == seq.digest_at(p), f"{seq.request_id}: wrong KV at position {p}"
+        if self.recurrent:
+            self._fold(seq, start, end)
         seq.num_computed_tokens = end
         self.num_computed_per_request[seq.request_id] += num_tokens
         if end < len(seq.token_ids):
@@ -190,6 +217,19 @@ class FakeRunner:
         token = self.next_token_fn(last, seq.sampling_params, len(seq.token_ids) - seq.num_prompt_tokens)
         seq.token_ids.append(token)
         return token
+
+
+    def _fold(self, seq: FakeSeq, start: int, end: int) -> None:
+        """The recurrent state goes from start to end, taking the step's snapshot on the way."""
+        rid = seq.request_id
+        assert self.states[rid] == (start, seq.digest_at(start - 1) if start else 0), (
+            f"{rid}: computes from {start} over a state of {self.states[rid][0]} tokens, or of another prefix")
+        save = self._saves.get(rid)
+        if save is not None:
+            position, slot = save
+            assert start <= position <= end, (rid, save, start, end)
+            self.snapshots[slot] = (position, seq.digest_at(position - 1))
+        self.states[rid] = (end, seq.digest_at(end - 1))
 
 
 class InstantRunner:

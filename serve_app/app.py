@@ -90,6 +90,8 @@ def runner_kwargs(args: AppArgs, plan: ResourcePlan) -> dict[str, Any]:
         "seed": args.seed,
         "lora_adapters": tuple(args.lora_adapters.items()),
         "max_lora_rank": args.max_lora_rank,
+        "max_num_seqs": args.max_num_seqs,
+        "state_snapshots": args.state_snapshots,
         "measure_step_costs": True,  # the scheduler's prompt-batching rules follow them (scheduler/step_costs.py)
     }
 
@@ -161,6 +163,8 @@ class EngineSupervisor:
             num_blocks=min(info.num_blocks for info in infos),
             max_model_len=min(info.max_model_len for info in infos),
             step_costs=infos[0].step_costs,
+            recurrent_state=infos[0].has_recurrent_state,
+            num_state_snapshots=min(info.num_state_snapshots for info in infos),
         )
         self._prefill_rules = {name: {"value": value, "from": source} for name, (value, source) in
                                args.prefill_rule_sources(infos[0].step_costs, infos[0].block_size).items()}

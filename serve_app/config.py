@@ -213,6 +213,10 @@ class AppArgs(BaseModel):
         "computed twice rather than delay it by the step or two before they are cached. null: never wait.",
     )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one worker's running batch at most.")
+    state_snapshots: int = Field(
+        64, ge=0, description="Models with recurrent layers (LFM2's convolutions, ...): prompt prefixes whose layer "
+        "states a worker keeps for prefix-cache hits, one sequence's states each, out of kv_cache_memory_bytes. "
+        "0: a repeated prompt is computed again.")
     enable_prefix_caching: bool = Field(True, description="Reuse computed prompt blocks across requests.")
     enable_chunked_prefill: bool = Field(
         True,
@@ -450,7 +454,8 @@ class AppArgs(BaseModel):
         )
 
     def scheduler_config(self, *, block_size: int, num_blocks: int, max_model_len: int,
-                         step_costs: StepCosts | None = None) -> SchedulerConfig:
+                         step_costs: StepCosts | None = None, recurrent_state: bool = False,
+                         num_state_snapshots: int = 0) -> SchedulerConfig:
         """The scheduler's config, given what the workers report about their KV pools and (where
         they measured them) their step costs: the prompt-batching knobs not set in the config follow
         from those (scheduler/step_costs.py), the app's defaults where there are none."""
@@ -476,6 +481,8 @@ class AppArgs(BaseModel):
             min_shared_prefix_to_wait=self.min_shared_prefix_to_wait,
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
+            recurrent_state=recurrent_state,
+            num_state_snapshots=num_state_snapshots,
         )
 
     def prefill_rules(self, step_costs: StepCosts | None, block_size: int) -> dict[str, Any]:

@@ -53,6 +53,11 @@ FAMILIES = {
     "seed_oss": dict(model_type="seed_oss", attention_out_bias=True, mlp_bias=True, head_dim=24),
     # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
     # (the attention factor scales cos and sin everywhere)
+    # short-convolution layers 0, 1 and 3 (a state per sequence: the last 2 inputs of a 3-token kernel, with biases),
+    # full attention with per-head q/k norms on layer 2; the MLP width from block_ff_dim (auto-adjusted: 2/3, x 1.5,
+    # rounded up to 16)
+    "lfm2": dict(model_type="lfm2", num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
+                 conv_bias=True, conv_L_cache=3, block_ff_dim=96, block_ffn_dim_multiplier=1.5, block_multiple_of=16),
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                                       short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.0, 3.0, 4.5])),

@@ -110,7 +110,8 @@ async def generate_with_engine(runner: ModelRunner, prompt_ids: list[int], param
     from scheduler.engine import Engine
 
     info = runner.model_info
-    config = SchedulerConfig(block_size=info.block_size, num_blocks=info.num_blocks, max_model_len=info.max_model_len)
+    config = SchedulerConfig(block_size=info.block_size, num_blocks=info.num_blocks, max_model_len=info.max_model_len,
+                             recurrent_state=info.has_recurrent_state, num_state_snapshots=info.num_state_snapshots)
     engine = Engine(config, runner, eos_token_ids=info.eos_token_ids)
     try:
         async for delta in engine.add_request(EngineRequest("cli-0", prompt_ids, params)):

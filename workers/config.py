@@ -108,9 +108,19 @@ class ModelConfig:
 
     def kv_elements_per_token(self, layer: int) -> int:
         """Values one token keeps in layer's pool: per-head keys and values, or MLA's latent and RoPE key."""
+        if self.is_recurrent_layer(layer):
+            return 0  # its state is per sequence (workers/recurrent.py)
         if self.traits.mla is not None:
             return self.traits.mla.cache_width
         return 2 * self.num_kv_heads * self.head_dim
+
+    def is_recurrent_layer(self, layer: int) -> bool:
+        """The layer keeps a fixed-size state per sequence (a mixer: workers/recurrent.py), not keys and values."""
+        return self.traits.mixers is not None and self.traits.mixers[layer] is not None
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        return self.traits.mixers is not None and any(kind is not None for kind in self.traits.mixers)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.traits.moe is not None and self.traits.moe.layers[layer]
@@ -218,10 +228,10 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             # MLA (DeepSeek V3): the RoPE width, qk_rope_head_dim (the heads' other widths: traits.mla)
             head_dim=traits.mla.qk_rope_head_dim if traits.mla else _head_dim(raw),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", False))),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             eos_token_ids=_eos_token_ids(raw, generation or {}),

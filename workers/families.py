@@ -84,6 +84,18 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 shared RoPE key per token (kv_a_proj_with_mqa, kv_a_layernorm), expanded per head by
                 kv_b_proj; DeepSeek's interleaved RoPE; yarn's mscale_all_dim squared in the scale;
                 glm4_moe's MoE layers after the first first_k_dense_replace (its defaults differ)
+    lfm2        short-convolution layers between full-attention ones (layer_types): each keeps the last
+                conv_L_cache - 1 inputs of its sequence, not keys and values (workers/short_conv.py);
+                per-head q/k norms (q_layernorm, k_layernorm); the MLP's w1, w3, w2, of a width
+                derived from block_ff_dim; its names (operator_norm, ffn_norm, embedding_norm) read as
+                ours at load (FamilyTraits.tensor_names)
+    qwen3_next  Gated DeltaNet layers (linear_attention, workers/gated_delta.py) between full-attention
+                ones (layer_types, or every full_attention_interval-th full): each keeps a causal
+                convolution's last inputs and a [head_k_dim, head_v_dim] matrix per value head, not keys
+                and values; on the full-attention layers q_proj gives each head's query and an output
+                gate (attention x sigmoid(gate) before o_proj), per-head q/k norms, a quarter of each
+                head rotated by default; every norm x (1 + w) but the Gated DeltaNet's own; qwen2_moe's
+                MoE layers (gated shared expert), renormalised by default; the mtp.* module is skipped
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -150,6 +162,16 @@ class FamilyTraits:
     # tensors outside the layers that a checkpoint may hold and we do not run, by name prefix, skipped at load
     # (Qwen3-Next's multi-token-prediction module, "mtp.")
     skipped_prefixes: tuple[str, ...] = ()
+    # per layer: the kind of the layer that keeps a fixed-size state per sequence in attention's place
+    # (workers/recurrent.py): "short_conv" (LFM2), "gated_delta" (Qwen3-Next); None: attention. None: every
+    # layer attends
+    mixers: tuple[str | None, ...] | None = None
+    short_conv_width: int = 3  # "short_conv" layers: tokens the convolution spans (LFM2's conv_L_cache)
+    short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
+    gated_delta: GatedDeltaTraits | None = None  # "gated_delta" layers' shapes (workers/gated_delta.py)
+    # the checkpoint's names for what ours are called, as (theirs, ours) fragments replaced in every
+    # tensor name at load (LFM2's operator_norm is our input_layernorm); (): the same names
+    tensor_names: tuple[tuple[str, str], ...] = ()
 
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
@@ -445,13 +467,19 @@ def _qwen3_next(raw: dict) -> FamilyTraits:
     if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
         raise FamilyError(f"qwen3_next with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
     types = qwen3_next_layer_types(raw)
-    if "linear_attention" in types:
-        raise FamilyError("qwen3_next's linear_attention (Gated DeltaNet) layers are not served yet")
     shared = int(raw.get("shared_expert_intermediate_size", 512))
     moe = _qwen_moe(raw, QWEN3_NEXT_MOE_DEFAULTS, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
     bias = bool(raw.get("attention_bias", False))
+    recurrent = "linear_attention" in types
+    gated_delta = GatedDeltaTraits(
+        num_k_heads=int(raw.get("linear_num_key_heads", 16)), num_v_heads=int(raw.get("linear_num_value_heads", 32)),
+        head_k_dim=int(raw.get("linear_key_head_dim", 128)), head_v_dim=int(raw.get("linear_value_head_dim", 128)),
+        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+    ) if recurrent else None
     return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head", norm_weight_offset=1.0,
-                        attention_output_gate=True, moe=moe, skipped_prefixes=("mtp.",))
+                        attention_output_gate=True, moe=moe, skipped_prefixes=("mtp.",),
+                        mixers=tuple("gated_delta" if kind == "linear_attention" else None for kind in types)
+                        if recurrent else None, gated_delta=gated_delta)
 
 
 def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
@@ -632,6 +660,37 @@ def _num_mtp_layers(raw: dict) -> int:
     return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1)))
 
 
+def _lfm2(raw: dict) -> FamilyTraits:
+    """LFM2: short-convolution layers (ShortConv, workers/short_conv.py) between full-attention ones, per
+    layer_types (or full_attn_idxs); per-head q/k norms; an MLP of w1, w3, w2 whose width
+    block_auto_adjust_ff_dim shrinks to 2/3, times block_ffn_dim_multiplier, rounded up to
+    block_multiple_of."""
+    num_layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        attention = set(raw.get("full_attn_idxs") or range(num_layers))
+        kinds = ["full_attention" if layer in attention else "conv" for layer in range(num_layers)]
+    if len(kinds) != num_layers or set(kinds) - {"conv", "full_attention"}:
+        raise FamilyError(f"layer_types must name conv or full_attention for each of {num_layers} layers: {kinds}")
+    width = int(raw.get("block_ff_dim", raw.get("intermediate_size", 12288)))
+    if raw.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(raw.get("block_multiple_of", 256))
+            width = multiple * -(-int(multiplier * width) // multiple)
+    return FamilyTraits(
+        qkv_bias=False, o_bias=False, qk_norm="head", qk_norm_names=("q_layernorm", "k_layernorm"),
+        mlp_block="feed_forward", dense_intermediate_size=width,
+        mixers=tuple("short_conv" if kind == "conv" else None for kind in kinds),
+        short_conv_width=int(raw.get("conv_L_cache", 3)), short_conv_bias=bool(raw.get("conv_bias", False)),
+        tensor_names=((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+                      (".self_attn.out_proj.", ".self_attn.o_proj."), (".feed_forward.w1.", ".feed_forward.gate_proj."),
+                      (".feed_forward.w3.", ".feed_forward.up_proj."), (".feed_forward.w2.", ".feed_forward.down_proj."),
+                      ("model.embedding_norm.", "model.norm.")),
+    )
+
+
 def _yarn_mscale_squared(raw: dict) -> float:
     """DeepSeek's softmax scale factor under yarn: mscale(factor, mscale_all_dim) ** 2, as transformers'
     yarn_apply_mscale (1 without scaling or without mscale_all_dim)."""
@@ -668,6 +727,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "gpt_oss": _gpt_oss,
     "llama4_text": _llama4_text,
     "deepseek_v3": _deepseek_v3,
+    "lfm2": _lfm2,
     "qwen3_next": _qwen3_next,
 }
 
@@ -704,14 +764,16 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     chunks = "chunked attention layers" if traits.layer_chunks is not None else None
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
     gate = "an attention output gate" if traits.attention_output_gate else None
+    recurrent = "layers with a recurrent state" if traits.mixers is not None else None
     return FamilyPaths(
-        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures and output gates
-        # have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate) if why) or None,
+        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures, output gates and
+        # recurrent layers have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate, recurrent) if why)
+        or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         # grouped experts take plain weights; a multiplier is folded into them; q_proj's rows are split at load
-        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, gate) if why) or None,
+        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, gate, recurrent) if why) or None,
     )
 
 

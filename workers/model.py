@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
 from workers.families import FP32_TENSOR_SUFFIXES
+from workers.gated_delta import GatedDeltaMixer, read_gated_delta_weights
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -63,7 +64,9 @@ from workers.lora import StepLora
 from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
+from workers.recurrent import StateStep, run_mixer
 from workers.rope import RotaryEmbedding, deinterleave_rows
+from workers.short_conv import read_short_conv
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ class AttentionMetadata:
     # some row is a prompt token: a GGUF model's products then take the bf16 tiles where the CPU has
     # them (workers/kernels/cpu_isa.py, gguf_prompt)
     computes_prompt: bool = False
+    # each sequence's row in the recurrent layers' state pools (workers/recurrent.py); None: the model has none
+    states: StateStep | None = None
 
     @classmethod
     def one_sequence(cls, num_tokens: int, block_size: int,
@@ -108,7 +113,7 @@ class LayerWeights:
     input_norm: torch.Tensor | None  # [hidden]; None: attention reads the residual stream unnormed (OLMo 2)
     qkv: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; None in an MLA layer
     qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, num_heads * head_dim] (MLA: num_heads * v_head_dim)
+    o: torch.Tensor | None  # [hidden, num_heads * head_dim] (MLA: num_heads * v_head_dim); None in a mixer's layer
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor | None  # [hidden]; None: the MLP reads the residual stream unnormed (OLMo 2)
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a MoE layer (and the three below)
@@ -139,11 +144,15 @@ class LayerWeights:
     # (Qwen3-Next; q_proj's gate rows, split from its query rows at load); None: no gate
     attn_gate: object | None = None
     attn_gate_bias: torch.Tensor | None = None  # [num_heads * head_dim]
+    # a layer that keeps a state per sequence in attention's place (workers/recurrent.py: a short convolution,
+    # a Gated DeltaNet); its products are its own (qkv and o are None); None: attention
+    mixer: object | None = None
 
 
 # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim] in torch_ref's layout; an MLA layer's:
-# (pool [num_blocks, block_size, 1, rank + rope], its latent part as a view), workers/mla.py
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# (pool [num_blocks, block_size, 1, rank + rope], its latent part as a view), workers/mla.py; a mixer's layer
+# holds its StatePool instead (workers/recurrent.py)
+KVCache = tuple[torch.Tensor, ...]
 
 
 class PagedLlamaModel:
@@ -206,7 +215,10 @@ class PagedLlamaModel:
         residual, delta = self.embed_tokens(input_ids), None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
-            delta = self._attention(layer, x, positions, step, kv_cache, lora, index)
+            if layer.mixer is not None:  # a layer with a state per sequence (workers/recurrent.py)
+                delta = run_mixer(layer.mixer, self, x, kv_cache, metadata.states)
+            else:
+                delta = self._attention(layer, x, positions, step, kv_cache, lora, index)
             if layer.attn_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.attn_out_norm, eps)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
@@ -297,6 +309,8 @@ class PagedLlamaModel:
         (norms, biases) is a plain tensor in the model's dtype."""
         linear = linear or TorchLinear()
         tensors = _text_model_tensors(tensors) if config.text_model_of else dict(tensors)
+        if config.traits.tensor_names:
+            tensors = _renamed(tensors, config.traits.tensor_names)
         weights = _WeightReader(config, tensors, device, linear)
         embed = weights.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         layers = [weights.layer(index) for index in range(config.num_layers)]
@@ -344,6 +358,16 @@ _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model
                         "language_model.lm_head.": "lm_head."}
 _NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                    "vision_model.", "model.vision_model.")  # Gemma 3's tower, Llama 4's
+
+
+def _renamed(tensors: dict[str, torch.Tensor], names: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+    """The tensors under our names: each (theirs, ours) fragment replaced in every name (FamilyTraits.tensor_names)."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        for theirs, ours in names:
+            name = name.replace(theirs, ours)
+        renamed[name] = tensor
+    return renamed
 
 
 def _text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -500,13 +524,15 @@ class _WeightReader:
         if c.traits.rope_interleaved:
             self.deinterleave_rope(attn + "q_proj", c.num_heads)
             self.deinterleave_rope(attn + "k_proj", c.num_kv_heads)
-        gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
         q_norm_width, k_norm_width = ((c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim)
                                       if c.traits.qk_norm == "projection" else (c.head_dim, c.head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
         dense = moe is None
         if c.traits.mla is not None:
             return self.mla_layer(index, moe)
+        if c.is_recurrent_layer(index):
+            return self.mixer_layer(index, moe)
+        gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
         weighted_qk_norm = c.traits.qk_norm in ("head", "projection", "head_after_rope")
         temperature = c.traits.query_temperature if not c.uses_rope(index) else None
         return LayerWeights(
@@ -546,6 +572,34 @@ class _WeightReader:
             moe=moe,
             attn_gate=None if gate is None else self.pack(gate),
             attn_gate_bias=gate_bias,
+        )
+
+    def mixer_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:
+        """A layer that keeps a state per sequence in attention's place (workers/recurrent.py), with the
+        family's norms and MLP around it."""
+        c, prefix = self.config, f"model.layers.{index}."
+        kind, mlp = c.traits.mixers[index], prefix + c.traits.mlp_block + "."
+        if kind == "short_conv":
+            mixer = read_short_conv(self, prefix + "conv.", c.hidden_size, c.traits.short_conv_width,
+                                    c.traits.short_conv_bias)
+        elif kind == "gated_delta":
+            weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
+            mixer = GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps)
+        else:
+            raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
+        dense = moe is None
+        return LayerWeights(
+            input_norm=self.take_norm(prefix, "input_layernorm"),
+            qkv=None, qkv_bias=None, o=None, o_bias=None,
+            post_norm=self.take_norm(prefix, "post_attention_layernorm"),
+            gate_up=self.pack(self.take_fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                                              [(c.intermediate_size, c.hidden_size)] * 2)) if dense else None,
+            gate_up_bias=None,
+            down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size)))
+            if dense else None,
+            down_bias=None,
+            moe=moe,
+            mixer=mixer,
         )
 
     def mla_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:

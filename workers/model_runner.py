@@ -43,6 +43,7 @@ from workers.loader import gguf_source, load_weights, resolve_model_path, serves
 from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available, lora_triton_kernels
 from workers.mla import allocate_latent_cache
 from workers.model import AttentionMetadata, KVCache
+from workers.recurrent import StateRows
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
 from workers.step_costs import measure_step_costs
@@ -155,6 +156,12 @@ class RunnerConfig:
     # when a step's lora_loads says so (the scheduler keeps the LRU: scheduler/lora_slots.py)
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
+    # models with recurrent layers (workers/recurrent.py): sequences whose states the pool holds at
+    # once (the scheduler's max_num_seqs; more are added if forks need them), and the prefix-cache
+    # snapshots of states it keeps at block boundaries (0: a prefix hit recomputes the prompt). Both
+    # come out of kv_cache_memory_bytes when num_blocks is None.
+    max_num_seqs: int = 64
+    state_snapshots: int = 64
 
 
 PER_HEAD_KV = "keys and values per head"  # ModelInfo.kv_cache_kind of every family but the MLA ones
@@ -189,6 +196,10 @@ class ModelInfo:
     lora: str = ""  # how a step with LoRA adapters runs their products (workers/lora.py), in words
     # what the pool keeps per token and layer, and where its attention runs (an MLA family's: workers/mla.py)
     kv_cache_kind: str = "keys and values per head"  # PER_HEAD_KV
+    # recurrent layers (workers/recurrent.py): the prefix-cache snapshots of their states the worker keeps
+    # (the scheduler numbers them); has_recurrent_state False: none of its layers is recurrent
+    has_recurrent_state: bool = False
+    num_state_snapshots: int = 0
 
 
 @dataclass(slots=True)
@@ -300,8 +311,16 @@ class ModelRunner:
         self.kv_cache_dtype_name = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.dtype_name,
                                                           self.device, self.attention_backend, config.block_size)
         kv_dtype = DTYPES[self.kv_cache_dtype_name]
+        self.states = self._allocate_states()  # None: no recurrent layer
+        self._state_grows = 0
+        kv_memory = config.kv_cache_memory_bytes - (self.states.num_bytes if self.states is not None else 0)
+        if config.num_blocks is None and kv_memory <= 0:
+            raise ValueError(f"the recurrent layers' states ({self.states.num_bytes / 2**20:.0f} MiB for "
+                             f"{config.max_num_seqs} sequences and {config.state_snapshots} snapshots) take the whole "
+                             f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes / 2**20:.0f} MiB): raise it, or "
+                             "lower max_num_seqs or state_snapshots")
         self.num_blocks = config.num_blocks or num_blocks_for_memory(
-            self.model_config, config.block_size, config.kv_cache_memory_bytes, kv_dtype
+            self.model_config, config.block_size, kv_memory, kv_dtype
         )
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.lora_paths = dict(config.lora_adapters)  # name -> directory, for a request whose step did not load it
@@ -311,6 +330,8 @@ class ModelRunner:
         self.num_lora_loads = 0  # adapters loaded by steps (or for a request whose step did not)
         self.decode_graphs: DecodeGraphs | None = None  # pure-decode steps replay a captured graph
         graph_sizes = resolve_graph_sizes(config.cuda_graph_batch_sizes, self.device, self.attention_backend)
+        if self.states is not None:  # a captured step has no StateStep
+            graph_sizes = ()
         if graph_sizes:
             max_blocks_per_seq = -(-self.max_model_len // self.block_size)
             try:
@@ -355,11 +376,20 @@ class ModelRunner:
             step_costs=self.step_costs,
             lora=self._lora_path(),
             kv_cache_kind=self._kv_cache_kind(),
+            has_recurrent_state=self.states is not None,
+            num_state_snapshots=self.states.num_snapshots if self.states is not None else 0,
         )
 
     def _kv_cache_kind(self) -> str:
         """ModelInfo.kv_cache_kind, in words."""
-        mla = self.model_config.traits.mla
+        mla, c = self.model_config.traits.mla, self.model_config
+        if self.states is not None:
+            kinds = sorted({kind for kind in c.traits.mixers if kind is not None})
+            num_recurrent = sum(kind is not None for kind in c.traits.mixers)
+            return (f"{PER_HEAD_KV} in {c.num_layers - num_recurrent} of {c.num_layers} layers; a fixed-size state "
+                    f"per sequence in the other {num_recurrent} ({', '.join(kinds)}: workers/recurrent.py, "
+                    f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, on the torch path; "
+                    f"{self.states.num_snapshots} prefix-cache snapshots)")
         if mla is None:
             return PER_HEAD_KV
         return (f"MLA latent: {mla.kv_lora_rank} + {mla.qk_rope_head_dim} values per token and layer; its attention "
@@ -390,6 +420,11 @@ class ModelRunner:
         """One pool per layer in the attention backend's layout. Zeroed: masked-out slots may
         still be multiplied by 0 in attention, and 0 * NaN is NaN."""
         c = self.model_config
+        if self.states is not None:  # recurrent layers hold their state pools instead
+            return [self.states.pools[layer] if c.is_recurrent_layer(layer)
+                    else self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.num_kv_heads,
+                                                                c.head_dim, dtype, self.device)
+                    for layer in range(c.num_layers)]
         if c.traits.mla is not None:  # one latent and one RoPE key per token (workers/mla.py)
             return [allocate_latent_cache(self.num_blocks, self.block_size, c.traits.mla, dtype, self.device)
                     for _ in range(c.num_layers)]
@@ -399,9 +434,27 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
 
+    def _allocate_states(self) -> StateRows | None:
+        """The recurrent layers' state pools (workers/recurrent.py); None when the model has none."""
+        c = self.model_config
+        if not c.has_recurrent_layers:
+            return None
+        specs = [layer.mixer.state_specs() if layer.mixer is not None else None for layer in self.model.layers]
+        return StateRows(specs, self.config.max_num_seqs, self.config.state_snapshots, self.device)
+
+    @property
+    def _attention_pools(self) -> list[KVCache]:
+        """The layers' pools that are paged KV (not recurrent states)."""
+        c = self.model_config
+        return [pool for layer, pool in enumerate(self.kv_caches) if not c.is_recurrent_layer(layer)]
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         self._update_states(scheduler_output)
+        if self.states is not None and self.states.num_grows != self._state_grows:  # forks outgrew the pools
+            self._state_grows = self.states.num_grows
+            self.kv_caches = [self.states.pools[layer] if pool is None or self.model_config.is_recurrent_layer(layer)
+                              else pool for layer, pool in enumerate(self.kv_caches)]
         if scheduler_output.copy_blocks:
             self._copy_blocks(scheduler_output.copy_blocks)
         if scheduler_output.is_empty:
@@ -430,14 +483,21 @@ class ModelRunner:
         return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        if self.states is not None:  # before the finished: a forked parent is among them
+            for parent, child in scheduler_output.state_forks:
+                self.states.fork(parent, child)
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
+            if self.states is not None:
+                self.states.release(request_id)
         for name in scheduler_output.lora_unloads:  # first: a name may come back from another directory
             self.lora_adapters.pop(name, None)
         for name, path in scheduler_output.lora_loads.items():
             self.load_lora(name, path)
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._new_state(new)
+            if self.states is not None:
+                self.states.start(new.request_id, new.num_computed_tokens, new.state_snapshot)
         for cached in scheduler_output.cached_requests:
             self._update_cached(cached)
 
@@ -497,6 +557,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every request (their KV blocks are the scheduler's to reuse) and every loaded
         adapter (a new scheduler starts with none loaded)."""
+        for request_id in list(self.states.row_of) if self.states is not None else ():
+            self.states.release(request_id)
         self.requests.clear()
         self.lora_adapters.clear()
 
@@ -511,7 +573,7 @@ class ModelRunner:
     def _copy_blocks(self, copy_blocks: list[tuple[int, int]]) -> None:
         sources = torch.tensor([src for src, _ in copy_blocks], device=self.device)
         destinations = torch.tensor([dst for _, dst in copy_blocks], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self._attention_pools:
             k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
             v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
 
@@ -527,6 +589,7 @@ class ModelRunner:
         sampling_states: list[RequestState] = []
         computes_prompt = False
         row_adapters: list[tuple[LoraAdapter | None, int, int]] = []  # per request: (adapter, first row, end row)
+        starts: list[int] = []
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(request_id)
             if state is None:
@@ -534,6 +597,7 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + num_scheduled
             self._check_request(state, end)
+            starts.append(start)
             computes_prompt = computes_prompt or start < state.num_prompt_tokens
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
@@ -547,10 +611,16 @@ class ModelRunner:
                 sampling_states.append(state)
         width = max(len(row) for row in block_rows)
         lora = StepLora.of_rows(row_adapters, self.device) if self.lora_adapters else None
+        states = None
+        if self.states is not None:
+            scheduled = scheduler_output.num_scheduled_tokens
+            states = self.states.step(list(scheduled), starts, list(scheduled.values()), query_start_loc,
+                                      scheduler_output.state_saves)
         if self.device.type == "cpu" and len(positions) <= PACKED_STEP_MAX_TOKENS:
             batch = self._packed_batch(input_ids, positions, block_rows, width, query_start_loc, seq_lens, logits_rows,
                                        sampling_states, computes_prompt)
             batch.lora = lora
+            batch.metadata.states = states
             return batch
         block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         positions_tensor = torch.tensor(positions, dtype=torch.long)
@@ -565,6 +635,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             computes_prompt=computes_prompt,
+            states=states,
         )
         return _StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -132,3 +132,118 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     states.index_copy_(0, rows, window[:, :, 1:].to(states.dtype))
     y = (window * weight.unsqueeze(0)).sum(dim=2)
     return y if bias is None else y + bias
+
+
+class StateRows:
+    """The worker's state pools and which row each request holds, and how far its state has got.
+
+    Rows [0, num_snapshots) keep prefix-cache snapshots (the scheduler's numbering); the rows
+    after them are handed to requests. A request's state must have folded exactly the tokens
+    before the ones a step computes: `step` checks that, so a state that fell out of step with
+    the KV fails loudly instead of answering wrong."""
+
+    def __init__(self, specs: list[tuple[tuple[tuple[int, ...], torch.dtype], ...] | None], num_seqs: int,
+                 num_snapshots: int, device: torch.device):
+        self.specs = specs  # per layer: its mixer's state specs; None: an attention layer
+        self.num_snapshots = num_snapshots
+        self.device = device
+        self.pools: list[StatePool | None] = [None] * len(specs)
+        self.num_rows = 0
+        self.free: list[int] = []
+        self.row_of: dict[str, int] = {}  # request id -> its row
+        self.position: dict[str, int] = {}  # request id -> tokens its state has folded
+        self.num_grows = 0  # times the pools were replaced by larger ones (their holders must look again)
+        self._grow(num_snapshots + num_seqs)
+
+    @staticmethod
+    def bytes_per_row(specs: list[tuple[tuple[tuple[int, ...], torch.dtype], ...] | None]) -> int:
+        total = 0
+        for layer in specs:
+            for shape, dtype in layer or ():
+                total += torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        return total
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_rows * self.bytes_per_row(self.specs)
+
+    def _grow(self, num_rows: int) -> None:
+        """At least num_rows rows in every pool, the old rows' states kept."""
+        if num_rows <= self.num_rows:
+            return
+        for index, layer in enumerate(self.specs):
+            if layer is None:
+                continue
+            grown = tuple(torch.zeros((num_rows, *shape), dtype=dtype, device=self.device) for shape, dtype in layer)
+            old = self.pools[index]
+            for new, kept in zip(grown, old or ()):
+                new[:self.num_rows] = kept
+            self.pools[index] = grown
+        self.free.extend(range(num_rows - 1, max(self.num_rows, self.num_snapshots) - 1, -1))
+        self.num_rows = num_rows
+
+    def _row(self, request_id: str) -> int:
+        row = self.row_of.get(request_id)
+        if row is None:
+            if not self.free:  # more sequences at once than planned for (forks in flight): grow by half
+                self._grow(self.num_rows + max(4, (self.num_rows - self.num_snapshots) // 2))
+                self.num_grows += 1
+            row = self.row_of[request_id] = self.free.pop()
+        return row
+
+    @property
+    def layer_pools(self) -> list[StatePool]:
+        return [pool for pool in self.pools if pool is not None]
+
+    def fork(self, parent: str, child: str) -> None:
+        """The child's state is the parent's (an n>1 fork), whenever the child is first scheduled."""
+        if parent not in self.row_of:
+            raise KeyError(f"fork of {parent!r}, whose state this worker does not hold")
+        row = self._row(child)  # first: it may grow the pools
+        copy_rows(self.layer_pools, [self.row_of[parent]], [row])
+        self.position[child] = self.position[parent]
+
+    def release(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        self.position.pop(request_id, None)
+        if row is not None:
+            self.free.append(row)
+
+    def start(self, request_id: str, num_computed_tokens: int, snapshot: int | None) -> None:
+        """A request sent to the worker: its state from a snapshot, or from its fork, or zero."""
+        if snapshot is not None:
+            if not 0 <= snapshot < self.num_snapshots:
+                raise ValueError(f"state snapshot {snapshot} of {self.num_snapshots}")
+            row = self._row(request_id)
+            copy_rows(self.layer_pools, [snapshot], [row])
+        elif num_computed_tokens == 0:
+            row = self._row(request_id)
+            zero_rows(self.layer_pools, [row])
+        elif self.position.get(request_id) != num_computed_tokens:
+            raise StateLostError(f"request {request_id!r} starts at token {num_computed_tokens} with no state for it "
+                                 "(no snapshot, no fork)")
+        self.position[request_id] = num_computed_tokens
+
+    def step(self, request_ids: list[str], starts: list[int], counts: list[int], query_start_loc: list[int],
+             saves: dict[str, tuple[int, int]]) -> StateStep:
+        """The StateStep of a step computing counts[i] tokens of request_ids[i] from starts[i];
+        saves: request id -> (position, snapshot) to keep the state at that position."""
+        rows, step_saves = [], {}
+        for i, (request_id, start, count) in enumerate(zip(request_ids, starts, counts)):
+            if self.position.get(request_id) != start:
+                raise StateLostError(f"request {request_id!r}: the step computes from token {start}, its state holds "
+                                     f"{self.position.get(request_id)} tokens")
+            rows.append(self.row_of[request_id])
+            self.position[request_id] = start + count
+            save = saves.get(request_id)
+            if save is not None:
+                position, snapshot = save
+                if not start <= position <= start + count or not 0 <= snapshot < self.num_snapshots:
+                    raise ValueError(f"request {request_id!r}: snapshot {snapshot} at {position} outside "
+                                     f"[{start}, {start + count}]")
+                step_saves[i] = (position - start, snapshot)
+        return StateStep(query_start_loc=query_start_loc, rows=rows, saves=step_saves)
+
+
+class StateLostError(RuntimeError):
+    """A step's tokens do not continue the state the worker holds for a request."""

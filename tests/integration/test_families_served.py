@@ -12,7 +12,8 @@ wave at a time, each on a sliver of a CPU, and are deleted after the wave's requ
   transformers' `generate` tokens position by position, with the sampled tokens' logprobs
   equal to log_softmax of transformers' logits. A first differing token is accepted only at a
   near-tie of transformers' own logits (hf_oracle.NEAR_TIE_EPSILON), as in the worker tests;
-- the long prompt sent again reads its full block from the prefix cache and answers the same way.
+- the long prompt sent again reads its full block from the prefix cache (a family with recurrent
+  layers: and their states' snapshot at that block's end) and answers the same way.
 
 And a checkpoint of a family we do not serve fails at once, in one line that names its
 model_type, and leaves no app behind (nothing DEPLOYING).
@@ -46,6 +47,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
+RECURRENT_TYPES = ("lfm2",)  # families with layers that keep a state per sequence (workers/recurrent.py)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
@@ -169,9 +171,14 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
         return
-    layer_loop = "python" if family in SERVED_MOE else "c"  # the C loop has no MoE MLP: the Python loop over our kernels
+    recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
+    # the C loop has no MoE MLP and no recurrent layer: the Python loop over our kernels runs those
+    layer_loop = "python" if family in SERVED_MOE or recurrent else "c"
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
-    assert backend["kv_cache_kind"] == "keys and values per head"
+    if recurrent:
+        assert backend["kv_cache_kind"].startswith("keys and values per head in 1 of 4 layers; a fixed-size state")
+    else:
+        assert backend["kv_cache_kind"] == "keys and values per head"
 
 
 def test_greedy_tokens_equal_transformers(served, family) -> None:

@@ -1,5 +1,7 @@
 """Property: after any sequence of add/step/abort/migrate and then finishing, the pool is full,
-with steps scheduled after the last one landed or ahead of it (async scheduling)."""
+with steps scheduled after the last one landed or ahead of it (async scheduling); and, for a
+model with recurrent layers, every step continues each request's own state (FakeRunner's
+recurrent mode: forks, snapshots saved and restored on prefix hits)."""
 
 from dataclasses import replace
 
@@ -38,11 +40,18 @@ def add_request(s, k, op):
     return f"c{k}"
 
 
+def config_and_runner(wait, recurrent):
+    """The scheduler's config, and a function giving a fresh worker for it."""
+    config = replace(CFG, min_shared_prefix_to_wait=wait, recurrent_state=recurrent, num_state_snapshots=3)
+    return config, lambda: FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50, recurrent=recurrent)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, drain=st.sampled_from(["run", "abort"]), wait=st.sampled_from([None, 4]))
-def test_pool_is_full_again_after_any_sequence(ops, drain, wait):
-    s = Scheduler(replace(CFG, min_shared_prefix_to_wait=wait), eos_token_ids=[3])
-    runner = FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50)  # EOS now and then
+@given(ops=ops, drain=st.sampled_from(["run", "abort"]), wait=st.sampled_from([None, 4]), recurrent=st.booleans())
+def test_pool_is_full_again_after_any_sequence(ops, drain, wait, recurrent):
+    config, new_runner = config_and_runner(wait, recurrent)
+    s = Scheduler(config, eos_token_ids=[3])
+    runner = new_runner()  # EOS now and then
     t = Transcript()
     added: list[str] = []
     for k, op in enumerate(ops):
@@ -55,7 +64,7 @@ def test_pool_is_full_again_after_any_sequence(ops, drain, wait):
         elif op[0] == "migrate":
             moved = s.take_requests_for_migration()
             assert_pool_full(s)
-            runner = FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50)  # the worker restarted
+            runner = new_runner()  # the worker restarted
             for request in moved:
                 s.add_migrated_request(request)
         assert_consistent(s)
@@ -75,11 +84,12 @@ def _n_of(ops, cid):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, drain=st.sampled_from(["run", "abort"]), wait=st.sampled_from([None, 4]))
-def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, drain, wait):
+@given(ops=ops, drain=st.sampled_from(["run", "abort"]), wait=st.sampled_from([None, 4]), recurrent=st.booleans())
+def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, drain, wait, recurrent):
     """Adds, aborts and worker deaths land while a step decided ahead is still to run."""
-    s = Scheduler(replace(CFG, min_shared_prefix_to_wait=wait), eos_token_ids=[3])
-    driver = AheadDriver(s, FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50), Transcript())
+    config, new_runner = config_and_runner(wait, recurrent)
+    s = Scheduler(config, eos_token_ids=[3])
+    driver = AheadDriver(s, new_runner(), Transcript())
     added: list[str] = []
     for k, op in enumerate(ops):
         if op[0] == "add":
@@ -93,7 +103,7 @@ def test_pool_is_full_again_after_any_sequence_with_a_step_always_ahead(ops, dra
         elif op[0] == "migrate":
             moved = s.take_requests_for_migration()
             assert_pool_full(s)
-            driver.forget_step(FakeRunner(CFG.block_size, CFG.num_blocks, vocab_size=50))
+            driver.forget_step(new_runner())
             for request in moved:
                 s.add_migrated_request(request)
         assert_consistent(s)

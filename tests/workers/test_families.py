@@ -76,7 +76,7 @@ def test_traits_read_from_the_config(family_dir):
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
-                                     "gemma3_text": "head", "exaone4": "head"}.get(config.model_type)
+                                     "gemma3_text": "head", "exaone4": "head", "lfm2": "head"}.get(config.model_type)
     assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "exaone4": "post", "gemma2": "sandwich",
                                    "gemma3_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type.startswith("gemma"):
@@ -106,6 +106,11 @@ def test_traits_read_from_the_config(family_dir):
         mscale = 0.1 * 0.7 * math.log(4.0) + 1.0 if family_dir.name == "deepseek_v3" else 1.0
         assert config.traits.attention_scale == pytest.approx(20 ** -0.5 * mscale ** 2)
         assert config.paths.c_layer_loop == "multi-head latent attention layers"
+    if config.model_type == "lfm2":
+        assert config.traits.mixers == ("short_conv", "short_conv", None, "short_conv")
+        assert (config.traits.short_conv_width, config.traits.short_conv_bias, config.intermediate_size) == (3, True, 96)
+        assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
+        assert config.paths.c_layer_loop == "layers with a recurrent state"
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type == "granite":
@@ -117,9 +122,13 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
     info = family_runner(family_dir, "torch").model_info
     assert info.model_type == FAMILIES[family_dir.name]["model_type"]
     assert (info.layer_loop, info.layer_ops, info.linear_backend) == ("python", "torch", "torch")
-    assert info.kv_cache_kind == ("keys and values per head" if info.model_type != "deepseek_v3" else
-                                  "MLA latent: 16 + 8 values per token and layer; its attention runs on the torch path "
-                                  "(prompts expanded, decodes absorbed), not on our C loop or kernels")
+    kinds = {"deepseek_v3": "MLA latent: 16 + 8 values per token and layer; its attention runs on the torch path "
+                            "(prompts expanded, decodes absorbed), not on our C loop or kernels",
+             # 3 layers x 64 channels x 2 inputs x 4 bytes
+             "lfm2": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
+                     "(short_conv: workers/recurrent.py, 1536 bytes per sequence, on the torch path; 64 prefix-cache "
+                     "snapshots)"}
+    assert info.kv_cache_kind == kinds.get(info.model_type, "keys and values per head")
 
 
 def test_longrope_past_the_original_context_uses_long_factor():
