@@ -47,7 +47,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
-RECURRENT_TYPES = ("lfm2",)  # families with layers that keep a state per sequence (workers/recurrent.py)
+RECURRENT_TYPES = ("lfm2", "qwen3_next")  # families with layers that keep a state per sequence (workers/recurrent.py)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,

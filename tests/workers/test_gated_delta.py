@@ -5,7 +5,10 @@ rule over the whole sequence, no cache). Ours must give the same outputs over a 
 over the same prompt cut into pieces of awkward sizes with the state carried in the pool, and
 then over batched decode steps of three sequences of different lengths in scattered pool rows;
 and the same comparison must fail when the carried state is broken (conv state off by a token,
-recurrent state dropped), so that it can fail at all."""
+recurrent state dropped), so that it can fail at all. Then the catalog's qwen3_next checkpoint
+through the engine: a prompt of several chunks in one step, prefix hits from a state snapshot, n>1
+forks and preemption give transformers' tokens (its greedy tokens and logprobs beside chunked
+prompts: tests/workers/test_families.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from families_catalog import FAMILIES
+from runner_helpers import HfOracle, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
+from test_recurrent import engine_of
+from tiny_model import build_tiny_model_dir
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
@@ -146,3 +153,40 @@ def test_run_mixer_splits_a_mixed_step_and_takes_a_snapshot(layer):
         torch.testing.assert_close(y[31:], reference(module, c[:8])[3:], **TOLERANCE)
         resumed = mixer.prefill(MODEL, a[10:40], pool, 6)  # from the snapshot: tokens 10 .. 39
     torch.testing.assert_close(resumed, reference(module, a[:40])[10:], **TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tmp_path_factory):
+    """The catalog's tiny qwen3_next checkpoint (Gated DeltaNet layers 0, 1, 3; gated attention on 2; MoE)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("gated_delta") / "qwen3_next", **FAMILIES["qwen3_next"])
+
+
+def test_a_prompt_of_several_chunks_in_one_step_equals_transformers(qwen3_next_dir):
+    """A 150-token prompt computed in one step (three chunks of the delta rule, the last partial), then
+    one beside another whose pieces start mid-chunk: transformers' greedy tokens."""
+    runner = make_runner(qwen3_next_dir, num_blocks=400)
+    oracle = HfOracle(qwen3_next_dir)
+    prompts = prompts_of_lengths([150, 70], runner.model_info.vocab_size, seed=3)
+    engine = engine_of(runner, max_num_batched_tokens=160, max_model_len=256)
+    for prompt, result in zip(prompts, engine.generate(prompts, greedy(6))):
+        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 6))
+
+
+def test_prefix_hits_forks_and_preemption_continue_the_gated_delta_states(qwen3_next_dir):
+    """A prefix hit restores both states (conv and delta-rule matrices) from a snapshot; n=3 forks copy
+    them; preemption recomputes them: transformers' tokens every time."""
+    runner = make_runner(qwen3_next_dir, num_blocks=400, state_snapshots=4)
+    oracle = HfOracle(qwen3_next_dir)
+    prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
+    engine = engine_of(runner)
+    assert engine.generate([prefix], greedy(8))[0].num_cached_tokens == 0
+    again = engine.generate([prefix + tail], greedy(8))[0]  # the snapshot after 7 blocks of 4
+    assert again.num_cached_tokens == 28
+    assert_greedy_matches(again.sequences[0].token_ids, oracle.greedy(prefix + tail, 8))
+    for sequence in engine_of(runner).generate([others[0]], greedy(8, n=3))[0].sequences:
+        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
+    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
+    tight = small.generate(others, greedy(16))
+    assert small.stats.num_preemptions > 0
+    for prompt, result in zip(others, tight):
+        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
