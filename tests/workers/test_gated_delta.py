@@ -190,3 +190,39 @@ def test_prefix_hits_forks_and_preemption_continue_the_gated_delta_states(qwen3_
     assert small.stats.num_preemptions > 0
     for prompt, result in zip(others, tight):
         assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
+
+
+# Qwen3-Next-80B-A3B's config.json as published (the keys that matter here)
+QWEN3_NEXT_80B = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000000, partial_rotary_factor=0.25,
+    max_position_embeddings=262144, full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1,
+    mlp_only_layers=[], num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, norm_topk_prob=True, tie_word_embeddings=False,
+)
+
+
+def test_qwen3_next_config_as_published_checkpoints_write_it():
+    from workers.config import ModelConfig, ModelConfigError
+
+    config = ModelConfig.from_dict(QWEN3_NEXT_80B)
+    t = config.traits
+    assert t.mixers == ("gated_delta", "gated_delta", "gated_delta", None) * 12  # full_attention_interval 4
+    assert t.gated_delta == GatedDeltaTraits(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
+                                             conv_kernel=4)
+    assert t.gated_delta.conv_channels == 8192 and config.rotary_dim == 64 and config.rope_theta == 1e7
+    assert (t.moe.num_experts, t.moe.top_k, t.moe.intermediate_size, t.moe.renormalize) == (512, 10, 512, True)
+    assert (t.moe.shared_intermediate_size, t.moe.shared_expert_gate, all(t.moe.layers)) == (512, True, True)
+    assert t.attention_output_gate and t.qk_norm == "head" and t.norm_weight_offset == 1.0
+    assert t.skipped_prefixes == ("mtp.",)
+    assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 0, 2 * 2 * 256]
+    explicit = dict(QWEN3_NEXT_80B, layer_types=["linear_attention", "full_attention"] * 24)
+    assert ModelConfig.from_dict(explicit).traits.mixers == ("gated_delta", None) * 24
+    with pytest.raises(ModelConfigError, match="layer_types of linear_attention / full_attention"):
+        ModelConfig.from_dict(dict(QWEN3_NEXT_80B, layer_types=["sliding_attention"] * 48))
+    with pytest.raises(ModelConfigError, match="do not share 3 key heads evenly"):
+        ModelConfig.from_dict(dict(QWEN3_NEXT_80B, linear_num_key_heads=3))
+    with pytest.raises(ModelConfigError, match="hidden_act 'gelu_pytorch_tanh'"):
+        ModelConfig.from_dict(dict(QWEN3_NEXT_80B, hidden_act="gelu_pytorch_tanh"))
