@@ -764,12 +764,11 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     chunks = "chunked attention layers" if traits.layer_chunks is not None else None
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
     gate = "an attention output gate" if traits.attention_output_gate else None
-    recurrent = "layers with a recurrent state" if traits.mixers is not None else None
+    recurrent = "layers with a recurrent state" if traits.mixers is not None else None  # the C loop calls their mixers
     return FamilyPaths(
-        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures, output gates and
-        # recurrent layers have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate, recurrent) if why)
-        or None,
+        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures and output gates
+        # have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         # grouped experts take plain weights; a multiplier is folded into them; q_proj's rows are split at load

@@ -13,7 +13,7 @@ workers/families.py; Hk key heads, Hv value heads, each key head shared by Hv / 
     o_t     = q_t^T S_t                                   [dv]
     y       = out_proj(rms_norm(o) * weight * silu(z))    per value head; the gated norm's weight is plain
 
-The state of a sequence is the convolution's last L - 1 inputs [conv_channels, L - 1] (in the
+The state of a sequence is the convolution's last L - 1 inputs [L - 1, conv_channels] (in the
 activations' dtype) and S for every value head [Hv, dk, dv] (in fp32, as transformers keeps
 it), rows of the layer's state pool (workers/recurrent.py).
 
@@ -92,9 +92,9 @@ class GatedDeltaMixer:
         self.eps = eps  # the gated RMSNorm's (the model's rms_norm_eps)
 
     def state_specs(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-        """The convolution's last inputs [conv_channels, L - 1] and the fp32 matrices [Hv, dk, dv]."""
+        """The convolution's last inputs [L - 1, conv_channels] and the fp32 matrices [Hv, dk, dv]."""
         t = self.traits
-        return (((t.conv_channels, t.conv_kernel - 1), self.weights.conv.dtype),
+        return (((t.conv_kernel - 1, t.conv_channels), self.weights.conv.dtype),
                 ((t.num_v_heads, t.head_k_dim, t.head_v_dim), torch.float32))
 
     def prefill(self, model, x: torch.Tensor, pool: StatePool, row: int) -> torch.Tensor:

@@ -242,6 +242,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     if config.traits.mla is not None:  # its products are not qkv's and o's shapes (workers/mla.py)
         raise LoraError(f"{path}: LoRA adapters on a model with latent attention ({config.model_type}) are not "
                         "supported yet")
+    if config.has_recurrent_layers:  # their products (a convolution's in_proj, ...) are not ours to adapt yet
+        raise LoraError(f"{path}: LoRA adapters on a model with recurrent layers ({config.model_type}) are not "
+                        "supported yet")
     rank, scaling, targets = read_adapter_config(path, max_rank)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():

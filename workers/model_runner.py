@@ -388,7 +388,7 @@ class ModelRunner:
             num_recurrent = sum(kind is not None for kind in c.traits.mixers)
             return (f"{PER_HEAD_KV} in {c.num_layers - num_recurrent} of {c.num_layers} layers; a fixed-size state "
                     f"per sequence in the other {num_recurrent} ({', '.join(kinds)}: workers/recurrent.py, "
-                    f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, on the torch path; "
+                    f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
                     f"{self.states.num_snapshots} prefix-cache snapshots)")
         if mla is None:
             return PER_HEAD_KV

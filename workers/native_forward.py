@@ -28,11 +28,12 @@ import torch
 
 from workers.kernels import check_variants, cpu_attention, gguf
 from workers.kernels.cpu_isa import cpu_plan
-from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODES, LINEAR_GEMV, ForwardArgs, LayerArgs,
-                                    check_status, native_library)
+from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, KV_DTYPE_CODES, LINEAR_GEMV, MIXER_FN, ForwardArgs,
+                                    LayerArgs, check_status, native_library)
 from workers.layer_ops import NativeOps
 from workers.linear import within_row_limit
 from workers.lora import PRODUCTS  # a layer's products, in LayerArgs' order (and in LoraStep's)
+from workers.recurrent import run_mixer
 
 SMALL_STEP_ROWS = 64  # steps of up to this many rows share one scratch (NativeForward._args)
 
@@ -52,6 +53,11 @@ class NativeForward:
         self._sinks: list[torch.Tensor | None] = []  # each layer's sinks in fp32, which _layers points into
         self._pool_fields: dict[str, int] = {}  # AttentionArgs' pool fields, checked with _layers
         self._small_args: SimpleNamespace | None = None  # ForwardArgs for steps of up to SMALL_STEP_ROWS rows
+        # layers with a recurrent state (workers/recurrent.py): the loop calls back into Python for their mixer,
+        # which reads and writes the step's tensors in _call; an exception waits in _mixer_error
+        self._mixer_function = MIXER_FN(self._run_mixer)
+        self._call: SimpleNamespace | None = None
+        self._mixer_error: BaseException | None = None
 
     @classmethod
     def for_model(cls, model) -> NativeForward | None:
@@ -63,7 +69,8 @@ class NativeForward:
         if (model.device.type != "cpu" or model.dtype not in DTYPE_CODES or model.attention is not cpu_attention
                 or not isinstance(model.ops, NativeOps)):
             return None
-        weights = [getattr(layer, name) for layer in model.layers for name in PRODUCTS]
+        weights = [getattr(layer, name) for layer in model.layers for name in PRODUCTS
+                   if getattr(layer, name) is not None]  # a mixer's layer has no qkv or o: its mixer has products
         if any(isinstance(w, torch.Tensor) for w in weights):  # F.linear's or oneDNN's
             return None
         operands = [w.native_operand() for w in weights]
@@ -80,7 +87,7 @@ class NativeForward:
         return within_row_limit(num_tokens, self.max_rows)
 
     def _layer_args(self, kv_caches) -> ctypes.Array:
-        pools = [k_cache.data_ptr() for k_cache, _ in kv_caches]
+        pools = [pool[0].data_ptr() for pool in kv_caches]
         if self._layers is None or pools != self._pools:
             self._pool_fields = self._checked_pool_fields(kv_caches)
             num_heads = self.model.config.num_heads
@@ -88,33 +95,38 @@ class NativeForward:
                 check_variants(num_heads, layer.window, layer.softcap, layer.sinks)
             self._sinks = [cpu_attention.fp32_sinks(layer.sinks) for layer in self.model.layers]
             self._layers = (LayerArgs * len(kv_caches))(*(
-                self._one_layer_args(layer, k_cache, v_cache, sinks)
-                for layer, (k_cache, v_cache), sinks in zip(self.model.layers, kv_caches, self._sinks, strict=True)
+                self._one_layer_args(layer, pool, sinks)
+                for layer, pool, sinks in zip(self.model.layers, kv_caches, self._sinks, strict=True)
             ))
             self._pools = pools
         return self._layers
 
-    def _one_layer_args(self, layer, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        sinks: torch.Tensor | None) -> LayerArgs:
+    def _one_layer_args(self, layer, pool, sinks: torch.Tensor | None) -> LayerArgs:
+        """A layer's LayerArgs; pool: its (K, V) pool, or a mixer's state pool (workers/recurrent.py)."""
         local = self.model.local_rope
-        products = {name: getattr(layer, name).native_operand() for name in PRODUCTS}
+        products = {name: getattr(layer, name).native_operand() for name in PRODUCTS
+                    if getattr(layer, name) is not None}
+        k_cache, v_cache = (None, None) if layer.mixer is not None else pool
         return LayerArgs(
-            _ptr(layer.input_norm), _ptr(layer.post_norm), *(_ptr(products[name].tensor) for name in PRODUCTS),
+            _ptr(layer.input_norm), _ptr(layer.post_norm),
+            *(_ptr(products[name].tensor) if name in products else None for name in PRODUCTS),
             _ptr(layer.qkv_bias), _ptr(layer.o_bias), _ptr(layer.gate_up_bias), _ptr(layer.down_bias),
             _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm),
-            k_cache.data_ptr(), v_cache.data_ptr(), int(layer.use_rope), int(layer.qk_norm_whole),
+            _ptr(k_cache), _ptr(v_cache), int(layer.use_rope), int(layer.qk_norm_whole),
             softcap=layer.softcap or 0.0, window=layer.window or 0, sinks=_ptr(sinks),
             cos=_ptr(local.cos_f32) if layer.local_rope else None,
             sin=_ptr(local.signed_sin_f32) if layer.local_rope else None,
             **{f"{name}_type": operand.type_code for name, operand in products.items()},
+            mixer=ctypes.cast(self._mixer_function, ctypes.c_void_p) if layer.mixer is not None else None,
         )
 
     def _checked_pool_fields(self, kv_caches) -> dict[str, int]:
         """AttentionArgs' fields that describe the pools, after checking that the kernels take them."""
         c, dtype = self.model.config, self.model.dtype
-        block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*kv_caches[0])
+        first = next(pool for layer, pool in zip(self.model.layers, kv_caches) if layer.mixer is None)
+        block_size, num_kv_heads, head_dim, block_stride = cpu_attention.pool_layout(*first)
         assert head_dim == c.head_dim and num_kv_heads == c.num_kv_heads
-        kv_dtype = kv_caches[0][0].dtype  # the model's dtype, or fp16 under fp32 (a half pool)
+        kv_dtype = first[0].dtype  # the model's dtype, or fp16 under fp32 (a half pool)
         assert cpu_attention.supports(c.num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype)
         return dict(num_heads=c.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                     block_stride=block_stride, dtype=DTYPE_CODES[dtype], kv_dtype=KV_DTYPE_CODES[kv_dtype])
@@ -142,8 +154,29 @@ class NativeForward:
         args.tile_min_rows_bf16, args.tile_min_rows_gguf = plan.min_rows("bf16"), plan.min_rows("gguf")
         args.tile_min_rows_gguf_int8 = plan.min_rows("gguf_int8")
         args.lora = None if lora is None else ctypes.pointer(lora.native())
-        check_status(self.function(ctypes.byref(args)), "rayllm_decoder_forward")
+        self._call = SimpleNamespace(x=args._scratch["x"][:num_tokens], delta=args._scratch["delta"][:num_tokens],
+                                     residual=residual, kv_caches=kv_caches, states=metadata.states)
+        try:
+            status = self.function(ctypes.byref(args))
+        finally:
+            self._call = None
+        if self._mixer_error is not None:
+            error, self._mixer_error = self._mixer_error, None
+            raise error
+        check_status(status, "rayllm_decoder_forward")
         return out
+
+    def _run_mixer(self, index: int, num_tokens: int) -> int:
+        """Layer index's mixer, called back by the C loop in attention's place: its branch's input
+        (the normed x, or the residual stream) in, delta out (as the Python loop runs it)."""
+        try:
+            call, layer = self._call, self.model.layers[index]
+            x = call.x if layer.input_norm is not None else call.residual
+            call.delta.copy_(run_mixer(layer.mixer, self.model, x, call.kv_caches[index], call.states))
+            return 0
+        except BaseException as error:  # it cannot cross C: raised again when the loop returns
+            self._mixer_error = error
+            return 1
 
     def _args(self, kv_caches, num_tokens: int) -> ForwardArgs:
         """The step's ForwardArgs with everything but its own pointers and counts set: built,

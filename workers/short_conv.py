@@ -7,7 +7,7 @@ Per layer, with x the normed hidden states of one sequence [n, hidden]:
     out     = out_proj(y)
 
 A sequence's state is what the convolution still needs of its past: the last conv_L_cache - 1
-values of b * u, [hidden, conv_L_cache - 1] (workers/recurrent.py keeps it per sequence).
+values of b * u, [conv_L_cache - 1, hidden] (workers/recurrent.py keeps it per sequence).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ShortConv:
 
     def state_specs(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         hidden, width = self.conv.shape
-        return (((hidden, width - 1), self.state_dtype),)
+        return (((width - 1, hidden), self.state_dtype),)
 
     def prefill(self, model, x: torch.Tensor, pool: StatePool, row: int) -> torch.Tensor:
         c, gated = self._gated_input(model, x)

@@ -112,7 +112,7 @@ def test_traits_read_from_the_config(family_dir):
         assert config.traits.mixers == ("short_conv", "short_conv", None, "short_conv")
         assert (config.traits.short_conv_width, config.traits.short_conv_bias, config.intermediate_size) == (3, True, 96)
         assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
-        assert config.paths.c_layer_loop == "layers with a recurrent state"
+        assert config.paths.c_layer_loop is None  # the C loop calls the mixers back
     if config.model_type == "qwen3_next":
         assert config.traits.mixers == ("gated_delta", "gated_delta", None, "gated_delta")
         assert config.traits.gated_delta == GatedDeltaTraits(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
@@ -120,8 +120,7 @@ def test_traits_read_from_the_config(family_dir):
         assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
         assert config.traits.attention_output_gate and config.traits.norm_weight_offset == 1.0
         assert config.rotary_dim == 4 and config.traits.moe.layers == (False, True, True, True)
-        assert config.paths.c_layer_loop == "mixture-of-experts layers, an attention output gate, layers with a " \
-                                            "recurrent state"
+        assert config.paths.c_layer_loop == "mixture-of-experts layers, an attention output gate"
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type == "granite":
@@ -137,12 +136,11 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
                             "(prompts expanded, decodes absorbed), not on our C loop or kernels",
              # 3 layers x 64 channels x 2 inputs x 4 bytes
              "lfm2": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
-                     "(short_conv: workers/recurrent.py, 1536 bytes per sequence, on the torch path; 64 prefix-cache "
-                     "snapshots)",
+                     "(short_conv: workers/recurrent.py, 1536 bytes per sequence, in torch ops; 64 prefix-cache snapshots)",
              # 3 layers x (conv: (2 x 2 x 16 + 4 x 8) channels x 3 inputs + 4 heads x 16 x 8) x 4 bytes
              "qwen3_next": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
-                           "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, on the torch path; 64 "
-                           "prefix-cache snapshots)"}
+                           "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "
+                           "snapshots)"}
     assert info.kv_cache_kind == kinds.get(info.model_type, "keys and values per head")
 
 

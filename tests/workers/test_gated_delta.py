@@ -118,7 +118,7 @@ def test_pieces_then_batched_decodes_equal_transformers_over_the_whole_sequences
 
 def shift_conv_state(pool, row):
     """The conv state off by one token: its window moved one input back."""
-    pool[0][row] = torch.roll(pool[0][row], 1, dims=1)
+    pool[0][row] = torch.roll(pool[0][row], 1, dims=0)
 
 
 def drop_recurrent_state(pool, row):

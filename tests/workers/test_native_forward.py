@@ -23,14 +23,24 @@ def compare_every_step(runner) -> list[int]:
 
     def both(input_ids, positions, metadata, kv_caches, lora=None):
         assert lora is None  # LoRA steps run the Python loop alone
+        states = [[tensor.clone() for tensor in pool] for layer, pool in zip(model.layers, kv_caches)
+                  if layer.mixer is not None]  # a recurrent layer's state before the step (workers/recurrent.py)
         model.native_forward = None
         try:
             expected = python_forward(input_ids, positions, metadata, kv_caches)
         finally:
             model.native_forward = native
         if native.takes(input_ids.shape[0]):  # the KV it writes is what the Python loop just wrote
+            after = [[tensor.clone() for tensor in pool] for layer, pool in zip(model.layers, kv_caches)
+                     if layer.mixer is not None]
+            recurrent_pools = [pool for layer, pool in zip(model.layers, kv_caches) if layer.mixer is not None]
+            for pool, before in zip(recurrent_pools, states):  # the C loop folds the same tokens into them again
+                for tensor, saved in zip(pool, before):
+                    tensor.copy_(saved)
             with model.products_plan(metadata):  # the kernels the step's products take, as forward picks them
                 assert torch.equal(native(input_ids, positions, metadata, kv_caches), expected)
+            for pool, expected_states in zip(recurrent_pools, after):
+                assert all(torch.equal(tensor, state) for tensor, state in zip(pool, expected_states))
             compared.append(input_ids.shape[0])
         return expected
 

@@ -36,9 +36,9 @@ def test_a_causal_convolution_cut_anywhere_equals_it_whole():
     channels, width, n = 6, 4, 13
     weight, bias, x = torch.randn(channels, width), torch.randn(channels), torch.randn(n, channels)
     whole = F.conv1d(x.t()[None], weight[:, None], bias, padding=width - 1, groups=channels)[0, :, :n].t()
-    state = torch.zeros(channels, width - 1)
+    state = torch.zeros(width - 1, channels)
     pieces = [causal_conv(x[:1], weight, bias, state), causal_conv(x[1:8], weight, bias, state)]
-    states = torch.zeros(3, channels, width - 1)
+    states = torch.zeros(3, width - 1, channels)
     states[2] = state
     for t in range(8, n):  # one token at a time, the sequence in row 2 of a batch's pool
         pieces.append(causal_conv_step(x[t:t + 1], weight, bias, states, torch.tensor([2])))
@@ -156,9 +156,9 @@ def test_a_convolution_state_one_token_off_fails(model_dir, monkeypatch):
     oracle = HfOracle(model_dir)
 
     def shifted(x, weight, bias, states, rows):
-        window = torch.cat([states.index_select(0, rows), x.unsqueeze(2)], dim=2)
-        states.index_copy_(0, rows, torch.cat([window[:, :, 2:], torch.zeros_like(x).unsqueeze(2)], dim=2))
-        return (window * weight).sum(2) + bias
+        window = torch.cat([states.index_select(0, rows), x.unsqueeze(1)], dim=1)  # [s, width, channels]
+        states.index_copy_(0, rows, torch.cat([window[:, 2:], torch.zeros_like(x).unsqueeze(1)], dim=1))
+        return (window * weight.t()).sum(1) + bias
 
     monkeypatch.setattr("workers.short_conv.causal_conv_step", shifted)
     engine = engine_of(make_runner(model_dir, num_blocks=400))
@@ -170,3 +170,10 @@ def test_recurrent_layers_add_no_bytes_per_token(model_dir):
     config = ModelConfig.from_model_dir(model_dir)
     attention_only = dataclasses.replace(config, traits=dataclasses.replace(config.traits, mixers=None))
     assert kv_bytes_per_token(config, torch.float32) * 4 == kv_bytes_per_token(attention_only, torch.float32)
+
+
+def test_lora_adapters_are_refused_in_one_line(model_dir):
+    from workers.lora import LoraError
+
+    with pytest.raises(LoraError, match=r"recurrent layers \(lfm2\) are not supported yet"):
+        make_runner(model_dir, lora_adapters=(("adapter", str(model_dir / "adapter")),))

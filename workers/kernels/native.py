@@ -200,7 +200,12 @@ class LayerArgs(ctypes.Structure):
         ("sin", ctypes.c_void_p),
         # each product's weight type: 0: the step's dense kind; else its ggml type code (GGUF blocks)
         *((name, ctypes.c_int32) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")),
+        ("mixer", ctypes.c_void_p),  # a MIXER_FN: the layer's recurrent mixer (workers/native_forward.py), or None
     ]
+
+
+# csrc/forward.c's MixerFn: (layer, num_tokens) -> 0, or nonzero when the mixer failed
+MIXER_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64)
 
 
 LORA_PRODUCTS, LORA_MAX_PARTS, LORA_MAX_RANK = 4, 3, 512  # csrc/entry_points.h's

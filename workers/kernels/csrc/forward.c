@@ -29,6 +29,11 @@
 
 enum { LINEAR_PANELS = 0, LINEAR_GEMV = 1 };
 
+/* A layer that keeps a state per sequence in attention's place (workers/recurrent.py): Python's
+ * function for layer l of a step of num_tokens rows reads the branch's input (the normed x, or the
+ * residual stream) and writes its output to delta; nonzero: it failed (Python holds the error). */
+typedef int32_t (*MixerFn)(int64_t layer, int64_t num_tokens);
+
 typedef struct {
     const void *input_norm, *post_norm;         /* [hidden], or NULL: the branch reads the residual unnormed */
     const void *qkv, *o, *gate_up, *down;       /* panels of the dtype (LINEAR_PANELS) or row-major [out, in] (LINEAR_GEMV) */
@@ -45,6 +50,7 @@ typedef struct {
     /* each product's weight type: 0: the step's dense kind (ForwardArgs.linear); else a ggml type
      * code (gguf_gemm.c), the weight being its GGUF blocks [out, row bytes] */
     int32_t qkv_type, o_type, gate_up_type, down_type;
+    MixerFn mixer;                              /* NULL: attention; else the layer's mixer, in attention's place */
 } LayerArgs;
 
 typedef struct {
@@ -163,21 +169,28 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         const void *x = layer->input_norm ? a->x : a->residual; /* no norm: the branch reads the stream */
         int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
                                          a->dtype, a->num_threads);
-        if (!status)
-            status = adapted(a, l, LORA_QKV, x, layer->qkv, layer->qkv_type, layer->qkv_bias, a->qkv, qkv_width, hidden);
-        if (!status && layer->q_norm)
-            status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, layer->qk_norm_whole,
-                                          a->eps, a->dtype, a->num_threads);
-        if (!status && layer->use_rope)
-            status = rayllm_rope(a->qkv, a->positions, layer->cos ? layer->cos : a->cos, layer->sin ? layer->sin : a->sin,
-                                 T, H, KV, D, a->rotary_dim, a->dtype, a->num_threads);
-        if (!status)
-            status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
-                                     a->slot_mapping, T, KV, D, meta->block_size, a->dtype, meta->kv_dtype,
+        if (!status && layer->mixer) {
+            if (layer->mixer(l, T)) status = 90;
+        } else {
+            if (!status)
+                status = adapted(a, l, LORA_QKV, x, layer->qkv, layer->qkv_type, layer->qkv_bias, a->qkv, qkv_width,
+                                 hidden);
+            if (!status && layer->q_norm)
+                status = rayllm_head_rms_norm(a->qkv, layer->q_norm, layer->k_norm, T, H, KV, D, layer->qk_norm_whole,
+                                              a->eps, a->dtype, a->num_threads);
+            if (!status && layer->use_rope)
+                status = rayllm_rope(a->qkv, a->positions, layer->cos ? layer->cos : a->cos,
+                                     layer->sin ? layer->sin : a->sin, T, H, KV, D, a->rotary_dim, a->dtype,
                                      a->num_threads);
-        if (!status) status = rayllm_paged_attention(&attention);
-        if (!status)
-            status = adapted(a, l, LORA_O, a->attended, layer->o, layer->o_type, layer->o_bias, a->delta, hidden, H * D);
+            if (!status)
+                status = rayllm_write_kv(k, v, qkv_width, qkv_width, layer->k_cache, layer->v_cache, meta->block_stride,
+                                         a->slot_mapping, T, KV, D, meta->block_size, a->dtype, meta->kv_dtype,
+                                         a->num_threads);
+            if (!status) status = rayllm_paged_attention(&attention);
+            if (!status)
+                status = adapted(a, l, LORA_O, a->attended, layer->o, layer->o_type, layer->o_bias, a->delta, hidden,
+                                 H * D);
+        }
         if (!status && layer->attn_out_norm)
             status = rayllm_add_rms_norm(a->delta, NULL, layer->attn_out_norm, a->delta, T, hidden, a->eps, a->dtype,
                                          a->num_threads);
@@ -205,7 +218,7 @@ int rayllm_layout_layer_args(int64_t *offsets, char *names, int64_t capacity) {
     FIELD(input_norm) FIELD(post_norm) FIELD(qkv) FIELD(o) FIELD(gate_up) FIELD(down) FIELD(qkv_bias) FIELD(o_bias)
     FIELD(gate_up_bias) FIELD(down_bias) FIELD(q_norm) FIELD(k_norm) FIELD(attn_out_norm) FIELD(mlp_out_norm)
     FIELD(k_cache) FIELD(v_cache) FIELD(use_rope) FIELD(qk_norm_whole) FIELD(softcap) FIELD(window) FIELD(sinks)
-    FIELD(cos) FIELD(sin) FIELD(qkv_type) FIELD(o_type) FIELD(gate_up_type) FIELD(down_type)
+    FIELD(cos) FIELD(sin) FIELD(qkv_type) FIELD(o_type) FIELD(gate_up_type) FIELD(down_type) FIELD(mixer)
 #undef FIELD
     return n;
 }
