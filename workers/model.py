@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
 from workers.families import FP32_TENSOR_SUFFIXES
-from workers.gated_delta import GatedDeltaMixer, read_gated_delta_weights
+from workers.gated_delta import DecodeScratch, GatedDeltaMixer, read_gated_delta_weights
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -409,6 +409,7 @@ class _WeightReader:
         self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
                            and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
+        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet layers' gathered states, one buffer for all
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
         if name not in self.tensors:
@@ -584,7 +585,7 @@ class _WeightReader:
                                     c.traits.short_conv_bias)
         elif kind == "gated_delta":
             weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
-            mixer = GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps)
+            mixer = GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
         else:
             raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
         dense = moe is None

@@ -165,6 +165,8 @@ def test_a_prompt_of_several_chunks_in_one_step_equals_transformers(qwen3_next_d
     """A 150-token prompt computed in one step (three chunks of the delta rule, the last partial), then
     one beside another whose pieces start mid-chunk: transformers' greedy tokens."""
     runner = make_runner(qwen3_next_dir, num_blocks=400)
+    mixers = [layer.mixer for layer in runner.model.layers if layer.mixer is not None]
+    assert len(mixers) == 3 and len({id(mixer.scratch) for mixer in mixers}) == 1  # one decode buffer for all
     oracle = HfOracle(qwen3_next_dir)
     prompts = prompts_of_lengths([150, 70], runner.model_info.vocab_size, seed=3)
     engine = engine_of(runner, max_num_batched_tokens=160, max_model_len=256)
