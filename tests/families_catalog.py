@@ -56,6 +56,14 @@ FAMILIES = {
     # rounded up to 16)
     "lfm2": dict(model_type="lfm2", num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
                  conv_bias=True, conv_L_cache=3, block_ff_dim=96, block_ffn_dim_multiplier=1.5, block_multiple_of=16),
+    # Granite 4: Mamba-2 layers 0, 1 and 3 (4 heads of 32 in 2 groups, a state of 8, a 4-token conv window, chunks
+    # of 8: prompts cross several), attention without RoPE on layer 2; granite's multipliers; the shared_mlp of
+    # width 96 as every layer's MLP (no experts)
+    "granitemoehybrid": dict(model_type="granitemoehybrid", num_hidden_layers=4,
+                             layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0,
+                             shared_intermediate_size=96, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                             mamba_d_conv=4, mamba_chunk_size=8, embedding_multiplier=4.0, residual_multiplier=0.4,
+                             attention_multiplier=0.09, logits_scaling=3.0),
     # Qwen3-Next: Gated DeltaNet layers 0, 1 and 3 (a state per sequence: a conv over 4 tokens' q, k, v and a
     # [16, 8] matrix per value head, 2 key heads each shared by 2 value heads), full attention on layer 2 (q_proj's
     # output gate, per-head q/k norms, a quarter of each head rotated); every norm x (1 + w) but the Gated
@@ -138,6 +146,13 @@ MOE_FAMILIES = {
     "llama4_text": dict(model_type="llama4_text", head_dim=16, num_hidden_layers=4, attention_chunk_size=6,
                         interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                         intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5),
+    # Granite 4 with experts: Mamba-2 layers 0 and 2, attention with RoPE on layer 1; every layer the top 2 of 4
+    # experts of width 48 (softmax over the two logits) plus the shared_mlp of width 56 (the checkpoint's names:
+    # block_sparse_moe.input_linear / output_linear / router.layer, shared_mlp.input_linear / output_linear)
+    "granitemoehybrid-moe": dict(model_type="granitemoehybrid", layer_types=["mamba", "attention", "mamba"],
+                                 position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2,
+                                 intermediate_size=48, shared_intermediate_size=56, mamba_n_heads=4, mamba_d_state=8,
+                                 mamba_chunk_size=8, residual_multiplier=0.5),
     # Qwen3-Next with every layer full attention (its Gated DeltaNet layers: FAMILIES' "qwen3_next"): q_proj's rows
     # each head's query then its output gate, per-head q/k norms and every norm x (1 + w), a quarter of each head
     # rotated (the default), q, k, v and o biases; layer 0 dense (mlp_only_layers), 1 and 2 MoE: top 2 of 5

@@ -115,6 +115,10 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
                 parameter.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                 parameter.normal_(0.0, init_std)
+            elif name.endswith(".mamba.A_log"):  # Mamba-2's decay rates (default log 1..H) and skips (default 1)
+                parameter.uniform_(-1.0, 1.5)
+            elif name.endswith(".mamba.D"):
+                parameter.normal_(0.0, 1.0)
         for name, buffer in model.named_buffers():  # a correction bias large enough to change experts' choice
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, init_std)

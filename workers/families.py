@@ -89,6 +89,12 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 per-head q/k norms (q_layernorm, k_layernorm); the MLP's w1, w3, w2, of a width
                 derived from block_ff_dim; its names (operator_norm, ffn_norm, embedding_norm) read as
                 ours at load (FamilyTraits.tensor_names)
+    granitemoehybrid  Granite 4: Mamba-2 layers (workers/mamba2.py: a conv window and an SSM state per
+                sequence) between attention layers (layer_types "mamba" / "attention"); granite's
+                multipliers; RoPE only with position_embedding_type "rope" (Granite 4.0-H: none); the
+                MLP is shared_mlp (input_linear: gate and up in one tensor), plus a MoE of
+                num_local_experts when there are any (top k logits, softmax over those k), the
+                shared_mlp then its shared expert
     qwen3_next  Gated DeltaNet layers (linear_attention, workers/gated_delta.py) between full-attention
                 ones (layer_types, or every full_attention_interval-th full): each keeps a causal
                 convolution's last inputs and a [head_k_dim, head_v_dim] matrix per value head, not keys
@@ -163,11 +169,12 @@ class FamilyTraits:
     # (Qwen3-Next's multi-token-prediction module, "mtp.")
     skipped_prefixes: tuple[str, ...] = ()
     # per layer: the kind of the layer that keeps a fixed-size state per sequence in attention's place
-    # (workers/recurrent.py): "short_conv" (LFM2), "gated_delta" (Qwen3-Next); None: attention. None: every
-    # layer attends
+    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4), "gated_delta" (Qwen3-Next); None:
+    # attention. None: every layer attends
     mixers: tuple[str | None, ...] | None = None
     short_conv_width: int = 3  # "short_conv" layers: tokens the convolution spans (LFM2's conv_L_cache)
     short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
+    mamba2: Mamba2Traits | None = None  # "mamba2" layers (Granite 4's mamba layers, workers/mamba2.py)
     gated_delta: GatedDeltaTraits | None = None  # "gated_delta" layers' shapes (workers/gated_delta.py)
     # the checkpoint's names for what ours are called, as (theirs, ours) fragments replaced in every
     # tensor name at load (LFM2's operator_norm is our input_layernorm); (): the same names
@@ -259,6 +266,65 @@ class MlaTraits:
     def cache_width(self) -> int:
         """Values one token keeps per layer in the pool: its latent and its RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Traits:
+    """A Mamba-2 mixer (workers/mamba2.py, Granite 4's mamba layers): in_proj splits each token into
+    a gate (inner), the convolved x ++ B ++ C (conv_channels) and a time step per head; the state of
+    a sequence is the conv's last conv_kernel - 1 inputs and an SSM state per head."""
+
+    num_heads: int
+    head_dim: int  # num_heads * head_dim is the mixer's inner width
+    state_size: int  # N: each head's state is [head_dim, N]
+    num_groups: int  # B and C are shared by num_heads / num_groups heads each; the gated norm's groups
+    conv_kernel: int  # the causal conv's width
+    chunk_size: int  # a prompt's scan runs in chunks of this many tokens
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj and out_proj carry biases
+    norm_eps: float = 1e-6
+    time_step_min: float = 0.0  # each time step softplus(dt + dt_bias) is clamped to [min, max]
+    time_step_max: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_groups:
+            raise FamilyError(f"mamba_n_groups {self.num_groups} does not divide mamba_n_heads {self.num_heads}")
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """x, B and C: what the causal conv runs over."""
+        return self.inner + 2 * self.num_groups * self.state_size
+
+    @property
+    def in_proj_rows(self) -> int:
+        return self.inner + self.conv_channels + self.num_heads
+
+
+def mamba2_traits(raw: dict) -> Mamba2Traits:
+    """A granitemoehybrid config's Mamba-2 settings (transformers' GraniteMoeHybridConfig defaults)."""
+    hidden, heads = int(raw["hidden_size"]), int(raw.get("mamba_n_heads", 128))
+    inner = int(raw.get("mamba_expand", 2)) * hidden
+    head_dim = raw.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != inner:
+        raise FamilyError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} is not mamba_expand x hidden_size {inner}")
+    limit = raw.get("time_step_limit") or (0.0, math.inf)
+    return Mamba2Traits(
+        num_heads=heads, head_dim=head_dim, state_size=int(raw.get("mamba_d_state", 256)),
+        num_groups=int(raw.get("mamba_n_groups", 1)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+        chunk_size=int(raw.get("mamba_chunk_size", 256)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        proj_bias=bool(raw.get("mamba_proj_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        time_step_min=_json_float(limit[0]), time_step_max=_json_float(limit[1]),
+    )
+
+
+def _json_float(value) -> float:
+    """A number from config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -691,6 +757,39 @@ def _lfm2(raw: dict) -> FamilyTraits:
     )
 
 
+def _granitemoehybrid(raw: dict) -> FamilyTraits:
+    """Granite 4 (transformers' GraniteMoeHybridConfig defaults): Mamba-2 layers and attention layers per
+    layer_types, Granite's multipliers, RoPE only with position_embedding_type "rope"; each layer's MLP the
+    shared_mlp (input_linear: gate and up as one tensor; output_linear), beside a MoE of num_local_experts
+    (block_sparse_moe: top k router logits, softmax over those k) when there are any. The checkpoint's names
+    are read as ours (tensor_names): the MLP's as mlp.gate_up_proj / down_proj, or as the MoE's shared expert."""
+    num_layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types") or ["mamba"] * num_layers
+    mamba, attention = {"mamba", "linear_attention"}, {"attention", "full_attention"}
+    if len(kinds) != num_layers or set(kinds) - mamba - attention:
+        raise FamilyError(f"layer_types must name mamba or attention for each of {num_layers} layers: {kinds}")
+    num_experts = int(raw.get("num_local_experts") or 0)
+    shared_width = int(raw.get("shared_intermediate_size", 1024))
+    moe = MoeTraits(
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 2)),
+        intermediate_size=int(raw.get("intermediate_size", 11008)), layers=(True,) * num_layers,
+        scoring="topk_softmax", shared_intermediate_size=shared_width,
+    ) if num_experts > 0 else None
+    mlp = "mlp.shared_expert" if moe is not None else "mlp"
+    names = ((".shared_mlp.input_linear.", f".{mlp}.gate_up_proj."),
+             (".shared_mlp.output_linear.", f".{mlp}.down_proj."),
+             # the MoE: the checkpoint's layout, or transformers' own (save_original_format=False)
+             (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+             (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+             (".block_sparse_moe.router.layer.", ".mlp.gate."), (".block_sparse_moe.router.", ".mlp.gate."),
+             (".block_sparse_moe.experts.", ".mlp.experts."))
+    rope = raw.get("position_embedding_type") == "rope"
+    return replace(_granite(raw), rope_layers=None if rope else (False,) * num_layers, moe=moe,
+                   dense_intermediate_size=shared_width,
+                   mixers=tuple("mamba2" if kind in mamba else None for kind in kinds),
+                   mamba2=mamba2_traits(raw), tensor_names=names)
+
+
 def _yarn_mscale_squared(raw: dict) -> float:
     """DeepSeek's softmax scale factor under yarn: mscale(factor, mscale_all_dim) ** 2, as transformers'
     yarn_apply_mscale (1 without scaling or without mscale_all_dim)."""
@@ -728,6 +827,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "llama4_text": _llama4_text,
     "deepseek_v3": _deepseek_v3,
     "lfm2": _lfm2,
+    "granitemoehybrid": _granitemoehybrid,
     "qwen3_next": _qwen3_next,
 }
 

@@ -61,6 +61,7 @@ from workers.kernels.cpu_isa import cpu_plan, using_plan
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import LinearWeight, NativeLinear, OneDnnLinear, TorchLinear
 from workers.lora import StepLora
+from workers.mamba2 import Mamba2Mixer, read_mamba2_weights
 from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
@@ -518,6 +519,7 @@ class _WeightReader:
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
         if c.traits.fused_projections:  # Phi-3: the checkpoint already holds them as we run them
             qkv_rows, qkv_names = [sum(qkv_rows)], [attn + "qkv_proj"]
+        if c.traits.fused_projections or mlp + "gate_up_proj.weight" in self.tensors:  # Phi-3, Granite 4
             gate_up_rows, gate_up_names = [2 * c.intermediate_size], [mlp + "gate_up_proj"]
         else:
             gate_up_rows = [c.intermediate_size] * 2
@@ -583,6 +585,9 @@ class _WeightReader:
         if kind == "short_conv":
             mixer = read_short_conv(self, prefix + "conv.", c.hidden_size, c.traits.short_conv_width,
                                     c.traits.short_conv_bias)
+        elif kind == "mamba2":
+            weights = read_mamba2_weights(self, prefix + "mamba.", c.traits.mamba2, c.hidden_size)
+            mixer = Mamba2Mixer(weights, c.traits.mamba2)
         elif kind == "gated_delta":
             weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
             mixer = GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
@@ -593,8 +598,7 @@ class _WeightReader:
             input_norm=self.take_norm(prefix, "input_layernorm"),
             qkv=None, qkv_bias=None, o=None, o_bias=None,
             post_norm=self.take_norm(prefix, "post_attention_layernorm"),
-            gate_up=self.pack(self.take_fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-                                              [(c.intermediate_size, c.hidden_size)] * 2)) if dense else None,
+            gate_up=self.pack(self.take_gate_up(mlp, c.intermediate_size)) if dense else None,
             gate_up_bias=None,
             down=self.pack(self.take_residual_branch(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size)))
             if dense else None,
@@ -602,6 +606,14 @@ class _WeightReader:
             moe=moe,
             mixer=mixer,
         )
+
+    def take_gate_up(self, mlp: str, width: int) -> torch.Tensor | LinearWeight:
+        """A gated MLP's gate rows then up rows [2 * width, hidden]: {mlp}gate_up_proj.weight where the
+        checkpoint holds them as one (Granite 4's input_linear, renamed), else gate_proj's and up_proj's."""
+        if mlp + "gate_up_proj.weight" in self.tensors:
+            return self.take(mlp + "gate_up_proj.weight", (2 * width, self.config.hidden_size))
+        hidden = self.config.hidden_size
+        return self.take_fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(width, hidden)] * 2)
 
     def mla_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:
         """A layer whose attention is MLA (workers/mla.py): Llama's norms and MLP around it."""

@@ -205,8 +205,7 @@ def read_moe_weights(reader, index: int, traits: MoeTraits, hidden: int) -> MoeW
     shared_gate_up = shared_down = shared_gate = None
     if traits.shared_intermediate_size:
         shared, width = f"{block}{traits.shared_expert}", traits.shared_intermediate_size
-        shared_gate_up = reader.pack(reader.take_fused([f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"],
-                                                       [(width, hidden)] * 2))
+        shared_gate_up = reader.pack(reader.take_gate_up(f"{shared}.", width))  # Granite 4's: one tensor
         shared_down = reader.pack(reader.residual_branch(reader.take(f"{shared}.down_proj.weight", (hidden, width))))
         if traits.shared_expert_gate:
             shared_gate = reader.pack(reader.take(f"{shared}_gate.weight", (1, hidden)))

@@ -116,12 +116,18 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x [n, channels]; weight [channels, width]; state [width - 1, channels]: the inputs of the
     width - 1 tokens before x (zeros before the first token), replaced by the last width - 1
     inputs of state ++ x. Returns [n, channels], y[t, c] = sum_j weight[c, j] * u[t + j, c] with
-    u = state ++ x along the tokens (bias added). No activation."""
-    width = weight.shape[1]
+    u = state ++ x along the tokens (bias added), summed in fp32. No activation. One multiply-add
+    per tap over whole rows: torch's depthwise conv1d took 40 ms for 512 tokens of 1024 channels
+    in bf16, these a few."""
+    num_tokens, width = x.shape[0], weight.shape[1]
     joined = torch.cat([state.to(x.dtype), x], dim=0)  # [width - 1 + n, channels]
-    state.copy_(joined[joined.shape[0] - (width - 1):])
-    y = F.conv1d(joined.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]  # [channels, n]
-    return y.t()
+    y = x.float() * weight[:, -1].float()
+    for tap in range(width - 1):
+        y.addcmul_(joined[tap:tap + num_tokens].float(), weight[:, tap].float())
+    if bias is not None:
+        y += bias.float()
+    state.copy_(joined[num_tokens:])
+    return y.to(x.dtype)
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,

@@ -123,9 +123,16 @@ def test_traits_read_from_the_config(family_dir):
         assert config.paths.c_layer_loop == "mixture-of-experts layers, an attention output gate"
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
-    if config.model_type == "granite":
+    if config.model_type in ("granite", "granitemoehybrid"):
         assert (config.traits.embedding_multiplier, config.traits.residual_multiplier, config.traits.attention_scale) == (4.0, 0.4, 0.09)
         assert config.traits.logits_scale == pytest.approx(1 / 3)
+    if config.model_type == "granitemoehybrid":
+        mamba = config.traits.mamba2
+        assert config.traits.mixers == ("mamba2", "mamba2", None, "mamba2") and config.traits.moe is None
+        assert (mamba.num_heads, mamba.head_dim, mamba.num_groups, mamba.state_size, mamba.chunk_size) == (4, 32, 2, 8, 8)
+        assert config.traits.rope_layers == (False,) * 4 and config.intermediate_size == 96  # the shared_mlp's
+        assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
+        assert config.paths.c_layer_loop is None  # the C loop calls the mixers back
 
 
 def test_model_info_names_the_family_and_the_layer_loop(family_dir):
@@ -137,6 +144,10 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              # 3 layers x 64 channels x 2 inputs x 4 bytes
              "lfm2": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
                      "(short_conv: workers/recurrent.py, 1536 bytes per sequence, in torch ops; 64 prefix-cache snapshots)",
+             # 3 layers x (160 conv channels x 3 inputs + 4 heads x 32 x 8 of SSM state) x 4 bytes
+             "granitemoehybrid": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the "
+                                 "other 3 (mamba2: workers/recurrent.py, 18048 bytes per sequence, in torch ops; "
+                                 "64 prefix-cache snapshots)",
              # 3 layers x (conv: (2 x 2 x 16 + 4 x 8) channels x 3 inputs + 4 heads x 16 x 8) x 4 bytes
              "qwen3_next": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
                            "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "

@@ -131,7 +131,8 @@ def test_router_bias_is_added_before_the_top_k():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
-                                    "minimax_m2", "ernie4_5_moe", "llama4_text", "qwen3_next-renormalised"])
+                                    "minimax_m2", "ernie4_5_moe", "llama4_text", "granitemoehybrid",
+                                    "qwen3_next-renormalised"])
 def test_routing_equals_transformers_routers(family):
     """Our route() on transformers' router modules' logits picks the same experts with the same weights
     (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id; Llama 4's gives
@@ -140,6 +141,7 @@ def test_routing_equals_transformers_routers(family):
     from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridTopKRouter
     from transformers.models.llama4.modeling_llama4 import Llama4Router
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
@@ -147,12 +149,14 @@ def test_routing_equals_transformers_routers(family):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
     model_type = family.split("-")[0]
+    mamba = dict(mamba_n_heads=4) if model_type == "granitemoehybrid" else {}  # heads that divide 2 x hidden
     config = AutoConfig.for_model(model_type, hidden_size=32, num_local_experts=8, num_experts=8, num_experts_per_tok=3,
-                                  norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG)
+                                  norm_topk_prob=family.endswith("renormalised"), n_routed_experts=8, **GROUPED_CONFIG,
+                                  **mamba)
     router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
                     "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter,
                     "ernie4_5_moe": Ernie4_5_MoeTopKRouter, "llama4_text": Llama4Router,
-                    "qwen3_next": Qwen3NextTopKRouter}
+                    "granitemoehybrid": GraniteMoeHybridTopKRouter, "qwen3_next": Qwen3NextTopKRouter}
     router = router_class[model_type](config)
     torch.manual_seed(2)
     correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
@@ -172,6 +176,7 @@ def test_routing_equals_transformers_routers(family):
         "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
         "ernie4_5_moe": traits_of(num_experts=8, top_k=3),
         "llama4_text": traits_of("topk_sigmoid", renormalize=False, num_experts=8, top_k=3),
+        "granitemoehybrid": traits_of("topk_softmax", num_experts=8, top_k=3),
     }[model_type]
     x = torch.randn(40, 32)
     with torch.no_grad():
