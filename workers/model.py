@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
 from workers.families import FP32_TENSOR_SUFFIXES
+from workers.gated_delta import DecodeScratch, GatedDeltaMixer, read_gated_delta_weights
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -142,8 +143,12 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
     moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
     mla: MlaWeights | None = None  # multi-head latent attention (workers/mla.py) in place of qkv; None: q/k/v heads
+    # [num_heads * head_dim, hidden]: the attention's output x sigmoid(x @ attn_gate.T + attn_gate_bias) before o_proj
+    # (Qwen3-Next; q_proj's gate rows, split from its query rows at load); None: no gate
+    attn_gate: object | None = None
+    attn_gate_bias: torch.Tensor | None = None  # [num_heads * head_dim]
     # a layer that keeps a state per sequence in attention's place (workers/recurrent.py: a short convolution,
-    # ...); its products are its own (qkv and o are None); None: attention
+    # a Gated DeltaNet); its products are its own (qkv and o are None); None: attention
     mixer: object | None = None
     head_dim: int = 0  # the layer's q/k/v head width (ModelConfig.layer_head_dim); 0 in an MLA or mixer's layer
     num_kv_heads: int = 0  # its key/value heads (ModelConfig.layer_num_kv_heads)
@@ -319,8 +324,10 @@ class PagedLlamaModel:
         if not layer.shares_kv:
             step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks,
-                               attention_chunk=layer.attention_chunk)
-        return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
+                               attention_chunk=layer.attention_chunk).reshape(x.shape[0], -1)
+        if layer.attn_gate is not None:
+            attended = attended * torch.sigmoid(self.linear(x, layer.attn_gate, layer.attn_gate_bias))
+        return self._product(attended, layer.o, layer.o_bias, lora, index, "o")
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor | GgufWeight],
@@ -358,6 +365,8 @@ class PagedLlamaModel:
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
         for index in range(config.num_layers, config.num_layers + config.traits.num_extra_layers):
             weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's, DeepSeek's MTP)
+        for prefix in config.traits.skipped_prefixes:  # modules we do not run (Qwen3-Next's MTP)
+            weights.discard_prefix(prefix)
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(_rope_config(config, local=False), max_positions, final_norm.dtype, device)
@@ -451,6 +460,7 @@ class _WeightReader:
         self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
                            and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
+        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet layers' gathered states, one buffer for all
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
         if name not in self.tensors:
@@ -506,6 +516,26 @@ class _WeightReader:
             if not isinstance(tensor, torch.Tensor):
                 raise WeightError(f"{tensor_name} is a {tensor.label} weight; interleaved RoPE needs it plain")
             self.tensors[tensor_name] = deinterleave_rows(tensor, num_heads, self.config)
+
+    def split_output_gate(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """name.weight's (and name.bias's, where the family has q biases) rows, each head's query then
+        its gate ([heads, 2, head_dim] rows: Qwen3-Next's q_proj), split: the queries stay in the
+        checkpoint under name, to be fused with k and v; returns the gates (weight, bias or None)."""
+        c = self.config
+        rows = c.num_heads * c.head_dim
+        parts = []
+        for suffix, shape in ((".weight", (2 * rows, c.hidden_size)), (".bias", (2 * rows,))):
+            if suffix == ".bias" and not c.traits.qkv_bias:
+                parts.append(None)
+                continue
+            tensor = self.take(name + suffix, shape)
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightError(f"{name + suffix} is a {tensor.label} weight; its query and gate rows are split "
+                                  "at load, which needs it plain")
+            per_head = tensor.view(c.num_heads, 2, c.head_dim, *shape[1:])
+            self.tensors[name + suffix] = per_head[:, 0].reshape(rows, *shape[1:]).contiguous()
+            parts.append(per_head[:, 1].reshape(rows, *shape[1:]).contiguous())
+        return parts[0], parts[1]
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))
@@ -565,6 +595,7 @@ class _WeightReader:
             return self.mla_layer(index, moe)
         if c.is_recurrent_layer(index):
             return self.mixer_layer(index, moe)
+        gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
         weighted_qk_norm = c.traits.qk_norm in ("head", "projection", "head_after_rope")
         temperature = c.traits.query_temperature if not c.uses_rope(index) else None
         return LayerWeights(
@@ -610,6 +641,8 @@ class _WeightReader:
             per_layer=(read_per_layer_branch(self, prefix, c.traits.per_layer_input_size, c.hidden_size)
                        if c.traits.per_layer_input_size else None),
             scalar=self.take(prefix + "layer_scalar", (1,)).to(self.dtype) if c.traits.layer_scalars else None,
+            attn_gate=None if gate is None else self.pack(gate),
+            attn_gate_bias=gate_bias,
         )
 
     def mixer_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:
@@ -623,6 +656,9 @@ class _WeightReader:
         elif kind == "mamba2":
             weights = read_mamba2_weights(self, prefix + "mamba.", c.traits.mamba2, c.hidden_size)
             mixer = Mamba2Mixer(weights, c.traits.mamba2)
+        elif kind == "gated_delta":
+            weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
+            mixer = GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
         else:
             raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
         dense = moe is None
