@@ -964,16 +964,10 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     shared_kv = "layers reading another layer's K/V" if traits.kv_sources is not None else None
     head_dims = "head sizes that differ between layers" if traits.layer_head_dims is not None else None
     return FamilyPaths(
-<<<<<<< HEAD
-        # the experts' MLP, latent attention, late q/k norms, chunked layers and query temperatures have no C
-        # form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gemma4, shared_kv, head_dims)
-                               if why) or None,
-=======
-        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures and output gates
-        # have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate) if why) or None,
->>>>>>> main
+        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures, output gates and
+        # Gemma 4's parts have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate, gemma4, shared_kv,
+                                               head_dims) if why) or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         # grouped experts take plain weights; a multiplier is folded into them; q_proj's rows are split at load

@@ -77,13 +77,8 @@ def test_traits_read_from_the_config(family_dir):
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
-<<<<<<< HEAD
                                      "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
-                                     "lfm2": "head"}.get(config.model_type)
-=======
-                                     "gemma3_text": "head", "exaone4": "head", "lfm2": "head",
-                                     "qwen3_next": "head"}.get(config.model_type)
->>>>>>> main
+                                     "lfm2": "head", "qwen3_next": "head"}.get(config.model_type)
     assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "exaone4": "post", "gemma2": "sandwich",
                                    "gemma3_text": "sandwich", "gemma4_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type in ("gemma2", "gemma3_text"):
@@ -162,17 +157,13 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              # 3 layers x (160 conv channels x 3 inputs + 4 heads x 32 x 8 of SSM state) x 4 bytes
              "granitemoehybrid": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the "
                                  "other 3 (mamba2: workers/recurrent.py, 18048 bytes per sequence, in torch ops; "
-<<<<<<< HEAD
-                                 "64 prefix-cache snapshots)"}
-    for name in ("gemma4_text", "gemma4"):  # layers 3 and 4 read layers 2's and 1's pools
-        kinds[name] = "keys and values per head in 3 of 5 layers; the other 2 read an earlier layer's (3 <- 2, 4 <- 1)"
-=======
                                  "64 prefix-cache snapshots)",
              # 3 layers x (conv: (2 x 2 x 16 + 4 x 8) channels x 3 inputs + 4 heads x 16 x 8) x 4 bytes
              "qwen3_next": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
                            "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "
                            "snapshots)"}
->>>>>>> main
+    for name in ("gemma4_text", "gemma4"):  # layers 3 and 4 read layers 2's and 1's pools
+        kinds[name] = "keys and values per head in 3 of 5 layers; the other 2 read an earlier layer's (3 <- 2, 4 <- 1)"
     assert info.kv_cache_kind == kinds.get(info.model_type, "keys and values per head")
 
 
