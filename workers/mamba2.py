@@ -65,40 +65,26 @@ def read_mamba2_weights(reader, prefix: str, traits: Mamba2Traits, hidden: int) 
     def per_head(name: str) -> torch.Tensor:
         return plain(name, (t.num_heads,)).float()
 
+    # [in_proj_rows]: each output part's multiplier (in_proj_multipliers); the weight's rows also x input_multiplier
     row_scales = torch.cat([torch.full((rows,), m, dtype=torch.float32)
-                            for rows, m in zip(t.in_proj_parts, t.in_proj_multipliers)])  # [in_proj_rows]
+                            for rows, m in zip(t.in_proj_parts, t.in_proj_multipliers)])
     in_proj = reader.take(prefix + "in_proj.weight", (t.in_proj_rows, hidden))
     in_proj_bias = plain("in_proj.bias", (t.in_proj_rows,)) if t.proj_bias else None
     out_proj = reader.take_residual_branch(prefix + "out_proj.weight", (hidden, t.inner))
     out_proj_bias = reader.take_residual_branch(prefix + "out_proj.bias", (hidden,)) if t.out_proj_bias else None
     return Mamba2Weights(
-        in_proj=reader.pack(scaled(reader, prefix + "in_proj.weight", in_proj,
-                                   row_scales[:, None] * t.input_multiplier)),  # x * input_multiplier, each part's
-        in_proj_bias=None if in_proj_bias is None else scaled(reader, prefix + "in_proj.bias", in_proj_bias,
-                                                              row_scales),
+        in_proj=reader.pack(reader.scaled(prefix + "in_proj.weight", in_proj, row_scales[:, None] * t.input_multiplier)),
+        in_proj_bias=None if in_proj_bias is None else reader.scaled(prefix + "in_proj.bias", in_proj_bias, row_scales),
         conv=plain("conv1d.weight", (t.conv_channels, 1, t.conv_kernel)).view(t.conv_channels, t.conv_kernel),
         conv_bias=plain("conv1d.bias", (t.conv_channels,)) if t.conv_bias else None,
         dt_bias=per_head("dt_bias"),
         decay_rate=-torch.exp(per_head("A_log")),
         skip=per_head("D"),
         norm=reader.take_norm(prefix, "norm", t.inner) if t.gated_norm is not None else None,
-        out_proj=reader.pack(scaled(reader, prefix + "out_proj.weight", out_proj, t.output_multiplier)),
-        out_proj_bias=None if out_proj_bias is None else scaled(reader, prefix + "out_proj.bias", out_proj_bias,
-                                                                t.output_multiplier),
+        out_proj=reader.pack(reader.scaled(prefix + "out_proj.weight", out_proj, t.output_multiplier)),
+        out_proj_bias=None if out_proj_bias is None else reader.scaled(prefix + "out_proj.bias", out_proj_bias,
+                                                                       t.output_multiplier),
     )
-
-
-def scaled(reader, name: str, tensor, multiplier: float | torch.Tensor):
-    """tensor x multiplier (a number, or a tensor that broadcasts: per row), in fp32, back in the tensor's
-    dtype; the tensor as it is when every multiplier is 1. A quantized tensor cannot take one."""
-    if isinstance(multiplier, float) and multiplier == 1.0:
-        return tensor
-    if isinstance(multiplier, torch.Tensor) and bool((multiplier == 1.0).all()):
-        return tensor
-    if not isinstance(tensor, torch.Tensor):
-        raise reader.error(f"{name} is a {tensor.label} weight; the family's multipliers fold into plain weights only")
-    factor = multiplier.to(tensor.device) if isinstance(multiplier, torch.Tensor) else multiplier
-    return (tensor.float() * factor).to(tensor.dtype)
 
 
 class Mamba2Mixer:

@@ -63,7 +63,7 @@ from workers.kernels.cpu_isa import cpu_plan, using_plan
 from workers.layer_ops import NativeOps, TorchOps
 from workers.linear import LinearWeight, NativeLinear, OneDnnLinear, TorchLinear
 from workers.lora import StepLora
-from workers.mamba2 import Mamba2Mixer, read_mamba2_weights, scaled
+from workers.mamba2 import Mamba2Mixer, read_mamba2_weights
 from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
@@ -486,6 +486,20 @@ class _WeightReader:
                               "serve it dequantized (a GGUF file: quantization none; a quantized checkpoint: on CPU)")
         return (tensor.float() * multiplier).to(tensor.dtype)
 
+    def scaled(self, name: str, tensor: torch.Tensor | LinearWeight,
+               multiplier: float | torch.Tensor) -> torch.Tensor | LinearWeight:
+        """Checkpoint tensor name x multiplier (a number, or a tensor that broadcasts: per row), in fp32, back
+        in its dtype: a family's constant multiplier folded into a weight (Falcon-H1's). The tensor as it is
+        when every multiplier is 1; a quantized one cannot take another."""
+        ones = multiplier == 1.0 if isinstance(multiplier, float) else bool((multiplier == 1.0).all())
+        if ones:
+            return tensor
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightError(f"{name} is a {tensor.label} weight; the family's multipliers fold into plain weights "
+                              "only (serve it dequantized)")
+        factor = multiplier.to(tensor.device) if isinstance(multiplier, torch.Tensor) else multiplier
+        return (tensor.float() * factor).to(tensor.dtype)
+
     def pack(self, weight: torch.Tensor | LinearWeight) -> object:
         """A layer's projection in the linear backend's form; a GGUF weight repacked where our int8
         kernel reads it faster that way (GgufWeight.for_kernels)."""
@@ -575,7 +589,7 @@ class _WeightReader:
                  (mlp + "down_proj.weight", m.down), (mlp + "down_proj.bias", m.down))
         for name, multiplier in folds:
             if name in self.tensors:
-                self.tensors[name] = scaled(self, name, self.tensors[name], multiplier)
+                self.tensors[name] = self.scaled(name, self.tensors[name], multiplier)
 
     def mixer_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:
         """A layer that keeps a state per sequence in attention's place (workers/recurrent.py), with the
