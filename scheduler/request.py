@@ -91,6 +91,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens hit in the prefix cache at first admission (block-rounded)
     num_preemptions: int = 0  # times preempted or migrated
     sent_to_worker: bool = False  # the worker holds per-request state (was sent as NewRequestData)
+    # a fork child of a model with recurrent layers: the worker holds its states from the fork on, sent or not
+    # (SchedulerOutput.state_forks), until it is told to forget it
+    fork_state_on_worker: bool = False
     queued_at_step: int = 0  # steps the scheduler had handed out when this was queued
     _output_token_ids: list[int] = field(init=False)  # generated tokens, in order
     _all_token_ids: list[int] = field(init=False)  # prompt + generated
@@ -194,3 +197,4 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions += 1
         self.sent_to_worker = False
+        self.fork_state_on_worker = False

@@ -407,6 +407,7 @@ class Scheduler:
                 batch.copies[child.request_id] = result.copy
             if self.config.recurrent_state:  # the child's recurrent states start as the parent's
                 batch.state_forks.append((parent.request_id, child.request_id))
+                child.fork_state_on_worker = True
             self._register(child)
         i = self.running.index(parent)
         self.running[i : i + 1] = children  # the children take the parent's age
@@ -518,10 +519,6 @@ class Scheduler:
         batch.lora_unloads.extend(plan.evict)  # never one loaded in this step: those are pinned
         if plan.load:
             batch.lora_loads[plan.name] = plan.path
-
-    def _holds_fork_state(self, request: Request) -> bool:
-        """A fork child's recurrent states are the worker's from the fork on, sent to it or not."""
-        return self.config.recurrent_state and request.parent_request_id is not None
 
     def _with_state_snapshot(self, request: Request, computed: ComputedBlocks, batch: StepBatch) -> ComputedBlocks:
         """A recurrent model's prefix hit: cut back to the longest prefix whose states the worker kept
@@ -696,7 +693,7 @@ class Scheduler:
         self.num_running_seqs -= request.num_seqs
         self.kv.free(request)
         batch.copies.pop(request.request_id, None)  # a child forked this step: no copy needed
-        if request.sent_to_worker or self._holds_fork_state(request):
+        if request.sent_to_worker or request.fork_state_on_worker:
             self.finished_for_worker.add(request.request_id)
         request.reset_for_recompute()
         self.waiting.appendleft(request)
@@ -757,7 +754,7 @@ class Scheduler:
         """Finishes a request that is already off the waiting queue (running list: caller's)."""
         request.status = status
         self.kv.free(request)
-        if request.sent_to_worker or self._holds_fork_state(request):
+        if request.sent_to_worker or request.fork_state_on_worker:
             self.finished_for_worker.add(request.request_id)
         del self.requests[request.request_id]
         seqs = self.seqs_of_client[request.client_request_id]

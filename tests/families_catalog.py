@@ -51,8 +51,6 @@ FAMILIES = {
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     # q, k and v biases, an o bias and MLP biases, a head_dim that is not hidden / heads
     "seed_oss": dict(model_type="seed_oss", attention_out_bias=True, mlp_bias=True, head_dim=24),
-    # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
-    # (the attention factor scales cos and sin everywhere)
     # short-convolution layers 0, 1 and 3 (a state per sequence: the last 2 inputs of a 3-token kernel, with biases),
     # full attention with per-head q/k norms on layer 2; the MLP width from block_ff_dim (auto-adjusted: 2/3, x 1.5,
     # rounded up to 16)
@@ -82,6 +80,17 @@ FAMILIES = {
                              lm_head_multiplier=2.0, key_multiplier=0.6, attention_out_multiplier=1.4,
                              ssm_out_multiplier=0.5, ssm_multipliers=[1.3, 0.7, 1.1, 0.9, 0.6],
                              mlp_multipliers=[0.8, 1.3]),
+    # Qwen3-Next: Gated DeltaNet layers 0, 1 and 3 (a state per sequence: a conv over 4 tokens' q, k, v and a
+    # [16, 8] matrix per value head, 2 key heads each shared by 2 value heads), full attention on layer 2 (q_proj's
+    # output gate, per-head q/k norms, a quarter of each head rotated); every norm x (1 + w) but the Gated
+    # DeltaNet's own; layer 0 a dense MLP, 1-3 MoE: top 2 of 4 renormalised plus a gated shared expert
+    "qwen3_next": dict(model_type="qwen3_next", num_hidden_layers=4, head_dim=16,
+                       layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
+    # (the attention factor scales cos and sin everywhere)
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                                       short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.0, 3.0, 4.5])),
@@ -160,6 +169,14 @@ MOE_FAMILIES = {
                                  position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2,
                                  intermediate_size=48, shared_intermediate_size=56, mamba_n_heads=4, mamba_d_state=8,
                                  mamba_chunk_size=8, residual_multiplier=0.5),
+    # Qwen3-Next with every layer full attention (its Gated DeltaNet layers: FAMILIES' "qwen3_next"): q_proj's rows
+    # each head's query then its output gate, per-head q/k norms and every norm x (1 + w), a quarter of each head
+    # rotated (the default), q, k, v and o biases; layer 0 dense (mlp_only_layers), 1 and 2 MoE: top 2 of 5
+    # experts renormalised (the default) plus a shared expert of width 56 gated by sigmoid(x . shared_expert_gate)
+    "qwen3_next-full-attention": dict(model_type="qwen3_next", head_dim=16, layer_types=["full_attention"] * 3,
+                                      attention_bias=True, num_experts=5, num_experts_per_tok=2,
+                                      moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                                      mlp_only_layers=[0]),
 }
 
 # the same text model inside a multimodal checkpoint (as Llama 4's are published: a vision model and projector beside

@@ -95,6 +95,13 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 MLP is shared_mlp (input_linear: gate and up in one tensor), plus a MoE of
                 num_local_experts when there are any (top k logits, softmax over those k), the
                 shared_mlp then its shared expert
+    qwen3_next  Gated DeltaNet layers (linear_attention, workers/gated_delta.py) between full-attention
+                ones (layer_types, or every full_attention_interval-th full): each keeps a causal
+                convolution's last inputs and a [head_k_dim, head_v_dim] matrix per value head, not keys
+                and values; on the full-attention layers q_proj gives each head's query and an output
+                gate (attention x sigmoid(gate) before o_proj), per-head q/k norms, a quarter of each
+                head rotated by default; every norm x (1 + w) but the Gated DeltaNet's own; qwen2_moe's
+                MoE layers (gated shared expert), renormalised by default; the mtp.* module is skipped
     falcon_h1   in every layer attention and a Mamba-2 mixer side by side on the same normed input, their
                 outputs summed (FamilyTraits.mixers_beside_attention: a layer keeps keys and values and a
                 state); µP multipliers (embedding, lm_head, attention in / key / out, ssm in / parts / out,
@@ -158,15 +165,23 @@ class FamilyTraits:
     # None: intermediate_size
     dense_intermediate_size: int | None = None
     mla: MlaTraits | None = None  # multi-head latent attention in every layer (DeepSeek V3); None: q/k/v heads
+    # q_proj gives each head's query and then its gate ([heads, 2, head_dim] rows, split at load); the attention's
+    # output x sigmoid(gate) before o_proj (Qwen3-Next's full-attention layers)
+    attention_output_gate: bool = False
     # layers a checkpoint may hold after the last decoder layer (model.layers.N... for N >= num_hidden_layers:
     # GLM-4.5's and DeepSeek V3's multi-token-prediction layers), which we do not run and skip at load
     num_extra_layers: int = 0
+    # tensors outside the layers that a checkpoint may hold and we do not run, by name prefix, skipped at load
+    # (Qwen3-Next's multi-token-prediction module, "mtp.")
+    skipped_prefixes: tuple[str, ...] = ()
     # per layer: the kind of the layer that keeps a fixed-size state per sequence in attention's place
-    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4); None: attention. None: every layer attends
+    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4), "gated_delta" (Qwen3-Next); None:
+    # attention. None: every layer attends
     mixers: tuple[str | None, ...] | None = None
     short_conv_width: int = 3  # "short_conv" layers: tokens the convolution spans (LFM2's conv_L_cache)
     short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
     mamba2: Mamba2Traits | None = None  # "mamba2" layers (Granite 4's mamba layers, workers/mamba2.py)
+    gated_delta: GatedDeltaTraits | None = None  # "gated_delta" layers' shapes (workers/gated_delta.py)
     # each layer's mixer runs beside its attention on the same normed input, their outputs summed (Falcon-H1):
     # the layer keeps both its keys and values and its state; False: the mixer runs in attention's place
     mixers_beside_attention: bool = False
@@ -359,6 +374,36 @@ def _json_float(value) -> float:
     return float(value["__float__"] if isinstance(value, dict) else value)
 
 
+@dataclass(frozen=True, slots=True)
+class GatedDeltaTraits:
+    """A Gated DeltaNet mixer (workers/gated_delta.py, Qwen3-Next's linear_attention layers): a
+    causal convolution over q, k and v, then a linear attention whose state per value head is a
+    [head_k_dim, head_v_dim] matrix, updated by the gated delta rule."""
+
+    num_k_heads: int  # query and key heads (linear_num_key_heads)
+    num_v_heads: int  # value heads (linear_num_value_heads), a multiple of num_k_heads
+    head_k_dim: int  # each query and key head's width (linear_key_head_dim)
+    head_v_dim: int  # each value head's width (linear_value_head_dim)
+    conv_kernel: int  # the causal convolution's width (linear_conv_kernel_dim)
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise FamilyError(f"{self.num_v_heads} value heads do not share {self.num_k_heads} key heads evenly")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
 def _llama(raw: dict) -> FamilyTraits:
     bias = bool(raw.get("attention_bias", False))
     return FamilyTraits(qkv_bias=bias, o_bias=bias)
@@ -504,10 +549,16 @@ def _qwen2_moe(raw: dict) -> FamilyTraits:
     return FamilyTraits(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False, moe=moe)
 
 
-def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
+# transformers' defaults of the keys _qwen_moe reads, per family
+QWEN_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False)
+QWEN3_NEXT_MOE_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True)
+
+
+def _qwen_moe(raw: dict, defaults: dict = QWEN_MOE_DEFAULTS, **shared) -> MoeTraits | None:
     """Qwen's MoE layers: every decoder_sparse_step-th layer but mlp_only_layers (None: no MoE layer)."""
     num_layers = int(raw["num_hidden_layers"])
-    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))  # transformers 5 saves the latter
+    # transformers 5 saves num_local_experts
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", defaults["num_experts"])))
     step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise FamilyError(f"decoder_sparse_step {step} is not a positive layer interval")
@@ -516,10 +567,49 @@ def _qwen_moe(raw: dict, **shared) -> MoeTraits | None:
     if not any(layers):
         return None
     return MoeTraits(
-        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)),
-        intermediate_size=int(raw.get("moe_intermediate_size", 768)), layers=layers,
-        renormalize=bool(raw.get("norm_topk_prob", False)), **shared,
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])),
+        intermediate_size=int(raw.get("moe_intermediate_size", defaults["moe_intermediate_size"])), layers=layers,
+        renormalize=bool(raw.get("norm_topk_prob", defaults["norm_topk_prob"])), **shared,
     )
+
+
+def _qwen3_next(raw: dict) -> FamilyTraits:
+    """Qwen3-Next: Gated DeltaNet layers (linear_attention) between full-attention layers whose q_proj
+    also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but the Gated
+    DeltaNet's own; qwen2_moe's MoE layers with a gated shared expert, renormalised by default."""
+    if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
+        raise FamilyError(f"qwen3_next with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+    types = qwen3_next_layer_types(raw)
+    shared = int(raw.get("shared_expert_intermediate_size", 512))
+    moe = _qwen_moe(raw, QWEN3_NEXT_MOE_DEFAULTS, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+    bias = bool(raw.get("attention_bias", False))
+    recurrent = "linear_attention" in types
+    gated_delta = GatedDeltaTraits(
+        num_k_heads=int(raw.get("linear_num_key_heads", 16)), num_v_heads=int(raw.get("linear_num_value_heads", 32)),
+        head_k_dim=int(raw.get("linear_key_head_dim", 128)), head_v_dim=int(raw.get("linear_value_head_dim", 128)),
+        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+    ) if recurrent else None
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head", norm_weight_offset=1.0,
+                        attention_output_gate=True, moe=moe, skipped_prefixes=("mtp.",),
+                        mixers=tuple("gated_delta" if kind == "linear_attention" else None for kind in types)
+                        if recurrent else None, gated_delta=gated_delta)
+
+
+def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
+    """Each layer's kind, "linear_attention" or "full_attention": layer_types, else every
+    full_attention_interval-th layer full (transformers' Qwen3NextConfig, default 4)."""
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval", 4))
+        if interval < 1:
+            raise FamilyError(f"full_attention_interval {interval} is not a positive layer interval")
+        types = ["full_attention" if (layer + 1) % interval == 0 else "linear_attention" for layer in range(num_layers)]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise FamilyError(f"qwen3_next needs layer_types of linear_attention / full_attention, one per layer "
+                          f"({num_layers}); got {types}")
+    return tuple(types)
 
 
 def _glm4_moe(raw: dict) -> FamilyTraits:
@@ -816,6 +906,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "deepseek_v3": _deepseek_v3,
     "lfm2": _lfm2,
     "granitemoehybrid": _granitemoehybrid,
+    "qwen3_next": _qwen3_next,
     "falcon_h1": _falcon_h1,
 }
 
@@ -826,7 +917,7 @@ SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # partial_rotary_factor where a family's config has none (and no rotary_dim): transformers' default for it
-PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5}
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25}
 # tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
 # differences between experts decide the choice, and bf16 would round them away
 FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)
@@ -851,17 +942,21 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     late_norms = "q/k norms after RoPE" if traits.qk_norm in ("head_after_rope", "l2_after_rope") else None
     chunks = "chunked attention layers" if traits.layer_chunks is not None else None
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
+    gate = "an attention output gate" if traits.attention_output_gate else None
     recurrent = "layers with a recurrent state" if traits.mixers is not None else None  # the C loop calls their mixers
     # ... in attention's place: a layer with both has no C form
     parallel = "attention and Mamba-2 in parallel" if traits.mixers_beside_attention else None
     return FamilyPaths(
-        # the experts' MLP, latent attention, late q/k norms, chunked layers and query temperatures have no C
-        # form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, parallel) if why) or None,
+        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures, output gates and
+        # mixers beside attention have no C form: the Python loop runs them (MLA in torch; chunked attention over
+        # our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate, parallel) if why)
+        or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
-        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, recurrent) if why) or None,  # grouped experts take
-    )  # plain weights; a multiplier is folded into them
+        # grouped experts take plain weights; a multiplier is folded into them; q_proj's rows are split at load
+        packed_quant_on_cuda=", ".join(why for why in (moe, mla, multiplier, gate, recurrent) if why) or None,
+    )
 
 
 def rope_type_of(model_type: str | None, rope_type: str) -> str:

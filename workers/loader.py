@@ -279,11 +279,14 @@ def inline_chat_template(model_dir: Path) -> None:
 
 def layers_not_run(config: ModelConfig) -> Callable[[str], bool]:
     """Whether a tensor name is of a layer past the ones we run (GLM-4.5's and DeepSeek V3's
-    multi-token prediction layers, FamilyTraits.num_extra_layers): never read, where a whole MoE
-    layer of them would take gigabytes only to be dropped."""
+    multi-token prediction layers, FamilyTraits.num_extra_layers) or of a module we skip
+    (FamilyTraits.skipped_prefixes: Qwen3-Next's mtp.): never read, where a whole MoE layer of
+    them would take gigabytes only to be dropped."""
     extra = {f"model.layers.{index}." for index in
              range(config.num_layers, config.num_layers + config.traits.num_extra_layers)}
-    return lambda name: name.startswith("model.layers.") and ".".join(name.split(".", 3)[:3]) + "." in extra
+    skipped = config.traits.skipped_prefixes
+    return lambda name: (name.startswith("model.layers.") and ".".join(name.split(".", 3)[:3]) + "." in extra
+                         or bool(skipped) and name.startswith(skipped))
 
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype | None,

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from workers.config import ModelConfig, RopeScaling
 from workers.families import FP32_TENSOR_SUFFIXES
+from workers.gated_delta import DecodeScratch, GatedDeltaMixer, read_gated_delta_weights
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -143,9 +144,13 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # [num_heads]: each head's sink logit in the softmax
     moe: MoeWeights | None = None  # the layer's mixture-of-experts MLP (workers/moe.py); None: the dense MLP above
     mla: MlaWeights | None = None  # multi-head latent attention (workers/mla.py) in place of qkv; None: q/k/v heads
-    # a layer that keeps a state per sequence (workers/recurrent.py: a short convolution, ...); its products are
-    # its own. In attention's place (qkv and o None), or beside it (Falcon-H1: both read the normed input, their
-    # outputs summed; the layer's cache a ParallelCache); None: attention alone
+    # [num_heads * head_dim, hidden]: the attention's output x sigmoid(x @ attn_gate.T + attn_gate_bias) before o_proj
+    # (Qwen3-Next; q_proj's gate rows, split from its query rows at load); None: no gate
+    attn_gate: object | None = None
+    attn_gate_bias: torch.Tensor | None = None  # [num_heads * head_dim]
+    # a layer that keeps a state per sequence (workers/recurrent.py: a short convolution, a Gated DeltaNet, ...);
+    # its products are its own. In attention's place (qkv and o None), or beside it (Falcon-H1: both read the
+    # normed input, their outputs summed; the layer's cache a ParallelCache); None: attention alone
     mixer: object | None = None
 
 
@@ -303,8 +308,10 @@ class PagedLlamaModel:
             q = _temperature_tuned(q, positions, *layer.query_temperature)
         step.write(k, v, *kv_cache)
         attended = step.attend(q, *kv_cache, window=layer.window, softcap=layer.softcap, sinks=layer.sinks,
-                               attention_chunk=layer.attention_chunk)
-        return self._product(attended.reshape(x.shape[0], -1), layer.o, layer.o_bias, lora, index, "o")
+                               attention_chunk=layer.attention_chunk).reshape(x.shape[0], -1)
+        if layer.attn_gate is not None:
+            attended = attended * torch.sigmoid(self.linear(x, layer.attn_gate, layer.attn_gate_bias))
+        return self._product(attended, layer.o, layer.o_bias, lora, index, "o")
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor | GgufWeight],
@@ -336,6 +343,8 @@ class PagedLlamaModel:
             embed = lm_head  # the linear's copy (on 2 MB pages) serves the lookups too: one copy of the blocks
         for index in range(config.num_layers, config.num_layers + config.traits.num_extra_layers):
             weights.discard_prefix(f"model.layers.{index}.")  # layers we do not run (GLM-4.5's, DeepSeek's MTP)
+        for prefix in config.traits.skipped_prefixes:  # modules we do not run (Qwen3-Next's MTP)
+            weights.discard_prefix(prefix)
         weights.check_all_used()
         weights.warn_dequantized()
         rope = RotaryEmbedding(config, max_positions, final_norm.dtype, device)
@@ -416,6 +425,7 @@ class _WeightReader:
         self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
                            and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
+        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet layers' gathered states, one buffer for all
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
         if name not in self.tensors:
@@ -471,6 +481,26 @@ class _WeightReader:
             if not isinstance(tensor, torch.Tensor):
                 raise WeightError(f"{tensor_name} is a {tensor.label} weight; interleaved RoPE needs it plain")
             self.tensors[tensor_name] = deinterleave_rows(tensor, num_heads, self.config)
+
+    def split_output_gate(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """name.weight's (and name.bias's, where the family has q biases) rows, each head's query then
+        its gate ([heads, 2, head_dim] rows: Qwen3-Next's q_proj), split: the queries stay in the
+        checkpoint under name, to be fused with k and v; returns the gates (weight, bias or None)."""
+        c = self.config
+        rows = c.num_heads * c.head_dim
+        parts = []
+        for suffix, shape in ((".weight", (2 * rows, c.hidden_size)), (".bias", (2 * rows,))):
+            if suffix == ".bias" and not c.traits.qkv_bias:
+                parts.append(None)
+                continue
+            tensor = self.take(name + suffix, shape)
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightError(f"{name + suffix} is a {tensor.label} weight; its query and gate rows are split "
+                                  "at load, which needs it plain")
+            per_head = tensor.view(c.num_heads, 2, c.head_dim, *shape[1:])
+            self.tensors[name + suffix] = per_head[:, 0].reshape(rows, *shape[1:]).contiguous()
+            parts.append(per_head[:, 1].reshape(rows, *shape[1:]).contiguous())
+        return parts[0], parts[1]
 
     def take_residual_branch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.residual_branch(self.take(name, shape))
@@ -536,6 +566,7 @@ class _WeightReader:
             return self.mixer_layer(index, moe)
         if c.traits.multipliers is not None:
             self.fold_multipliers(attn, mlp)
+        gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
         weighted_qk_norm = c.traits.qk_norm in ("head", "projection", "head_after_rope")
         temperature = c.traits.query_temperature if not c.uses_rope(index) else None
         return LayerWeights(
@@ -574,6 +605,8 @@ class _WeightReader:
             sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,
             mixer=self.mixer(index) if c.is_recurrent_layer(index) else None,  # beside attention (Falcon-H1)
+            attn_gate=None if gate is None else self.pack(gate),
+            attn_gate_bias=gate_bias,
         )
 
     def fold_multipliers(self, attn: str, mlp: str) -> None:
@@ -620,6 +653,9 @@ class _WeightReader:
         if kind == "mamba2":
             weights = read_mamba2_weights(self, prefix + "mamba.", c.traits.mamba2, c.hidden_size)
             return Mamba2Mixer(weights, c.traits.mamba2)
+        if kind == "gated_delta":
+            weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
+            return GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
         raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
 
     def take_gate_up(self, mlp: str, width: int) -> torch.Tensor | LinearWeight:

@@ -738,4 +738,3 @@ class ModelRunner:
             if token_logprobs is not None:
                 logprobs[state.request_id] = token_logprobs
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
-

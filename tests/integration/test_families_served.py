@@ -47,7 +47,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
-RECURRENT_TYPES = ("lfm2", "granitemoehybrid")  # families with layers keeping a state per sequence (recurrent.py)
+RECURRENT_TYPES = ("lfm2", "granitemoehybrid", "qwen3_next")  # families with layers keeping a state per sequence
 PARALLEL_TYPES = ("falcon_h1",)  # families whose layers run a mixer beside attention (both a KV and a state)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
@@ -177,8 +177,9 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
         assert backend["kv_cache_kind"].startswith("keys and values per head in every layer, and beside them")
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
-    # the C loop has no MoE MLP: the Python loop over our kernels runs those (recurrent layers it calls back)
-    layer_loop = "python" if family in SERVED_MOE else "c"
+    # the C loop has no MoE MLP and no attention output gate (qwen3_next has both): the Python loop over our kernels
+    # runs those (recurrent layers it calls back)
+    layer_loop = "python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] == "qwen3_next" else "c"
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
     if recurrent:
         assert backend["kv_cache_kind"].startswith("keys and values per head in 1 of 4 layers; a fixed-size state")

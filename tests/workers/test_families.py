@@ -18,6 +18,7 @@ from tiny_model import build_tiny_model_dir
 
 from scheduler.sampling_params import SamplingParams
 from workers.config import ModelConfig, RopeScaling
+from workers.families import GatedDeltaTraits
 from workers.kernels.native import native_available
 
 PATHS = {
@@ -76,7 +77,8 @@ def test_traits_read_from_the_config(family_dir):
     traits = FAMILIES[family_dir.name]
     assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
-                                     "gemma3_text": "head", "exaone4": "head", "lfm2": "head"}.get(config.model_type)
+                                     "gemma3_text": "head", "exaone4": "head", "lfm2": "head",
+                                     "qwen3_next": "head"}.get(config.model_type)
     assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "exaone4": "post", "gemma2": "sandwich",
                                    "gemma3_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type.startswith("gemma"):
@@ -111,6 +113,14 @@ def test_traits_read_from_the_config(family_dir):
         assert (config.traits.short_conv_width, config.traits.short_conv_bias, config.intermediate_size) == (3, True, 96)
         assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
         assert config.paths.c_layer_loop is None  # the C loop calls the mixers back
+    if config.model_type == "qwen3_next":
+        assert config.traits.mixers == ("gated_delta", "gated_delta", None, "gated_delta")
+        assert config.traits.gated_delta == GatedDeltaTraits(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
+                                                             conv_kernel=4)
+        assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
+        assert config.traits.attention_output_gate and config.traits.norm_weight_offset == 1.0
+        assert config.rotary_dim == 4 and config.traits.moe.layers == (False, True, True, True)
+        assert config.paths.c_layer_loop == "mixture-of-experts layers, an attention output gate"
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type in ("granite", "granitemoehybrid"):
@@ -153,6 +163,10 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              "granitemoehybrid": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the "
                                  "other 3 (mamba2: workers/recurrent.py, 18048 bytes per sequence, in torch ops; "
                                  "64 prefix-cache snapshots)",
+             # 3 layers x (conv: (2 x 2 x 16 + 4 x 8) channels x 3 inputs + 4 heads x 16 x 8) x 4 bytes
+             "qwen3_next": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
+                           "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "
+                           "snapshots)",
              # 3 layers x (128 conv channels x 3 inputs + 6 heads x 16 x 8 of SSM state) x 4 bytes
              "falcon_h1": "keys and values per head in every layer, and beside them a fixed-size state per sequence "
                           "in 3 of 3 (mamba2: workers/recurrent.py, 13824 bytes per sequence, in torch ops; 64 "

@@ -97,8 +97,8 @@ def test_families_and_refusals_say_what_they_are():
         ModelConfig.from_dict(dict(LLAMA, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0]))
     with pytest.raises(ModelConfigError, match="qwen3 with use_sliding_window"):
         ModelConfig.from_dict(dict(LLAMA, model_type="qwen3", use_sliding_window=True, sliding_window=128))
-    with pytest.raises(ModelConfigError, match="model_type 'qwen3_next' is not supported"):
-        ModelConfig.from_dict(dict(LLAMA, model_type="qwen3_next"))
+    with pytest.raises(ModelConfigError, match="model_type 'rwkv' is not supported"):  # qwen3_next is served now
+        ModelConfig.from_dict(dict(LLAMA, model_type="rwkv"))
     with pytest.raises(ModelConfigError, match="12 experts do not split into n_group 8 groups"):
         ModelConfig.from_dict(dict(LLAMA, model_type="deepseek_v3", num_hidden_layers=4, first_k_dense_replace=1,
                                    n_routed_experts=12))

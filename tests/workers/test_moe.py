@@ -131,7 +131,8 @@ def test_router_bias_is_added_before_the_top_k():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe-renormalised", "gpt_oss", "glm4_moe",
-                                    "minimax_m2", "ernie4_5_moe", "llama4_text", "granitemoehybrid"])
+                                    "minimax_m2", "ernie4_5_moe", "llama4_text", "granitemoehybrid",
+                                    "qwen3_next-renormalised"])
 def test_routing_equals_transformers_routers(family):
     """Our route() on transformers' router modules' logits picks the same experts with the same weights
     (GLM-4.5's and MiniMax-M2's routers list their k in no order: compared by expert id; Llama 4's gives
@@ -145,6 +146,7 @@ def test_routing_equals_transformers_routers(family):
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
     model_type = family.split("-")[0]
     mamba = dict(mamba_n_heads=4) if model_type == "granitemoehybrid" else {}  # heads that divide 2 x hidden
@@ -154,7 +156,7 @@ def test_routing_equals_transformers_routers(family):
     router_class = {"mixtral": MixtralTopKRouter, "qwen3_moe": Qwen3MoeTopKRouter, "gpt_oss": GptOssTopKRouter,
                     "glm4_moe": Glm4MoeTopkRouter, "minimax_m2": MiniMaxM2TopKRouter,
                     "ernie4_5_moe": Ernie4_5_MoeTopKRouter, "llama4_text": Llama4Router,
-                    "granitemoehybrid": GraniteMoeHybridTopKRouter}
+                    "granitemoehybrid": GraniteMoeHybridTopKRouter, "qwen3_next": Qwen3NextTopKRouter}
     router = router_class[model_type](config)
     torch.manual_seed(2)
     correction_bias = torch.randn(8) * 0.3 if model_type in ("glm4_moe", "minimax_m2") else None
@@ -168,6 +170,7 @@ def test_routing_equals_transformers_routers(family):
     traits = {
         "mixtral": traits_of(num_experts=8, top_k=3),
         "qwen3_moe": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
+        "qwen3_next": traits_of(num_experts=8, top_k=3, renormalize=config.norm_topk_prob),
         "gpt_oss": traits_of("topk_softmax", num_experts=8, top_k=3, router_bias=True),
         "glm4_moe": traits_of("sigmoid_topk", num_experts=8, top_k=3, renormalize=False, **GROUPED),
         "minimax_m2": traits_of("sigmoid_topk", num_experts=8, top_k=3),
@@ -344,7 +347,7 @@ def test_layers_and_model_info(moe_dir):
                                                  "moe_num_experts") if key in settings)
     assert config.traits.moe.num_experts == num_experts
     qk_norms = {"qwen3_moe": "head", "glm4_moe": "head", "minimax_m2": "projection",
-                "hunyuan_v1_moe": "head_after_rope", "llama4_text": "l2_after_rope"}
+                "hunyuan_v1_moe": "head_after_rope", "llama4_text": "l2_after_rope", "qwen3_next": "head"}
     assert config.traits.qk_norm == qk_norms.get(config.model_type)
     runner = moe_runner(moe_dir, "cpu")
     assert [layer.moe is not None for layer in runner.model.layers] == list(expected_layers)
@@ -486,6 +489,22 @@ def test_a_multi_token_prediction_layer_is_skipped_and_the_correction_bias_read_
     bf16 = read_safetensors(model_dir, torch.bfloat16)
     assert bf16["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_qwen3_next_multi_token_prediction_module_is_skipped(tmp_path):
+    """Qwen3-Next checkpoints ship an MTP module beside the model (mtp.*), which we do not run: never
+    read from safetensors, and dropped where it reaches the model builder."""
+    from workers.loader import layers_not_run, read_safetensors
+
+    model_dir = build_tiny_model_dir(tmp_path / "qwen3_next", **CHECKPOINTS["qwen3_next-full-attention"])
+    tensors = load_file(model_dir / "model.safetensors")
+    mtp = {"mtp.fc.weight": torch.ones(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)}
+    save_file(dict(tensors, **mtp), model_dir / "model.safetensors", metadata={"format": "pt"})
+    read = read_safetensors(model_dir, None, skip=layers_not_run(ModelConfig.from_model_dir(model_dir)))
+    assert set(read) == set(tensors)
+    assert len(load_tensors(model_dir, dict(tensors, **mtp)).layers) == 3
+    with pytest.raises(WeightError, match="unexpected tensors: mtpx.fc.weight"):
+        load_tensors(model_dir, dict(tensors, **{"mtpx.fc.weight": torch.ones(2, 2)}))
 
 
 def load_tensors(model_dir, tensors: dict, **kwargs) -> PagedLlamaModel:
