@@ -49,6 +49,7 @@ PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
 RECURRENT_TYPES = ("lfm2", "granitemoehybrid", "qwen3_next")  # families with layers keeping a state per sequence
 SHARED_KV_TYPES = ("gemma4", "gemma4_text")  # families whose last layers read earlier layers' K/V (the Python loop)
+PARALLEL_TYPES = ("falcon_h1",)  # families whose layers run a mixer beside attention (both a KV and a state)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
@@ -171,6 +172,10 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
     if SERVED_FAMILIES[family]["model_type"] in MLA_TYPES:  # latent attention: the Python loop, torch attention
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
+        return
+    if SERVED_FAMILIES[family]["model_type"] in PARALLEL_TYPES:  # the C loop refuses these: the Python loop
+        assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "cpu")
+        assert backend["kv_cache_kind"].startswith("keys and values per head in every layer, and beside them")
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
     shared_kv = SERVED_FAMILIES[family]["model_type"] in SHARED_KV_TYPES
