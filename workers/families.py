@@ -175,13 +175,14 @@ class FamilyTraits:
     # (Qwen3-Next's multi-token-prediction module, "mtp.")
     skipped_prefixes: tuple[str, ...] = ()
     # per layer: the kind of the layer that keeps a fixed-size state per sequence in attention's place
-    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4), "gated_delta" (Qwen3-Next); None:
-    # attention. None: every layer attends
+    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4), "gated_delta" (Qwen3-Next), "kda"
+    # (Kimi Linear); None: attention. None: every layer attends
     mixers: tuple[str | None, ...] | None = None
     short_conv_width: int = 3  # "short_conv" layers: tokens the convolution spans (LFM2's conv_L_cache)
     short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
     mamba2: Mamba2Traits | None = None  # "mamba2" layers (Granite 4's mamba layers, workers/mamba2.py)
     gated_delta: GatedDeltaTraits | None = None  # "gated_delta" layers' shapes (workers/gated_delta.py)
+    kda: KdaTraits | None = None  # "kda" layers' shapes (workers/kda.py)
     # each layer's mixer runs beside its attention on the same normed input, their outputs summed (Falcon-H1):
     # the layer keeps both its keys and values and its state; False: the mixer runs in attention's place
     mixers_beside_attention: bool = False
@@ -402,6 +403,22 @@ class GatedDeltaTraits:
     def conv_channels(self) -> int:
         """The convolution's channels: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
+class KdaTraits:
+    """A Kimi Delta Attention mixer (workers/kda.py, Kimi Linear's linear_attention layers): a causal
+    convolution over q, k and v of num_heads heads of head_dim each, then a linear attention whose
+    state per head is a [head_dim, head_dim] matrix, decayed per key channel by the delta rule."""
+
+    num_heads: int  # linear_attn_config's num_heads (transformers: linear_num_heads)
+    head_dim: int  # linear_attn_config's head_dim (linear_head_dim)
+    conv_kernel: int  # linear_attn_config's short_conv_kernel_size (linear_conv_kernel_dim)
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 3 * self.num_heads * self.head_dim
 
 
 def _llama(raw: dict) -> FamilyTraits:
