@@ -100,6 +100,15 @@ FAMILIES = {
                         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, attention_bias=True,
                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
                                              mscale_all_dim=0.7, original_max_position_embeddings=256)),
+    # Kimi Linear: KDA layers 0, 2, 3 (a per-channel decay, a sigmoid output gate) and an MLA layer 1 without RoPE
+    # (q through one q_proj); layer 0 dense (mlp_layer_types), 1 to 3 MoE: the top 3 of 8 experts from the best 2
+    # of 4 groups, x 2.446, and a shared expert; transformers' key names (num_experts, num_expert_group, ...)
+    "kimi_linear": dict(model_type="kimi_linear", num_hidden_layers=4, num_key_value_heads=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, kv_lora_rank=16,
+                        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, num_local_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=32,
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
     # the same with one q_proj (q_lora_rank null), RoPE in halves, no biases, no scaling
     "deepseek_v3-q-proj": dict(model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=3,
                                q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,

@@ -238,7 +238,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", False))),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", raw.get("model_max_length", 2048))),
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             traits=traits,

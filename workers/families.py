@@ -108,6 +108,11 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 MLP gate / down), all but the first two folded into the weights at load; the mixer's
                 gated RMSNorm only with mamba_rms_norm, before or after the gate (mamba_norm_before_gate);
                 out_proj's bias with projectors_bias; feed_forward, pre_ff_layernorm, final_layernorm
+    kimi_linear Kimi Delta Attention layers (linear_attention, workers/kda.py: the Gated DeltaNet with a
+                decay per key channel, a sigmoid output gate) between deepseek_v3's MLA layers without RoPE
+                (full_attention; layer_types or linear_attn_config's 1-based kda_layers / full_attn_layers);
+                deepseek_v3's MoE on mlp_layer_types' "sparse" layers, under Moonshot's key names
+                (num_experts, num_experts_per_token, num_expert_group, moe_renormalize, num_shared_experts)
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -280,6 +285,7 @@ class MlaTraits:
     q_lora_rank: int | None  # q through q_a_proj, q_a_layernorm, q_b_proj of this rank; None: one q_proj
     rope_interleave: bool = True  # RoPE rotates pairs (x0, x1), (x2, x3), ...: those rows are de-interleaved at load
     norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default, not rms_norm_eps)
+    rope: bool = True  # q's RoPE part and the shared key are rotated; False: used as they are (Kimi Linear's NoPE)
 
     @property
     def qk_head_dim(self) -> int:
@@ -785,6 +791,80 @@ def _deepseek_v3(raw: dict) -> FamilyTraits:
                         num_extra_layers=_num_mtp_layers(raw))
 
 
+# transformers' KimiLinearConfig writes (and Moonshot's config.json has) these keys for deepseek_v3's
+KIMI_LINEAR_KEYS = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+                    "num_experts_per_token": "num_experts_per_tok", "num_expert_group": "n_group",
+                    "moe_renormalize": "norm_topk_prob", "num_shared_experts": "n_shared_experts"}
+KIMI_LINEAR_MOE_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+                                n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+                                first_k_dense_replace=1, norm_topk_prob=True)
+
+
+def _kimi_linear(raw: dict) -> FamilyTraits:
+    """Kimi Linear: KDA layers (linear_attention, workers/kda.py) between MLA layers without RoPE
+    (full_attention), deepseek_v3's MoE on the "sparse" layers of mlp_layer_types (else the first
+    first_k_dense_replace layers dense)."""
+    if raw.get("hidden_act", "silu") != "silu":  # also the KDA convolution's activation
+        raise FamilyError(f"kimi_linear with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+    if raw.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise FamilyError(f"kimi_linear with moe_router_activation_func {raw['moe_router_activation_func']!r} "
+                          "is not supported (sigmoid only)")
+    if raw.get("mla_use_nope") is False:
+        raise FamilyError("kimi_linear with mla_use_nope false (RoPE in the MLA layers) is not supported")
+    moe_raw = dict(raw)
+    for theirs, ours in KIMI_LINEAR_KEYS.items():
+        if raw.get(theirs) is not None and raw.get(ours) is None:
+            moe_raw[ours] = raw[theirs]
+    moe_raw.pop("num_local_experts", None)
+    moe = _grouped_sigmoid_moe(moe_raw, KIMI_LINEAR_MOE_DEFAULTS)
+    if moe is not None:  # Moonshot's per-expert tensors: block_sparse_moe.experts.E.w1 / w3 / w2 (renamed mlp)
+        moe = replace(moe, expert_projections=("w1", "w3", "w2"))
+    num_layers, mlp_types = int(raw["num_hidden_layers"]), raw.get("mlp_layer_types")
+    if moe is not None and mlp_types is not None:
+        if len(mlp_types) != num_layers or set(mlp_types) - {"dense", "sparse"}:
+            raise FamilyError(f"kimi_linear needs mlp_layer_types of dense / sparse, one per layer; got {mlp_types}")
+        layers = tuple(kind == "sparse" for kind in mlp_types)
+        moe = replace(moe, layers=layers) if any(layers) else None
+    linear = raw.get("linear_attn_config") or {}
+    kda = KdaTraits(num_heads=int(linear.get("num_heads", raw.get("linear_num_heads", 32))),
+                    head_dim=int(linear.get("head_dim", raw.get("linear_head_dim", 128))),
+                    conv_kernel=int(linear.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4))))
+    q_lora_rank = raw.get("q_lora_rank")
+    mla = MlaTraits(
+        kv_lora_rank=int(raw.get("kv_lora_rank", 512)), qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim") or 128),
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank), rope_interleave=False, rope=False,
+    )
+    types = kimi_linear_layer_types(raw)
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, attention_scale=mla.qk_head_dim**-0.5, mla=mla, moe=moe,
+                        mixers=tuple("kda" if kind == "linear_attention" else None for kind in types)
+                        if "linear_attention" in types else None, kda=kda, num_extra_layers=0,
+                        tensor_names=((".block_sparse_moe.", ".mlp."),))
+
+
+def kimi_linear_layer_types(raw: dict) -> tuple[str, ...]:
+    """Each layer's kind, "linear_attention" (KDA) or "full_attention" (MLA): layer_types, else
+    linear_attn_config's 1-based kda_layers and full_attn_layers (Moonshot's config.json), else
+    transformers' default (every fourth layer from layer 4, 0-based, full)."""
+    num_layers = int(raw["num_hidden_layers"])
+    types, linear = raw.get("layer_types"), raw.get("linear_attn_config") or {}
+    if types is None and "kda_layers" in linear and "full_attn_layers" in linear:
+        types = [None] * num_layers
+        for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
+            for layer in linear[key]:
+                if not 1 <= int(layer) <= num_layers:
+                    raise FamilyError(f"kimi_linear's linear_attn_config {key} names layer {layer} of {num_layers}")
+                types[int(layer) - 1] = kind
+    if types is None:
+        types = ["full_attention" if layer and layer % 4 == 0 else "linear_attention" for layer in range(num_layers)]
+    unknown = sorted(set(map(str, types)) - {"linear_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise FamilyError(f"kimi_linear needs layer_types of linear_attention / full_attention, one per layer "
+                          f"({num_layers}); got {types}")
+    return tuple(types)
+
+
 def _num_mtp_layers(raw: dict) -> int:
     """Multi-token-prediction layers a checkpoint holds after its last layer (transformers' default 1)."""
     return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1)))
@@ -925,6 +1005,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "granitemoehybrid": _granitemoehybrid,
     "qwen3_next": _qwen3_next,
     "falcon_h1": _falcon_h1,
+    "kimi_linear": _kimi_linear,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision

@@ -50,11 +50,14 @@ class KdaWeights:
 
 def read_kda_weights(reader, prefix: str, traits: KdaTraits, hidden: int) -> KdaWeights:
     """The layer's tensors from the checkpoint (reader: model.py's _WeightReader; prefix:
-    'model.layers.N.self_attn.'), as transformers' KimiLinearDeltaAttention names them."""
+    'model.layers.N.self_attn.'), as transformers' KimiLinearDeltaAttention names them or as Moonshot's
+    checkpoints do (f_a_proj, f_b_proj, A_log, dt_bias without forget_gate.; q_conv1d, k_conv1d, v_conv1d)."""
     t = traits
     width = t.num_heads * t.head_dim
 
     def plain(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.startswith("forget_gate.") and prefix + name not in reader.tensors:
+            name = name.removeprefix("forget_gate.")  # Moonshot's names: self_attn.f_a_proj, .A_log, ...
         tensor = reader.take(prefix + name, shape)
         if not isinstance(tensor, torch.Tensor):
             raise reader.error(f"{prefix + name} is a {tensor.label} weight; KDA takes plain weights")
@@ -63,7 +66,10 @@ def read_kda_weights(reader, prefix: str, traits: KdaTraits, hidden: int) -> Kda
     rows = [plain("q_proj.weight", (width, hidden)), plain("k_proj.weight", (width, hidden)),
             plain("v_proj.weight", (width, hidden)), plain("forget_gate.f_a_proj.weight", (t.head_dim, hidden)),
             plain("g_a_proj.weight", (t.head_dim, hidden)), plain("b_proj.weight", (t.num_heads, hidden))]
-    conv = plain("conv1d.weight", (t.conv_channels, 1, t.conv_kernel))
+    if prefix + "conv1d.weight" in reader.tensors:  # transformers' layout: one convolution over q ++ k ++ v
+        conv = plain("conv1d.weight", (t.conv_channels, 1, t.conv_kernel))
+    else:  # Moonshot's: one per projection
+        conv = torch.cat([plain(f"{part}_conv1d.weight", (width, 1, t.conv_kernel)) for part in "qkv"], dim=0)
     return KdaWeights(
         in_proj=reader.pack(torch.cat(rows, dim=0).contiguous()),
         conv=conv.view(t.conv_channels, t.conv_kernel).contiguous(),

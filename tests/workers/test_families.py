@@ -167,6 +167,10 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              "qwen3_next": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
                            "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "
                            "snapshots)",
+             # 3 layers x ((3 x 2 x 16) conv channels x 3 inputs + 2 heads x 16 x 16) x 4 bytes
+             "kimi_linear": "an MLA latent of 16 + 8 values in 1 of 4 layers; a fixed-size state per sequence in the "
+                            "other 3 (kda: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 "
+                            "prefix-cache snapshots)",
              # 3 layers x (128 conv channels x 3 inputs + 6 heads x 16 x 8 of SSM state) x 4 bytes
              "falcon_h1": "keys and values per head in every layer, and beside them a fixed-size state per sequence "
                           "in 3 of 3 (mamba2: workers/recurrent.py, 13824 bytes per sequence, in torch ops; 64 "
