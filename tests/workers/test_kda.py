@@ -159,3 +159,88 @@ def test_run_mixer_splits_a_mixed_step_and_takes_a_snapshot(layer):
         torch.testing.assert_close(y[31:], reference(module, c[:8])[3:], **TOLERANCE)
         resumed = mixer.prefill(MODEL, a[10:40], pool, 6)
     torch.testing.assert_close(resumed, reference(module, a[:40])[10:], **TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def kimi_linear_dir(tmp_path_factory):
+    """The catalog's tiny kimi_linear checkpoint (KDA layers 0, 2, 3; a NoPE MLA layer 1; MoE), in Moonshot's
+    tensor names (block_sparse_moe, q_conv1d / k_conv1d / v_conv1d, self_attn.A_log ...)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("kda") / "kimi_linear", **FAMILIES["kimi_linear"])
+
+
+def test_the_model_allocates_a_latent_pool_per_mla_layer_and_state_pools_per_kda_layer(kimi_linear_dir):
+    runner = make_runner(kimi_linear_dir, num_blocks=64)
+    assert [type(layer.mixer).__name__ if layer.mixer else "mla" for layer in runner.model.layers] == \
+        ["KdaMixer", "mla", "KdaMixer", "KdaMixer"]
+    latent = runner.kv_caches[1]
+    assert latent[0].shape == (64, runner.block_size, 1, 16 + 8)  # (pool, latent view): one latent + key per token
+    assert [pool is None for pool in runner.states.pools] == [False, True, False, False]
+    assert runner.states.pools[0][1].shape[1:] == (2, 16, 16)
+
+
+def test_a_prompt_of_several_chunks_in_one_step_equals_transformers(kimi_linear_dir):
+    """A 150-token prompt in one step (three chunks, the last partial) beside one whose pieces start mid-chunk."""
+    runner = make_runner(kimi_linear_dir, num_blocks=400)
+    oracle = HfOracle(kimi_linear_dir)
+    prompts = prompts_of_lengths([150, 70], runner.model_info.vocab_size, seed=3)
+    engine = engine_of(runner, max_num_batched_tokens=160, max_model_len=256)
+    for prompt, result in zip(prompts, engine.generate(prompts, greedy(6))):
+        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 6))
+
+
+def test_prefix_hits_forks_and_preemption_continue_the_kda_states(kimi_linear_dir):
+    """A prefix hit restores the KDA states from a snapshot (and the MLA layer's latents from the cached
+    blocks); n=3 forks copy them; preemption recomputes them: transformers' tokens every time."""
+    runner = make_runner(kimi_linear_dir, num_blocks=400, state_snapshots=4)
+    oracle = HfOracle(kimi_linear_dir)
+    prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
+    engine = engine_of(runner)
+    assert engine.generate([prefix], greedy(8))[0].num_cached_tokens == 0
+    again = engine.generate([prefix + tail], greedy(8))[0]  # the snapshot after 7 blocks of 4
+    assert again.num_cached_tokens == 28
+    assert_greedy_matches(again.sequences[0].token_ids, oracle.greedy(prefix + tail, 8))
+    for sequence in engine_of(runner).generate([others[0]], greedy(8, n=3))[0].sequences:
+        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
+    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
+    tight = small.generate(others, greedy(16))
+    assert small.stats.num_preemptions > 0
+    for prompt, result in zip(others, tight):
+        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
+
+
+# Kimi-Linear-48B-A3B's config.json as Moonshot writes it (the keys read here): its layer kinds in
+# linear_attn_config (1-based), its MoE under its own key names
+KIMI_LINEAR_48B = dict(
+    model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], vocab_size=163840, hidden_size=2304,
+    intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27, num_attention_heads=32,
+    num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, mla_use_nope=True, num_experts=256, num_experts_per_token=8, num_shared_experts=1,
+    moe_renormalize=True, moe_router_activation_func="sigmoid", routed_scaling_factor=2.446, first_k_dense_replace=1,
+    num_expert_group=1, topk_group=1, rms_norm_eps=1e-5, model_max_length=1048576, hidden_act="silu",
+    linear_attn_config=dict(full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                            kda_layers=[n for n in range(1, 28) if n not in (4, 8, 12, 16, 20, 24, 27)],
+                            num_heads=32, head_dim=128, short_conv_kernel_size=4),
+)
+
+
+def test_kimi_linear_config_as_moonshot_writes_it():
+    from workers.config import ModelConfig, ModelConfigError
+
+    config = ModelConfig.from_dict(KIMI_LINEAR_48B)
+    t = config.traits
+    full = {3, 7, 11, 15, 19, 23, 26}
+    assert t.mixers == tuple(None if layer in full else "kda" for layer in range(27))
+    assert t.kda == KdaTraits(num_heads=32, head_dim=128, conv_kernel=4)
+    assert (t.mla.kv_lora_rank, t.mla.qk_rope_head_dim, t.mla.q_lora_rank, t.mla.rope) == (512, 64, None, False)
+    assert t.attention_scale == pytest.approx(192**-0.5)
+    assert (t.moe.num_experts, t.moe.top_k, t.moe.intermediate_size, t.moe.shared_intermediate_size) == (256, 8, 1024, 1024)
+    assert (t.moe.num_groups, t.moe.routed_scaling_factor, t.moe.renormalize) == (1, 2.446, True)
+    assert t.moe.layers == (False,) + (True,) * 26 and t.moe.scoring == "sigmoid_topk"
+    assert config.max_position_embeddings == 1048576
+    assert [config.kv_elements_per_token(layer) for layer in (2, 3)] == [0, 512 + 64]
+    with pytest.raises(ModelConfigError, match="mla_use_nope false"):
+        ModelConfig.from_dict(dict(KIMI_LINEAR_48B, mla_use_nope=False))
+    with pytest.raises(ModelConfigError, match="moe_router_activation_func 'softmax'"):
+        ModelConfig.from_dict(dict(KIMI_LINEAR_48B, moe_router_activation_func="softmax"))
+    with pytest.raises(ModelConfigError, match="layer_types of linear_attention / full_attention"):
+        ModelConfig.from_dict(dict(KIMI_LINEAR_48B, layer_types=["sliding_attention"] * 27))
