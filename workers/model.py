@@ -426,7 +426,7 @@ class _WeightReader:
         self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
                            and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
-        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet layers' gathered states, one buffer for all
+        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet and KDA layers' gathered states, one buffer
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
         if name not in self.tensors:
