@@ -42,7 +42,9 @@ from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig
 
-pytestmark = pytest.mark.slow
+# The module fixture starts every family's app (about 40 s per wave of WAVE_SIZE on 2 cores) inside the first
+# test's timeout: the whole catalog needs more than the suite's 600 s per test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
