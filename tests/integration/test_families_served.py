@@ -50,6 +50,7 @@ MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
 RECURRENT_TYPES = ("lfm2", "granitemoehybrid", "qwen3_next")  # families with layers keeping a state per sequence
+MLA_RECURRENT_TYPES = ("kimi_linear",)  # families with latent attention layers between layers keeping a state
 PARALLEL_TYPES = ("falcon_h1",)  # families whose layers run a mixer beside attention (both a KV and a state)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
@@ -173,6 +174,11 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
     if SERVED_FAMILIES[family]["model_type"] in MLA_TYPES:  # latent attention: the Python loop, torch attention
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
+        return
+    if SERVED_FAMILIES[family]["model_type"] in MLA_RECURRENT_TYPES:  # the same, a state in the other layers
+        assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
+        kind = backend["kv_cache_kind"]
+        assert kind.startswith("an MLA latent of 16 + 8 values in 1 of 4 layers; a fixed-size state"), kind
         return
     if SERVED_FAMILIES[family]["model_type"] in PARALLEL_TYPES:  # the C loop refuses these: the Python loop
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "cpu")

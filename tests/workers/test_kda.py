@@ -233,7 +233,8 @@ def test_kimi_linear_config_as_moonshot_writes_it():
     assert t.kda == KdaTraits(num_heads=32, head_dim=128, conv_kernel=4)
     assert (t.mla.kv_lora_rank, t.mla.qk_rope_head_dim, t.mla.q_lora_rank, t.mla.rope) == (512, 64, None, False)
     assert t.attention_scale == pytest.approx(192**-0.5)
-    assert (t.moe.num_experts, t.moe.top_k, t.moe.intermediate_size, t.moe.shared_intermediate_size) == (256, 8, 1024, 1024)
+    assert (t.moe.num_experts, t.moe.top_k, t.moe.intermediate_size) == (256, 8, 1024)
+    assert t.moe.shared_intermediate_size == 1024 and t.moe.expert_projections == ("w1", "w3", "w2")
     assert (t.moe.num_groups, t.moe.routed_scaling_factor, t.moe.renormalize) == (1, 2.446, True)
     assert t.moe.layers == (False,) + (True,) * 26 and t.moe.scoring == "sigmoid_topk"
     assert config.max_position_embeddings == 1048576
