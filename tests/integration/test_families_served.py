@@ -47,7 +47,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
-RECURRENT_TYPES = ("lfm2", "granitemoehybrid", "qwen3_next")  # families with layers keeping a state per sequence
+GATED_DELTA_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers and gated full attention
+RECURRENT_TYPES = ("lfm2", "granitemoehybrid", *GATED_DELTA_TYPES)  # families with layers keeping a state per sequence
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
@@ -172,9 +173,9 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
-    # the C loop has no MoE MLP and no attention output gate (qwen3_next has both): the Python loop over our kernels
-    # runs those (recurrent layers it calls back)
-    layer_loop = "python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] == "qwen3_next" else "c"
+    # the C loop has no MoE MLP and no attention output gate (the Gated DeltaNet families have one): the Python loop
+    # over our kernels runs those (recurrent layers it calls back)
+    layer_loop = "python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] in GATED_DELTA_TYPES else "c"
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
     if recurrent:
         assert backend["kv_cache_kind"].startswith("keys and values per head in 1 of 4 layers; a fixed-size state")
