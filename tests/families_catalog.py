@@ -64,6 +64,22 @@ FAMILIES = {
                              shared_intermediate_size=96, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
                              mamba_d_conv=4, mamba_chunk_size=8, embedding_multiplier=4.0, residual_multiplier=0.4,
                              attention_multiplier=0.09, logits_scaling=3.0),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in each of 3 layers (6 heads of 16 = mamba_d_ssm 96,
+    # not 2 x hidden; 2 groups, a state of 8, a 4-token conv window, chunks of 8: prompts cross several, and KV
+    # blocks of 4); the gated RMSNorm before the gate; every µP multiplier away from 1
+    "falcon_h1": dict(model_type="falcon_h1", mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=8,
+                      mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+                      embedding_multiplier=2.0, lm_head_multiplier=0.5, attention_in_multiplier=0.7,
+                      key_multiplier=1.3, attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.6,
+                      ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 1.5], mlp_multipliers=[1.2, 0.7]),
+    # the same without the mixer's norm (y * silu(gate)), with every bias: attention, MLP, in_proj (mamba_proj_bias)
+    # and out_proj (projectors_bias)
+    "falcon_h1-biases": dict(model_type="falcon_h1", mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=1,
+                             mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=False, attention_bias=True,
+                             mlp_bias=True, mamba_proj_bias=True, projectors_bias=True, embedding_multiplier=1.5,
+                             lm_head_multiplier=2.0, key_multiplier=0.6, attention_out_multiplier=1.4,
+                             ssm_out_multiplier=0.5, ssm_multipliers=[1.3, 0.7, 1.1, 0.9, 0.6],
+                             mlp_multipliers=[0.8, 1.3]),
     # Qwen3-Next: Gated DeltaNet layers 0, 1 and 3 (a state per sequence: a conv over 4 tokens' q, k, v and a
     # [16, 8] matrix per value head, 2 key heads each shared by 2 value heads), full attention on layer 2 (q_proj's
     # output gate, per-head q/k norms, a quarter of each head rotated); every norm x (1 + w) but the Gated

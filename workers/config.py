@@ -109,7 +109,7 @@ class ModelConfig:
 
     def kv_elements_per_token(self, layer: int) -> int:
         """Values one token keeps in layer's pool: per-head keys and values, or MLA's latent and RoPE key."""
-        if self.is_recurrent_layer(layer):
+        if not self.has_attention(layer):
             return 0  # its state is per sequence (workers/recurrent.py)
         if self.traits.mla is not None:
             return self.traits.mla.cache_width
@@ -118,6 +118,11 @@ class ModelConfig:
     def is_recurrent_layer(self, layer: int) -> bool:
         """The layer keeps a fixed-size state per sequence (a mixer: workers/recurrent.py), not keys and values."""
         return self.traits.mixers is not None and self.traits.mixers[layer] is not None
+
+    def has_attention(self, layer: int) -> bool:
+        """The layer attends over keys and values in the paged pool: every layer but a mixer in attention's
+        place (a mixer beside attention, Falcon-H1's, keeps both)."""
+        return not self.is_recurrent_layer(layer) or self.traits.mixers_beside_attention
 
     @property
     def has_recurrent_layers(self) -> bool:

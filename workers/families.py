@@ -109,6 +109,12 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 (qwen3_5: the vision tower, model.visual.*, and mtp.* are skipped)
     qwen3_5_moe_text  as qwen3_5_text with a MoE in every layer: softmax, top k, always renormalised, a gated
                 shared expert (no decoder_sparse_step, mlp_only_layers or norm_topk_prob; no intermediate_size)
+    falcon_h1   in every layer attention and a Mamba-2 mixer side by side on the same normed input, their
+                outputs summed (FamilyTraits.mixers_beside_attention: a layer keeps keys and values and a
+                state); µP multipliers (embedding, lm_head, attention in / key / out, ssm in / parts / out,
+                MLP gate / down), all but the first two folded into the weights at load; the mixer's
+                gated RMSNorm only with mamba_rms_norm, before or after the gate (mamba_norm_before_gate);
+                out_proj's bias with projectors_bias; feed_forward, pre_ff_layernorm, final_layernorm
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -183,9 +189,25 @@ class FamilyTraits:
     short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
     mamba2: Mamba2Traits | None = None  # "mamba2" layers (Granite 4's mamba layers, workers/mamba2.py)
     gated_delta: GatedDeltaTraits | None = None  # "gated_delta" layers' shapes (workers/gated_delta.py)
+    # each layer's mixer runs beside its attention on the same normed input, their outputs summed (Falcon-H1):
+    # the layer keeps both its keys and values and its state; False: the mixer runs in attention's place
+    mixers_beside_attention: bool = False
+    multipliers: ProductMultipliers | None = None  # constants folded into the layers' products at load; None: none
     # the checkpoint's names for what ours are called, as (theirs, ours) fragments replaced in every
     # tensor name at load (LFM2's operator_norm is our input_layernorm); (): the same names
     tensor_names: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProductMultipliers:
+    """Constants that multiply a layer's products (Falcon-H1's µP multipliers). Each is folded into
+    the weights at load (workers/model.py, _WeightReader.fold_multipliers), so the loop runs none."""
+
+    attention_in: float = 1.0  # q, k and v read x * attention_in (attention_in_multiplier)
+    key: float = 1.0  # k (its bias included) x key, before RoPE (key_multiplier)
+    attention_out: float = 1.0  # o_proj's output, its bias included (attention_out_multiplier)
+    gate: float = 1.0  # the MLP's gate product, before the activation (mlp_multipliers[0])
+    down: float = 1.0  # the MLP's down product (mlp_multipliers[1])
 
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
@@ -289,14 +311,29 @@ class Mamba2Traits:
     conv_kernel: int  # the causal conv's width
     chunk_size: int  # a prompt's scan runs in chunks of this many tokens
     conv_bias: bool = True
-    proj_bias: bool = False  # in_proj and out_proj carry biases
+    proj_bias: bool = False  # in_proj carries a bias
+    out_proj_bias: bool = False  # out_proj carries a bias
     norm_eps: float = 1e-6
     time_step_min: float = 0.0  # each time step softplus(dt + dt_bias) is clamped to [min, max]
     time_step_max: float = math.inf
+    # the gated RMSNorm before out_proj: "after_gate" (the norm of y * silu(gate): Granite 4), "before_gate"
+    # (norm(y) * silu(gate)); None: no norm, y * silu(gate) (Falcon-H1's mamba_rms_norm false)
+    gated_norm: str | None = "after_gate"
+    # Falcon-H1's µP multipliers, folded into the weights at load (workers/mamba2.py): in_proj reads
+    # x * input_multiplier (ssm_in_multiplier); its output's gate, x, B, C and dt parts are scaled by
+    # in_proj_multipliers (ssm_multipliers); out_proj's output by output_multiplier (ssm_out_multiplier)
+    input_multiplier: float = 1.0
+    in_proj_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    output_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_groups:
             raise FamilyError(f"mamba_n_groups {self.num_groups} does not divide mamba_n_heads {self.num_heads}")
+        if self.gated_norm not in (None, "after_gate", "before_gate"):
+            raise FamilyError(f"gated norm {self.gated_norm!r} is not after_gate, before_gate or None")
+        if len(self.in_proj_multipliers) != 5:
+            raise FamilyError(f"ssm_multipliers needs 5 values (gate, x, B, C, dt), "
+                              f"got {list(self.in_proj_multipliers)}")
 
     @property
     def inner(self) -> int:
@@ -311,21 +348,31 @@ class Mamba2Traits:
     def in_proj_rows(self) -> int:
         return self.inner + self.conv_channels + self.num_heads
 
+    @property
+    def in_proj_parts(self) -> tuple[int, int, int, int, int]:
+        """in_proj's output rows: gate, x, B, C, dt (in_proj_multipliers' order)."""
+        width = self.num_groups * self.state_size
+        return self.inner, self.inner, width, width, self.num_heads
+
 
 def mamba2_traits(raw: dict) -> Mamba2Traits:
-    """A granitemoehybrid config's Mamba-2 settings (transformers' GraniteMoeHybridConfig defaults)."""
+    """A granitemoehybrid config's Mamba-2 settings (transformers' GraniteMoeHybridConfig defaults); the
+    inner width mamba_d_ssm where the config has one (Falcon-H1), else mamba_expand x hidden_size."""
     hidden, heads = int(raw["hidden_size"]), int(raw.get("mamba_n_heads", 128))
-    inner = int(raw.get("mamba_expand", 2)) * hidden
+    d_ssm = raw.get("mamba_d_ssm")
+    inner = int(raw.get("mamba_expand", 2)) * hidden if d_ssm is None else int(d_ssm)
     head_dim = raw.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
     if head_dim * heads != inner:
-        raise FamilyError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} is not mamba_expand x hidden_size {inner}")
+        width = "mamba_expand x hidden_size" if d_ssm is None else "mamba_d_ssm"
+        raise FamilyError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} is not {width} {inner}")
     limit = raw.get("time_step_limit") or (0.0, math.inf)
     return Mamba2Traits(
         num_heads=heads, head_dim=head_dim, state_size=int(raw.get("mamba_d_state", 256)),
         num_groups=int(raw.get("mamba_n_groups", 1)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
         chunk_size=int(raw.get("mamba_chunk_size", 256)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
-        proj_bias=bool(raw.get("mamba_proj_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        proj_bias=bool(raw.get("mamba_proj_bias", False)), out_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         time_step_min=_json_float(limit[0]), time_step_max=_json_float(limit[1]),
     )
 
@@ -838,6 +885,37 @@ def _granitemoehybrid(raw: dict) -> FamilyTraits:
                    mamba2=mamba2_traits(raw), tensor_names=names)
 
 
+def _falcon_h1(raw: dict) -> FamilyTraits:
+    """Falcon-H1 (transformers' FalconH1Config defaults): in every layer attention and a Mamba-2 mixer read the
+    same normed input and their outputs are summed; µP multipliers on the embeddings, the logits
+    (lm_head_multiplier), attention's input, keys and output, the mixer's input, in_proj parts and output, and
+    the MLP's gate and down products (all but the first two folded into the weights at load); the mixer's
+    gated RMSNorm only with mamba_rms_norm; its names (feed_forward, pre_ff_layernorm, final_layernorm) read
+    as ours (FamilyTraits.tensor_names)."""
+    num_layers = int(raw["num_hidden_layers"])
+    gate, down = raw.get("mlp_multipliers") or (1.0, 1.0)
+    defaults = dict(mamba_d_ssm=raw.get("mamba_d_ssm", 1024), rms_norm_eps=raw.get("rms_norm_eps", 1e-5))
+    mamba2 = replace(
+        mamba2_traits({**raw, **defaults}), out_proj_bias=bool(raw.get("projectors_bias", False)),
+        gated_norm=("before_gate" if raw.get("mamba_norm_before_gate", True) else "after_gate")
+        if raw.get("mamba_rms_norm", False) else None,
+        input_multiplier=float(raw.get("ssm_in_multiplier", 1.0)),
+        in_proj_multipliers=tuple(float(m) for m in raw.get("ssm_multipliers") or (1.0,) * 5),
+        output_multiplier=float(raw.get("ssm_out_multiplier", 1.0)),
+    )
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(
+        qkv_bias=bias, o_bias=bias, mlp_block="feed_forward",
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        logits_scale=float(raw.get("lm_head_multiplier", 1.0)),
+        mixers=("mamba2",) * num_layers, mamba2=mamba2, mixers_beside_attention=True,
+        multipliers=ProductMultipliers(
+            attention_in=float(raw.get("attention_in_multiplier", 1.0)), key=float(raw.get("key_multiplier", 1.0)),
+            attention_out=float(raw.get("attention_out_multiplier", 1.0)), gate=float(gate), down=float(down)),
+        tensor_names=((".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm.")),
+    )
+
+
 def _yarn_mscale_squared(raw: dict) -> float:
     """DeepSeek's softmax scale factor under yarn: mscale(factor, mscale_all_dim) ** 2, as transformers'
     yarn_apply_mscale (1 without scaling or without mscale_all_dim)."""
@@ -879,6 +957,7 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5_text": _qwen3_5_text,
     "qwen3_5_moe_text": _qwen3_5_moe_text,
+    "falcon_h1": _falcon_h1,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
@@ -918,10 +997,14 @@ def family_paths(model_type: str, traits: FamilyTraits) -> FamilyPaths:
     temperature = "query temperature tuning" if traits.query_temperature is not None else None
     gate = "an attention output gate" if traits.attention_output_gate else None
     recurrent = "layers with a recurrent state" if traits.mixers is not None else None  # the C loop calls their mixers
+    # ... in attention's place: a layer with both has no C form
+    parallel = "attention and Mamba-2 in parallel" if traits.mixers_beside_attention else None
     return FamilyPaths(
-        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures and output gates
-        # have no C form: the Python loop runs them (MLA in torch; chunked attention over our kernels)
-        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate) if why) or None,
+        # the experts' MLP, latent attention, late q/k norms, chunked layers, query temperatures, output gates and
+        # mixers beside attention have no C form: the Python loop runs them (MLA in torch; chunked attention over
+        # our kernels)
+        c_layer_loop=", ".join(why for why in (moe, mla, late_norms, chunks, temperature, gate, parallel) if why)
+        or None,
         gguf_native=None if model_type in GGUF_NATIVE_FAMILIES else "GGUF checkpoints are served natively for "
         f"model_type {', '.join(map(repr, sorted(GGUF_NATIVE_FAMILIES)))} only",
         # grouped experts take plain weights; a multiplier is folded into them; q_proj's rows are split at load

@@ -11,6 +11,10 @@ of width P, G groups, state size N, inner = H * P):
     y             = h @ C + D * u                         [H, P]
     out           = out_proj(gated_rms_norm(y * silu(gate)))   the norm over each group's inner / G values
 
+Falcon-H1's mixer (Mamba2Traits' gated_norm, multipliers) norms y before the gate, or has no norm
+(out_proj(y * silu(gate))); its µP multipliers on in_proj's input, on in_proj's five output parts
+and on out_proj's output are folded into in_proj's and out_proj's rows at load.
+
 A sequence's state is its conv's last K - 1 inputs [K - 1, conv_channels] (the model's dtype)
 and h [H, P, N] (fp32). Decodes take one recurrent step for every sequence at once. A prompt
 (or a piece of one) runs the chunked form of the same recurrence (the "state space duality"
@@ -42,8 +46,8 @@ class Mamba2Weights:
     dt_bias: torch.Tensor  # [heads] fp32
     decay_rate: torch.Tensor  # [heads] fp32: A = -exp(A_log), each head's (negative) continuous decay
     skip: torch.Tensor  # [heads] fp32: D, u's direct path to y
-    norm: torch.Tensor  # [inner]: the gated RMSNorm's weight
-    out_proj: object  # [hidden, inner] (x the family's residual multiplier)
+    norm: torch.Tensor | None  # [inner]: the gated RMSNorm's weight; None: no norm (Mamba2Traits.gated_norm)
+    out_proj: object  # [hidden, inner] (x the family's residual multiplier and the mixer's output multiplier)
     out_proj_bias: torch.Tensor | None  # [hidden] (likewise)
 
 
@@ -61,17 +65,25 @@ def read_mamba2_weights(reader, prefix: str, traits: Mamba2Traits, hidden: int) 
     def per_head(name: str) -> torch.Tensor:
         return plain(name, (t.num_heads,)).float()
 
+    # [in_proj_rows]: each output part's multiplier (in_proj_multipliers); the weight's rows also x input_multiplier
+    row_scales = torch.cat([torch.full((rows,), m, dtype=torch.float32)
+                            for rows, m in zip(t.in_proj_parts, t.in_proj_multipliers)])
+    in_proj = reader.take(prefix + "in_proj.weight", (t.in_proj_rows, hidden))
+    in_proj_bias = plain("in_proj.bias", (t.in_proj_rows,)) if t.proj_bias else None
+    out_proj = reader.take_residual_branch(prefix + "out_proj.weight", (hidden, t.inner))
+    out_proj_bias = reader.take_residual_branch(prefix + "out_proj.bias", (hidden,)) if t.out_proj_bias else None
     return Mamba2Weights(
-        in_proj=reader.pack(reader.take(prefix + "in_proj.weight", (t.in_proj_rows, hidden))),
-        in_proj_bias=plain("in_proj.bias", (t.in_proj_rows,)) if t.proj_bias else None,
+        in_proj=reader.pack(reader.scaled(prefix + "in_proj.weight", in_proj, row_scales[:, None] * t.input_multiplier)),
+        in_proj_bias=None if in_proj_bias is None else reader.scaled(prefix + "in_proj.bias", in_proj_bias, row_scales),
         conv=plain("conv1d.weight", (t.conv_channels, 1, t.conv_kernel)).view(t.conv_channels, t.conv_kernel),
         conv_bias=plain("conv1d.bias", (t.conv_channels,)) if t.conv_bias else None,
         dt_bias=per_head("dt_bias"),
         decay_rate=-torch.exp(per_head("A_log")),
         skip=per_head("D"),
-        norm=reader.take_norm(prefix, "norm", t.inner),
-        out_proj=reader.pack(reader.take_residual_branch(prefix + "out_proj.weight", (hidden, t.inner))),
-        out_proj_bias=reader.take_residual_branch(prefix + "out_proj.bias", (hidden,)) if t.proj_bias else None,
+        norm=reader.take_norm(prefix, "norm", t.inner) if t.gated_norm is not None else None,
+        out_proj=reader.pack(reader.scaled(prefix + "out_proj.weight", out_proj, t.output_multiplier)),
+        out_proj_bias=None if out_proj_bias is None else reader.scaled(prefix + "out_proj.bias", out_proj_bias,
+                                                                       t.output_multiplier),
     )
 
 
@@ -139,18 +151,29 @@ class Mamba2Mixer:
         """The scan's y [T, H, P] plus D * u, gated, normed per group, through out_proj -> [T, hidden]."""
         w, t = self.weights, self.traits
         y = (y + w.skip[:, None] * u).reshape(y.shape[0], t.inner)
-        normed = gated_group_rms_norm(y, gate, w.norm, t.num_groups, t.norm_eps)
-        return model.linear(normed.to(dtype), w.out_proj, w.out_proj_bias)
+        if t.gated_norm == "after_gate":
+            gated = gated_group_rms_norm(y, gate, w.norm, t.num_groups, t.norm_eps)
+        elif t.gated_norm == "before_gate":
+            gated = group_rms_norm(y, w.norm, t.num_groups, t.norm_eps) * F.silu(gate.float())
+        else:
+            gated = y.float() * F.silu(gate.float())
+        return model.linear(gated.to(dtype), w.out_proj, w.out_proj_bias)
 
 
 def gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, num_groups: int,
                          eps: float) -> torch.Tensor:
     """RMSNorm of y * silu(gate) over each of num_groups equal groups of its last dimension, in
     fp32; y, gate [T, inner], weight [inner] -> [T, inner] fp32."""
-    gated = y.float() * F.silu(gate.float())
-    grouped = gated.view(gated.shape[0], num_groups, -1)
+    return group_rms_norm(y.float() * F.silu(gate.float()), weight, num_groups, eps)
+
+
+def group_rms_norm(y: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
+    """RMSNorm of y over each of num_groups equal groups of its last dimension, in fp32; y [T, inner],
+    weight [inner] -> [T, inner] fp32."""
+    y = y.float()
+    grouped = y.view(y.shape[0], num_groups, -1)
     normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    return normed.view_as(gated) * weight.float()
+    return normed.view_as(y) * weight.float()
 
 
 def ssm_step(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

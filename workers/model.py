@@ -18,6 +18,9 @@ In some or all layers a mixture of experts takes the dense MLP's place (Mixtral,
 gpt-oss: workers/moe.py's moe_mlp). gpt-oss's attention sinks are the attention backend's too.
 DeepSeek V3's layers run multi-head latent attention instead of q/k/v heads, over a pool of one
 latent per token (workers/mla.py's mla_attention, torch ops whatever the attention backend).
+Some layers keep a state per sequence (workers/recurrent.py's mixers): in attention's place (LFM2,
+Granite 4), or beside it (Falcon-H1: attention and a Mamba-2 mixer read the same normed input and
+their outputs are summed; the layer's cache is a ParallelCache of its KV and its state pool).
 
 q/k/v and gate/up projections are fused at load (one GEMM each), and on CPU every projection
 weight is prepacked for oneDNN (see workers/linear.py), or kept in its GGUF type (a GgufWeight,
@@ -65,7 +68,7 @@ from workers.mamba2 import Mamba2Mixer, read_mamba2_weights
 from workers.mla import MlaStep, MlaWeights, mla_attention, read_mla_weights
 from workers.moe import MoeWeights, moe_mlp, read_moe_weights
 from workers.native_forward import NativeForward
-from workers.recurrent import StateStep, run_mixer
+from workers.recurrent import StatePool, StateStep, run_mixer
 from workers.rope import RotaryEmbedding, deinterleave_rows
 from workers.short_conv import read_short_conv
 
@@ -145,15 +148,24 @@ class LayerWeights:
     # (Qwen3-Next; q_proj's gate rows, split from its query rows at load); None: no gate
     attn_gate: object | None = None
     attn_gate_bias: torch.Tensor | None = None  # [num_heads * head_dim]
-    # a layer that keeps a state per sequence in attention's place (workers/recurrent.py: a short convolution,
-    # a Gated DeltaNet); its products are its own (qkv and o are None); None: attention
+    # a layer that keeps a state per sequence (workers/recurrent.py: a short convolution, a Gated DeltaNet, ...);
+    # its products are its own. In attention's place (qkv and o None), or beside it (Falcon-H1: both read the
+    # normed input, their outputs summed; the layer's cache a ParallelCache); None: attention alone
     mixer: object | None = None
 
 
 # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim] in torch_ref's layout; an MLA layer's:
 # (pool [num_blocks, block_size, 1, rank + rope], its latent part as a view), workers/mla.py; a mixer's layer
-# holds its StatePool instead (workers/recurrent.py)
+# holds its StatePool instead (workers/recurrent.py), a layer with both a ParallelCache
 KVCache = tuple[torch.Tensor, ...]
+
+
+@dataclass(slots=True)
+class ParallelCache:
+    """The cache of a layer whose mixer runs beside its attention (Falcon-H1): both pools."""
+
+    kv: KVCache  # the attention's paged keys and values
+    states: StatePool  # the mixer's state rows (workers/recurrent.py)
 
 
 class PagedLlamaModel:
@@ -216,10 +228,13 @@ class PagedLlamaModel:
         residual, delta = self.embed_tokens(input_ids), None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             residual, x = self.ops.add_rms_norm(residual, delta, layer.input_norm, eps)
-            if layer.mixer is not None:  # a layer with a state per sequence (workers/recurrent.py)
-                delta = run_mixer(layer.mixer, self, x, kv_cache, metadata.states)
-            else:
+            if layer.mixer is None:
                 delta = self._attention(layer, x, positions, step, kv_cache, lora, index)
+            elif layer.qkv is None:  # a state per sequence in attention's place (workers/recurrent.py)
+                delta = run_mixer(layer.mixer, self, x, kv_cache, metadata.states)
+            else:  # the mixer beside attention, on the same input (Falcon-H1)
+                delta = run_mixer(layer.mixer, self, x, kv_cache.states, metadata.states)
+                delta = delta + self._attention(layer, x, positions, step, kv_cache.kv, lora, index)
             if layer.attn_out_norm is not None:
                 delta = self.ops.rms_norm(delta, layer.attn_out_norm, eps)
             residual, x = self.ops.add_rms_norm(residual, delta, layer.post_norm, eps)
@@ -501,6 +516,20 @@ class _WeightReader:
                               "serve it dequantized (a GGUF file: quantization none; a quantized checkpoint: on CPU)")
         return (tensor.float() * multiplier).to(tensor.dtype)
 
+    def scaled(self, name: str, tensor: torch.Tensor | LinearWeight,
+               multiplier: float | torch.Tensor) -> torch.Tensor | LinearWeight:
+        """Checkpoint tensor name x multiplier (a number, or a tensor that broadcasts: per row), in fp32, back
+        in its dtype: a family's constant multiplier folded into a weight (Falcon-H1's). The tensor as it is
+        when every multiplier is 1; a quantized one cannot take another."""
+        ones = multiplier == 1.0 if isinstance(multiplier, float) else bool((multiplier == 1.0).all())
+        if ones:
+            return tensor
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightError(f"{name} is a {tensor.label} weight; the family's multipliers fold into plain weights "
+                              "only (serve it dequantized)")
+        factor = multiplier.to(tensor.device) if isinstance(multiplier, torch.Tensor) else multiplier
+        return (tensor.float() * factor).to(tensor.dtype)
+
     def pack(self, weight: torch.Tensor | LinearWeight) -> object:
         """A layer's projection in the linear backend's form; a GGUF weight repacked where our int8
         kernel reads it faster that way (GgufWeight.for_kernels)."""
@@ -533,8 +562,10 @@ class _WeightReader:
         dense = moe is None
         if c.traits.mla is not None:
             return self.mla_layer(index, moe)
-        if c.is_recurrent_layer(index):
+        if not c.has_attention(index):
             return self.mixer_layer(index, moe)
+        if c.traits.multipliers is not None:
+            self.fold_multipliers(attn, mlp)
         gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
         weighted_qk_norm = c.traits.qk_norm in ("head", "projection", "head_after_rope")
         temperature = c.traits.query_temperature if not c.uses_rope(index) else None
@@ -573,26 +604,31 @@ class _WeightReader:
             softcap=c.traits.attention_softcap,
             sinks=self.take(attn + "sinks", (c.num_heads,)) if c.traits.attention_sinks else None,
             moe=moe,
+            mixer=self.mixer(index) if c.is_recurrent_layer(index) else None,  # beside attention (Falcon-H1)
             attn_gate=None if gate is None else self.pack(gate),
             attn_gate_bias=gate_bias,
         )
+
+    def fold_multipliers(self, attn: str, mlp: str) -> None:
+        """The family's product multipliers (ProductMultipliers) multiplied into the layer's checkpoint
+        tensors before they are read: q, k, v x attention_in (k's weight and bias x key too), o x
+        attention_out, gate x gate, down x down; a bias only by what multiplies the product's output.
+        (The separate q/k/v and gate/up tensors: no family with multipliers ships them fused.)"""
+        m = self.config.traits.multipliers
+        folds = ((attn + "q_proj.weight", m.attention_in), (attn + "k_proj.weight", m.attention_in * m.key),
+                 (attn + "k_proj.bias", m.key), (attn + "v_proj.weight", m.attention_in),
+                 (attn + "o_proj.weight", m.attention_out), (attn + "o_proj.bias", m.attention_out),
+                 (mlp + "gate_proj.weight", m.gate), (mlp + "gate_proj.bias", m.gate),
+                 (mlp + "down_proj.weight", m.down), (mlp + "down_proj.bias", m.down))
+        for name, multiplier in folds:
+            if name in self.tensors:
+                self.tensors[name] = self.scaled(name, self.tensors[name], multiplier)
 
     def mixer_layer(self, index: int, moe: MoeWeights | None) -> LayerWeights:
         """A layer that keeps a state per sequence in attention's place (workers/recurrent.py), with the
         family's norms and MLP around it."""
         c, prefix = self.config, f"model.layers.{index}."
-        kind, mlp = c.traits.mixers[index], prefix + c.traits.mlp_block + "."
-        if kind == "short_conv":
-            mixer = read_short_conv(self, prefix + "conv.", c.hidden_size, c.traits.short_conv_width,
-                                    c.traits.short_conv_bias)
-        elif kind == "mamba2":
-            weights = read_mamba2_weights(self, prefix + "mamba.", c.traits.mamba2, c.hidden_size)
-            mixer = Mamba2Mixer(weights, c.traits.mamba2)
-        elif kind == "gated_delta":
-            weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
-            mixer = GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
-        else:
-            raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
+        mlp, mixer = prefix + c.traits.mlp_block + ".", self.mixer(index)
         dense = moe is None
         return LayerWeights(
             input_norm=self.take_norm(prefix, "input_layernorm"),
@@ -606,6 +642,21 @@ class _WeightReader:
             moe=moe,
             mixer=mixer,
         )
+
+    def mixer(self, index: int) -> object:
+        """Layer index's mixer (workers/recurrent.py), of the kind FamilyTraits.mixers names."""
+        c, prefix = self.config, f"model.layers.{index}."
+        kind = c.traits.mixers[index]
+        if kind == "short_conv":
+            return read_short_conv(self, prefix + "conv.", c.hidden_size, c.traits.short_conv_width,
+                                   c.traits.short_conv_bias)
+        if kind == "mamba2":
+            weights = read_mamba2_weights(self, prefix + "mamba.", c.traits.mamba2, c.hidden_size)
+            return Mamba2Mixer(weights, c.traits.mamba2)
+        if kind == "gated_delta":
+            weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
+            return GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
+        raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
 
     def take_gate_up(self, mlp: str, width: int) -> torch.Tensor | LinearWeight:
         """A gated MLP's gate rows then up rows [2 * width, hidden]: {mlp}gate_up_proj.weight where the

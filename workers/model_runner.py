@@ -42,8 +42,8 @@ from workers.kernels.cpu_isa import cpu_plan
 from workers.loader import gguf_source, load_weights, resolve_model_path, serves_gguf
 from workers.lora import LoraAdapter, StepLora, load_adapter, lora_kernel_available, lora_triton_kernels
 from workers.mla import allocate_latent_cache
-from workers.model import AttentionMetadata, KVCache
-from workers.recurrent import StateRows
+from workers.model import AttentionMetadata, KVCache, ParallelCache
+from workers.recurrent import StatePool, StateRows
 from workers.kernels.sampling import AllowedTokens
 from workers.sampler import Sampler, SamplingBatch
 from workers.step_costs import measure_step_costs
@@ -386,6 +386,11 @@ class ModelRunner:
         if self.states is not None:
             kinds = sorted({kind for kind in c.traits.mixers if kind is not None})
             num_recurrent = sum(kind is not None for kind in c.traits.mixers)
+            if c.traits.mixers_beside_attention:
+                return (f"{PER_HEAD_KV} in every layer, and beside them a fixed-size state per sequence in "
+                        f"{num_recurrent} of {c.num_layers} ({', '.join(kinds)}: workers/recurrent.py, "
+                        f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
+                        f"{self.states.num_snapshots} prefix-cache snapshots)")
             return (f"{PER_HEAD_KV} in {c.num_layers - num_recurrent} of {c.num_layers} layers; a fixed-size state "
                     f"per sequence in the other {num_recurrent} ({', '.join(kinds)}: workers/recurrent.py, "
                     f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
@@ -420,11 +425,11 @@ class ModelRunner:
         """One pool per layer in the attention backend's layout. Zeroed: masked-out slots may
         still be multiplied by 0 in attention, and 0 * NaN is NaN."""
         c = self.model_config
-        if self.states is not None:  # recurrent layers hold their state pools instead
-            return [self.states.pools[layer] if c.is_recurrent_layer(layer)
-                    else self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.num_kv_heads,
-                                                                c.head_dim, dtype, self.device)
-                    for layer in range(c.num_layers)]
+        if self.states is not None:  # recurrent layers hold their state pools instead, or beside their KV
+            kv = [self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.num_kv_heads,
+                                                         c.head_dim, dtype, self.device) if c.has_attention(layer)
+                  else None for layer in range(c.num_layers)]
+            return self._with_states(kv)
         if c.traits.mla is not None:  # one latent and one RoPE key per token (workers/mla.py)
             return [allocate_latent_cache(self.num_blocks, self.block_size, c.traits.mla, dtype, self.device)
                     for _ in range(c.num_layers)]
@@ -442,19 +447,32 @@ class ModelRunner:
         specs = [layer.mixer.state_specs() if layer.mixer is not None else None for layer in self.model.layers]
         return StateRows(specs, self.config.max_num_seqs, self.config.state_snapshots, self.device)
 
+    def _with_states(self, kv: list[KVCache | None]) -> list[KVCache | StatePool | ParallelCache]:
+        """Each layer's cache from its paged KV (None: it has none) and the state pools as they are now: the
+        KV alone, the layer's StatePool alone, or a ParallelCache of both (a mixer beside attention)."""
+        caches = []
+        for layer, pool in enumerate(kv):
+            states = self.states.pools[layer]
+            caches.append(pool if states is None else states if pool is None else ParallelCache(pool, states))
+        return caches
+
+    def _kv_pools(self) -> list[KVCache | None]:
+        """Each layer's paged KV (a ParallelCache's kv); None for a recurrent layer in attention's place."""
+        c = self.model_config
+        return [cache.kv if isinstance(cache, ParallelCache) else cache if c.has_attention(layer) else None
+                for layer, cache in enumerate(self.kv_caches)]
+
     @property
     def _attention_pools(self) -> list[KVCache]:
         """The layers' pools that are paged KV (not recurrent states)."""
-        c = self.model_config
-        return [pool for layer, pool in enumerate(self.kv_caches) if not c.is_recurrent_layer(layer)]
+        return [pool for pool in self._kv_pools() if pool is not None]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         self._update_states(scheduler_output)
         if self.states is not None and self.states.num_grows != self._state_grows:  # forks outgrew the pools
             self._state_grows = self.states.num_grows
-            self.kv_caches = [self.states.pools[layer] if pool is None or self.model_config.is_recurrent_layer(layer)
-                              else pool for layer, pool in enumerate(self.kv_caches)]
+            self.kv_caches = self._with_states(self._kv_pools())
         if scheduler_output.copy_blocks:
             self._copy_blocks(scheduler_output.copy_blocks)
         if scheduler_output.is_empty:

@@ -42,13 +42,16 @@ from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig
 
-pytestmark = pytest.mark.slow
+# The module fixture starts every family's app (about 40 s per wave of WAVE_SIZE on 2 cores) inside the first
+# test's timeout: the whole catalog needs more than the suite's 600 s per test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
 GATED_DELTA_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers and gated full attention
 RECURRENT_TYPES = ("lfm2", "granitemoehybrid", *GATED_DELTA_TYPES)  # families with layers keeping a state per sequence
+PARALLEL_TYPES = ("falcon_h1",)  # families whose layers run a mixer beside attention (both a KV and a state)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
 # Small on purpose: a wave of apps starts beside the session's app on the cluster's 4 logical CPUs.
 APP_ARGS = {"dtype": "float32", "num_workers": 1, "worker_num_cpus": 0.1, "ingress_num_cpus": 0.05,
@@ -171,6 +174,10 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
     if SERVED_FAMILIES[family]["model_type"] in MLA_TYPES:  # latent attention: the Python loop, torch attention
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
+        return
+    if SERVED_FAMILIES[family]["model_type"] in PARALLEL_TYPES:  # the C loop refuses these: the Python loop
+        assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "cpu")
+        assert backend["kv_cache_kind"].startswith("keys and values per head in every layer, and beside them")
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
     # the C loop has no MoE MLP and no attention output gate (the Gated DeltaNet families have one): the Python loop

@@ -4,6 +4,8 @@ resumed with their streamed tokens (what the ingress sends after a scheduler res
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
@@ -27,23 +29,25 @@ class WorkerDied(Exception):
 class DyingRunner:
     """A FakeRunner that dies (raises WorkerDied) on its `die_at`-th step, once."""
 
-    def __init__(self, die_at: int | None) -> None:
-        self.inner = FakeRunner(CFG.block_size, CFG.num_blocks)
+    def __init__(self, die_at: int | None, recurrent: bool = False) -> None:
+        self.recurrent = recurrent  # a model with recurrent layers: the fake checks each request's state
+        self.inner = FakeRunner(CFG.block_size, CFG.num_blocks, recurrent=recurrent)
         self.die_at = die_at
         self.num_calls = 0
 
     def execute(self, scheduler_output):
         self.num_calls += 1
         if self.num_calls == self.die_at:
-            self.inner = FakeRunner(CFG.block_size, CFG.num_blocks)  # a restart: empty state
+            self.inner = FakeRunner(CFG.block_size, CFG.num_blocks, recurrent=self.recurrent)  # a restart: empty
             raise WorkerDied("killed")
         return self.inner.execute(scheduler_output)
 
 
-def make_group(die_at: list[int | None], admission: Admission | None = None) -> EngineGroup:
-    runners = [TimedRunner(DyingRunner(d), is_death=lambda e: isinstance(e, (WorkerDied, WorkerStateLostError)))
-               for d in die_at]
-    engines = [Engine(CFG, runner) for runner in runners]
+def make_group(die_at: list[int | None], admission: Admission | None = None, recurrent: bool = False) -> EngineGroup:
+    runners = [TimedRunner(DyingRunner(d, recurrent),
+                           is_death=lambda e: isinstance(e, (WorkerDied, WorkerStateLostError))) for d in die_at]
+    config = dataclasses.replace(CFG, recurrent_state=True, num_state_snapshots=4) if recurrent else CFG
+    engines = [Engine(config, runner) for runner in runners]
     return EngineGroup(engines, runners, admission=admission)
 
 
@@ -113,12 +117,15 @@ def test_queue_overflow_refuses_then_every_accepted_request_completes() -> None:
 
 
 # --- worker death ------------------------------------------------------------------------------
+@pytest.mark.parametrize("recurrent", [False, True], ids=["kv", "recurrent-states"])
 @pytest.mark.parametrize("die_at", [1, 2, 5, 9])
-def test_a_dead_workers_requests_finish_on_the_live_one_with_identical_streams(die_at: int) -> None:
-    expected = asyncio.run(run_group(make_group([None, None])))
+def test_a_dead_workers_requests_finish_on_the_live_one_with_identical_streams(die_at: int, recurrent: bool) -> None:
+    """Also for a model with recurrent layers: the requests moved start their states again on the live
+    worker (from zero, or from its own snapshots), as the fake worker checks step by step."""
+    expected = asyncio.run(run_group(make_group([None, None], recurrent=recurrent)))
 
     async def main():
-        group = make_group([die_at, None])
+        group = make_group([die_at, None], recurrent=recurrent)
         got = await run_group(group)
         status = group.status()
         assert status.num_migrated_requests > 0 and status.num_live_workers == 1

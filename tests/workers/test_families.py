@@ -147,6 +147,21 @@ def test_traits_read_from_the_config(family_dir):
         assert config.traits.rope_layers == (False,) * 4 and config.intermediate_size == 96  # the shared_mlp's
         assert [config.kv_elements_per_token(layer) for layer in range(4)] == [0, 0, 2 * 2 * 16, 0]
         assert config.paths.c_layer_loop is None  # the C loop calls the mixers back
+    if family_dir.name == "falcon_h1":
+        t, mamba = config.traits, config.traits.mamba2
+        assert t.mixers == ("mamba2",) * 3 and t.mixers_beside_attention and config.intermediate_size == 128
+        assert (mamba.inner, mamba.head_dim, mamba.num_groups, mamba.chunk_size, mamba.gated_norm) == (96, 16, 2, 8,
+                                                                                                     "before_gate")
+        assert (t.embedding_multiplier, t.logits_scale, mamba.input_multiplier, mamba.output_multiplier) == (2.0, 0.5,
+                                                                                                          1.2, 0.6)
+        assert mamba.in_proj_multipliers == (0.9, 1.1, 0.8, 1.25, 1.5)
+        assert (t.multipliers.attention_in, t.multipliers.key, t.multipliers.gate, t.multipliers.down) == (0.7, 1.3,
+                                                                                                          1.2, 0.7)
+        assert [config.kv_elements_per_token(layer) for layer in range(3)] == [2 * 2 * 16] * 3  # KV and a state
+        assert config.paths.c_layer_loop == "attention and Mamba-2 in parallel"
+    if family_dir.name == "falcon_h1-biases":
+        mamba = config.traits.mamba2
+        assert (mamba.gated_norm, mamba.proj_bias, mamba.out_proj_bias, mamba.inner) == (None, True, True, 64)
 
 
 def test_model_info_names_the_family_and_the_layer_loop(family_dir):
@@ -172,8 +187,16 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              # 3 layers x (conv: (2 x 4 x 8 + 8 x 8) channels x 3 inputs + 8 heads x 8 x 8) x 4 bytes
              "qwen3_5_moe": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other "
                             "3 (gated_delta: workers/recurrent.py, 10752 bytes per sequence, in torch ops; 64 "
-                            "prefix-cache snapshots)"}
-    assert info.kv_cache_kind == kinds.get(info.model_type, "keys and values per head")
+                            "prefix-cache snapshots)",
+             # 3 layers x (128 conv channels x 3 inputs + 6 heads x 16 x 8 of SSM state) x 4 bytes
+             "falcon_h1": "keys and values per head in every layer, and beside them a fixed-size state per sequence "
+                          "in 3 of 3 (mamba2: workers/recurrent.py, 13824 bytes per sequence, in torch ops; 64 "
+                          "prefix-cache snapshots)",
+             # 3 layers x (80 conv channels x 3 inputs + 4 heads x 16 x 8) x 4 bytes
+             "falcon_h1-biases": "keys and values per head in every layer, and beside them a fixed-size state per "
+                                 "sequence in 3 of 3 (mamba2: workers/recurrent.py, 9024 bytes per sequence, in torch "
+                                 "ops; 64 prefix-cache snapshots)"}
+    assert info.kv_cache_kind == kinds.get(family_dir.name, kinds.get(info.model_type, "keys and values per head"))
 
 
 def test_longrope_past_the_original_context_uses_long_factor():
