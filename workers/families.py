@@ -102,6 +102,13 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 gate (attention x sigmoid(gate) before o_proj), per-head q/k norms, a quarter of each
                 head rotated by default; every norm x (1 + w) but the Gated DeltaNet's own; qwen2_moe's
                 MoE layers (gated shared expert), renormalised by default; the mtp.* module is skipped
+    qwen3_5_text  Qwen3.5: qwen3_next's layers, but the Gated DeltaNet's input products are four plain
+                tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: GatedDeltaTraits.projections), not
+                grouped by key head; a dense MLP in every layer; RoPE's mrope_section is moot for text (its
+                three position axes are the token's position); the checkpoints are published multimodal
+                (qwen3_5: the vision tower, model.visual.*, and mtp.* are skipped)
+    qwen3_5_moe_text  as qwen3_5_text with a MoE in every layer: softmax, top k, always renormalised, a gated
+                shared expert (no decoder_sparse_step, mlp_only_layers or norm_topk_prob; no intermediate_size)
     falcon_h1   in every layer attention and a Mamba-2 mixer side by side on the same normed input, their
                 outputs summed (FamilyTraits.mixers_beside_attention: a layer keeps keys and values and a
                 state); µP multipliers (embedding, lm_head, attention in / key / out, ssm in / parts / out,
@@ -211,6 +218,7 @@ class ProductMultipliers:
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
 EXPERT_LAYOUTS = ("stacked", "gpt_oss", "in_out")
+GATED_DELTA_PROJECTIONS = ("qkvz_ba", "qkv_z_b_a")
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,10 +400,17 @@ class GatedDeltaTraits:
     head_k_dim: int  # each query and key head's width (linear_key_head_dim)
     head_v_dim: int  # each value head's width (linear_value_head_dim)
     conv_kernel: int  # the causal convolution's width (linear_conv_kernel_dim)
+    # the checkpoint's input products: "qkvz_ba": in_proj_qkvz and in_proj_ba, each grouped by key head (q, k, v, z
+    # of each key head in turn: Qwen3-Next); "qkv_z_b_a": in_proj_qkv (every q head, then k, then v), in_proj_z,
+    # in_proj_b and in_proj_a (Qwen3.5). The same maths: both are fused into one product at load
+    projections: str = "qkvz_ba"
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:
             raise FamilyError(f"{self.num_v_heads} value heads do not share {self.num_k_heads} key heads evenly")
+        if self.projections not in GATED_DELTA_PROJECTIONS:
+            raise FamilyError(f"Gated DeltaNet projections {self.projections!r} are not one of "
+                              f"{GATED_DELTA_PROJECTIONS}")
 
     @property
     def key_dim(self) -> int:
@@ -600,27 +615,60 @@ def _qwen3_next(raw: dict) -> FamilyTraits:
     """Qwen3-Next: Gated DeltaNet layers (linear_attention) between full-attention layers whose q_proj
     also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but the Gated
     DeltaNet's own; qwen2_moe's MoE layers with a gated shared expert, renormalised by default."""
-    if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
-        raise FamilyError(f"qwen3_next with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-    types = qwen3_next_layer_types(raw)
     shared = int(raw.get("shared_expert_intermediate_size", 512))
     moe = _qwen_moe(raw, QWEN3_NEXT_MOE_DEFAULTS, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+    return _gated_delta_family(raw, moe, "qkvz_ba", skipped_prefixes=("mtp.",))
+
+
+def _qwen3_5_text(raw: dict) -> FamilyTraits:
+    """Qwen3.5's dense text model: qwen3_next's layers with the Gated DeltaNet's four input products and
+    a dense MLP of intermediate_size in every layer."""
+    return _gated_delta_family(raw, None, "qkv_z_b_a", skipped_prefixes=QWEN3_5_SKIPPED)
+
+
+def _qwen3_5_moe_text(raw: dict) -> FamilyTraits:
+    """Qwen3.5's MoE text model (transformers' Qwen3_5MoeTextConfig defaults): every layer the top k of the
+    softmax over the experts, renormalised, plus a shared expert gated by sigmoid(x . shared_expert_gate)."""
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 256)))
+    shared = int(raw.get("shared_expert_intermediate_size", 512))
+    width = int(raw.get("moe_intermediate_size", 512))
+    moe = MoeTraits(num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=width,
+                    layers=(True,) * int(raw["num_hidden_layers"]), shared_intermediate_size=shared,
+                    shared_expert_gate=shared > 0)
+    # no layer is dense: the experts' width stands in for the dense MLP's, which config.json need not have
+    return replace(_gated_delta_family(raw, moe, "qkv_z_b_a", skipped_prefixes=QWEN3_5_SKIPPED),
+                   dense_intermediate_size=width)
+
+
+# what a Qwen3.5 checkpoint holds that we do not run: its multi-token-prediction module, and the vision tower of
+# the multimodal checkpoints it is published as (never read)
+QWEN3_5_SKIPPED = ("mtp.", "model.visual.")
+
+
+def _gated_delta_family(raw: dict, moe: MoeTraits | None, projections: str,
+                        skipped_prefixes: tuple[str, ...]) -> FamilyTraits:
+    """Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet layers (linear_attention) between full-attention
+    layers whose q_proj also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but
+    the Gated DeltaNet's own."""
+    if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
+        raise FamilyError(f"{raw['model_type']} with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+    types = qwen3_next_layer_types(raw)
     bias = bool(raw.get("attention_bias", False))
     recurrent = "linear_attention" in types
     gated_delta = GatedDeltaTraits(
         num_k_heads=int(raw.get("linear_num_key_heads", 16)), num_v_heads=int(raw.get("linear_num_value_heads", 32)),
         head_k_dim=int(raw.get("linear_key_head_dim", 128)), head_v_dim=int(raw.get("linear_value_head_dim", 128)),
-        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)), projections=projections,
     ) if recurrent else None
     return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head", norm_weight_offset=1.0,
-                        attention_output_gate=True, moe=moe, skipped_prefixes=("mtp.",),
+                        attention_output_gate=True, moe=moe, skipped_prefixes=skipped_prefixes,
                         mixers=tuple("gated_delta" if kind == "linear_attention" else None for kind in types)
                         if recurrent else None, gated_delta=gated_delta)
 
 
 def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
     """Each layer's kind, "linear_attention" or "full_attention": layer_types, else every
-    full_attention_interval-th layer full (transformers' Qwen3NextConfig, default 4)."""
+    full_attention_interval-th layer full (transformers' Qwen3NextConfig and Qwen3.5's, default 4)."""
     num_layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
     if types is None:
@@ -630,7 +678,7 @@ def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
         types = ["full_attention" if (layer + 1) % interval == 0 else "linear_attention" for layer in range(num_layers)]
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if len(types) != num_layers or unknown:
-        raise FamilyError(f"qwen3_next needs layer_types of linear_attention / full_attention, one per layer "
+        raise FamilyError(f"{raw['model_type']} needs layer_types of linear_attention / full_attention, one per layer "
                           f"({num_layers}); got {types}")
     return tuple(types)
 
@@ -1004,18 +1052,23 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "lfm2": _lfm2,
     "granitemoehybrid": _granitemoehybrid,
     "qwen3_next": _qwen3_next,
+    "qwen3_5_text": _qwen3_5_text,
+    "qwen3_5_moe_text": _qwen3_5_moe_text,
     "falcon_h1": _falcon_h1,
     "kimi_linear": _kimi_linear,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
 # tower's tensors are skipped at load).
-MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text",
+                          "qwen3_5_moe": "qwen3_5_moe_text"}
+# model_types whose config.json has no intermediate_size: every MLP is a mixture of experts
+EXPERTS_ONLY_FAMILIES = frozenset({"qwen3_5_moe_text"})
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # partial_rotary_factor where a family's config has none (and no rotary_dim): transformers' default for it
-PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25}
 # tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
 # differences between experts decide the choice, and bf16 would round them away
 FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)

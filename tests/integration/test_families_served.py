@@ -49,7 +49,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
-RECURRENT_TYPES = ("lfm2", "granitemoehybrid", "qwen3_next")  # families with layers keeping a state per sequence
+GATED_DELTA_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers and gated full attention
+RECURRENT_TYPES = ("lfm2", "granitemoehybrid", *GATED_DELTA_TYPES)  # families with layers keeping a state per sequence
 MLA_RECURRENT_TYPES = ("kimi_linear",)  # families with latent attention layers between layers keeping a state
 PARALLEL_TYPES = ("falcon_h1",)  # families whose layers run a mixer beside attention (both a KV and a state)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
@@ -185,9 +186,9 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
         assert backend["kv_cache_kind"].startswith("keys and values per head in every layer, and beside them")
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
-    # the C loop has no MoE MLP and no attention output gate (qwen3_next has both): the Python loop over our kernels
-    # runs those (recurrent layers it calls back)
-    layer_loop = "python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] == "qwen3_next" else "c"
+    # the C loop has no MoE MLP and no attention output gate (the Gated DeltaNet families have one): the Python loop
+    # over our kernels runs those (recurrent layers it calls back)
+    layer_loop = "python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] in GATED_DELTA_TYPES else "c"
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
     if recurrent:
         assert backend["kv_cache_kind"].startswith("keys and values per head in 1 of 4 layers; a fixed-size state")
