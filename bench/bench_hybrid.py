@@ -4,7 +4,7 @@
 
 Builds two random checkpoints with transformers' own classes (once, under --workdir): the hybrid
 family at its published small model's shapes (lfm2: LFM2-350M, 10 short-convolution layers and 6
-attention layers), and a llama of the same width, depth, heads and MLP, whose every layer attends.
+attention layers; granitemoehybrid: Granite 4.0-H's mix of Mamba-2 and attention layers at that width), and a llama of the same width, depth, heads and MLP, whose every layer attends.
 Then, alternating between the two for --rounds rounds, it reports:
 
 - decode: the median seconds of a decode step of --streams sequences (every row a decode), after
@@ -44,6 +44,13 @@ HYBRID_SHAPES = {
                  layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
                               "full_attention", "conv", "full_attention", "conv", "full_attention", "conv",
                               "full_attention", "conv"]),
+    # Granite 4.0-H's layer mix (an attention layer every tenth, Mamba-2 elsewhere) at LFM2-350M's width
+    "granitemoehybrid": dict(model_type="granitemoehybrid", vocab_size=65536, hidden_size=1024, num_hidden_layers=20,
+                             num_attention_heads=16, num_key_value_heads=4, num_local_experts=0,
+                             shared_intermediate_size=4096, max_position_embeddings=4096,
+                             layer_types=["attention" if layer % 10 == 9 else "mamba" for layer in range(20)],
+                             mamba_n_heads=32, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+                             mamba_expand=2, mamba_chunk_size=256),
 }
 
 

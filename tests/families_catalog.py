@@ -106,6 +106,26 @@ FAMILIES = {
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    # Qwen3.5 as published: the text model inside a multimodal checkpoint (a vision tower beside it and the text
+    # model under model.language_model., skipped and renamed); qwen3_next's layers (Gated DeltaNet layers 0, 1 and
+    # 3, 2 key heads each shared by 2 value heads; gated full attention on layer 2) with the Gated DeltaNet's four
+    # input products (in_proj_qkv, _z, _b, _a) and a dense MLP in every layer; half of each head rotated, with an
+    # interleaved mrope_section that text positions make plain RoPE
+    "qwen3_5": dict(model_type="qwen3_5", num_hidden_layers=4, head_dim=16,
+                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                         mrope_section=[2, 1, 1], mrope_interleaved=True)),
+    # Qwen3.5's MoE, multimodal as published: full attention on layer 1 (a quarter of each head rotated, the
+    # default), Gated DeltaNet layers 0, 2 and 3 (4 key heads each shared by 2 value heads); every layer the top 2 of
+    # 4 experts, renormalised, plus a shared expert of width 48 gated by sigmoid(x . shared_expert_gate). Seed 2: with
+    # seed 0 transformers' own fp32 logprobs stray 2.5e-3 from its fp64 ones at one position (ours 1.4e-4), past the
+    # tests' 1e-3
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", num_hidden_layers=4, head_dim=16,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, seed=2),
     # fused qkv_proj and gate_up_proj, a quarter of each head rotated, longrope past 512 positions
     # (the attention factor scales cos and sin everywhere)
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, original_max_position_embeddings=512,
@@ -117,6 +137,15 @@ FAMILIES = {
                         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, attention_bias=True,
                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
                                              mscale_all_dim=0.7, original_max_position_embeddings=256)),
+    # Kimi Linear: KDA layers 0, 2, 3 (a per-channel decay, a sigmoid output gate) and an MLA layer 1 without RoPE
+    # (q through one q_proj); layer 0 dense (mlp_layer_types), 1 to 3 MoE: the top 3 of 8 experts from the best 2
+    # of 4 groups, x 2.446, and a shared expert; transformers' key names (num_experts, num_expert_group, ...)
+    "kimi_linear": dict(model_type="kimi_linear", num_hidden_layers=4, num_key_value_heads=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, kv_lora_rank=16,
+                        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, num_local_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=32,
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
     # the same with one q_proj (q_lora_rank null), RoPE in halves, no biases, no scaling
     "deepseek_v3-q-proj": dict(model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=3,
                                q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,

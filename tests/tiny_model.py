@@ -45,7 +45,13 @@ MULTIMODAL = {
     "llama4": ("llama4_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
                                    projector_output_dim=32)),
+    "qwen3_5": ("qwen3_5_text", dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                                     out_hidden_size=64, num_position_embeddings=16)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                             patch_size=14, out_hidden_size=64, num_position_embeddings=16)),
 }
+# multimodal model_types whose checkpoint AutoModelForCausalLM would build as the text model alone: built whole
+WHOLE_MULTIMODAL = ("llama4", "qwen3_5", "qwen3_5_moe")
 DEFAULT_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -106,7 +112,7 @@ def build_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, i
                              eos_token_id=EOS_TOKEN_ID, bos_token_id=1, pad_token_id=EOS_TOKEN_ID)
     config = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
-    if model_type == "llama4":  # transformers' causal-LM class for it is the text model alone: the whole one
+    if model_type in WHOLE_MULTIMODAL:  # transformers' causal-LM class for it is the text model alone: the whole one
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.families import (
+    EXPERTS_ONLY_FAMILIES,
     FAMILIES,
     MULTIMODAL_TEXT_MODELS,
     MXFP4_FAMILIES,
@@ -226,12 +227,9 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
         quant_spec = _quantization(raw)
-        missing = [
-            key
-            for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                        "num_attention_heads")
-            if key not in raw
-        ]
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    *(() if model_type in EXPERTS_ONLY_FAMILIES else ("intermediate_size",)))
+        missing = [key for key in required if key not in raw]
         if missing:
             raise ModelConfigError(f"missing keys {missing}")
         hidden_size = int(raw["hidden_size"])
@@ -268,7 +266,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", False))),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", raw.get("model_max_length", 2048))),
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             traits=traits,

@@ -108,12 +108,24 @@ ModelConfig.from_dict reads them; the torch layer loop (workers/model.py), our C
                 gate (attention x sigmoid(gate) before o_proj), per-head q/k norms, a quarter of each
                 head rotated by default; every norm x (1 + w) but the Gated DeltaNet's own; qwen2_moe's
                 MoE layers (gated shared expert), renormalised by default; the mtp.* module is skipped
+    qwen3_5_text  Qwen3.5: qwen3_next's layers, but the Gated DeltaNet's input products are four plain
+                tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: GatedDeltaTraits.projections), not
+                grouped by key head; a dense MLP in every layer; RoPE's mrope_section is moot for text (its
+                three position axes are the token's position); the checkpoints are published multimodal
+                (qwen3_5: the vision tower, model.visual.*, and mtp.* are skipped)
+    qwen3_5_moe_text  as qwen3_5_text with a MoE in every layer: softmax, top k, always renormalised, a gated
+                shared expert (no decoder_sparse_step, mlp_only_layers or norm_topk_prob; no intermediate_size)
     falcon_h1   in every layer attention and a Mamba-2 mixer side by side on the same normed input, their
                 outputs summed (FamilyTraits.mixers_beside_attention: a layer keeps keys and values and a
                 state); µP multipliers (embedding, lm_head, attention in / key / out, ssm in / parts / out,
                 MLP gate / down), all but the first two folded into the weights at load; the mixer's
                 gated RMSNorm only with mamba_rms_norm, before or after the gate (mamba_norm_before_gate);
                 out_proj's bias with projectors_bias; feed_forward, pre_ff_layernorm, final_layernorm
+    kimi_linear Kimi Delta Attention layers (linear_attention, workers/kda.py: the Gated DeltaNet with a
+                decay per key channel, a sigmoid output gate) between deepseek_v3's MLA layers without RoPE
+                (full_attention; layer_types or linear_attn_config's 1-based kda_layers / full_attn_layers);
+                deepseek_v3's MoE on mlp_layer_types' "sparse" layers, under Moonshot's key names
+                (num_experts, num_experts_per_token, num_expert_group, moe_renormalize, num_shared_experts)
 
 transformers' modelling files are the reference for each (tests build tiny random
 checkpoints with transformers' own classes and compare greedy tokens).
@@ -181,13 +193,14 @@ class FamilyTraits:
     # (Qwen3-Next's multi-token-prediction module, "mtp.")
     skipped_prefixes: tuple[str, ...] = ()
     # per layer: the kind of the layer that keeps a fixed-size state per sequence in attention's place
-    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4), "gated_delta" (Qwen3-Next); None:
-    # attention. None: every layer attends
+    # (workers/recurrent.py): "short_conv" (LFM2), "mamba2" (Granite 4), "gated_delta" (Qwen3-Next), "kda"
+    # (Kimi Linear); None: attention. None: every layer attends
     mixers: tuple[str | None, ...] | None = None
     short_conv_width: int = 3  # "short_conv" layers: tokens the convolution spans (LFM2's conv_L_cache)
     short_conv_bias: bool = False  # "short_conv" layers: their in, conv and out products carry biases
     mamba2: Mamba2Traits | None = None  # "mamba2" layers (Granite 4's mamba layers, workers/mamba2.py)
     gated_delta: GatedDeltaTraits | None = None  # "gated_delta" layers' shapes (workers/gated_delta.py)
+    kda: KdaTraits | None = None  # "kda" layers' shapes (workers/kda.py)
     # each layer's mixer runs beside its attention on the same normed input, their outputs summed (Falcon-H1):
     # the layer keeps both its keys and values and its state; False: the mixer runs in attention's place
     mixers_beside_attention: bool = False
@@ -228,6 +241,7 @@ class ProductMultipliers:
 
 ROUTER_SCORINGS = ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
 EXPERT_LAYOUTS = ("stacked", "gpt_oss", "in_out")
+GATED_DELTA_PROJECTIONS = ("qkvz_ba", "qkv_z_b_a")
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +316,7 @@ class MlaTraits:
     q_lora_rank: int | None  # q through q_a_proj, q_a_layernorm, q_b_proj of this rank; None: one q_proj
     rope_interleave: bool = True  # RoPE rotates pairs (x0, x1), (x2, x3), ...: those rows are de-interleaved at load
     norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default, not rms_norm_eps)
+    rope: bool = True  # q's RoPE part and the shared key are rotated; False: used as they are (Kimi Linear's NoPE)
 
     @property
     def qk_head_dim(self) -> int:
@@ -408,10 +423,17 @@ class GatedDeltaTraits:
     head_k_dim: int  # each query and key head's width (linear_key_head_dim)
     head_v_dim: int  # each value head's width (linear_value_head_dim)
     conv_kernel: int  # the causal convolution's width (linear_conv_kernel_dim)
+    # the checkpoint's input products: "qkvz_ba": in_proj_qkvz and in_proj_ba, each grouped by key head (q, k, v, z
+    # of each key head in turn: Qwen3-Next); "qkv_z_b_a": in_proj_qkv (every q head, then k, then v), in_proj_z,
+    # in_proj_b and in_proj_a (Qwen3.5). The same maths: both are fused into one product at load
+    projections: str = "qkvz_ba"
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:
             raise FamilyError(f"{self.num_v_heads} value heads do not share {self.num_k_heads} key heads evenly")
+        if self.projections not in GATED_DELTA_PROJECTIONS:
+            raise FamilyError(f"Gated DeltaNet projections {self.projections!r} are not one of "
+                              f"{GATED_DELTA_PROJECTIONS}")
 
     @property
     def key_dim(self) -> int:
@@ -425,6 +447,22 @@ class GatedDeltaTraits:
     def conv_channels(self) -> int:
         """The convolution's channels: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
+class KdaTraits:
+    """A Kimi Delta Attention mixer (workers/kda.py, Kimi Linear's linear_attention layers): a causal
+    convolution over q, k and v of num_heads heads of head_dim each, then a linear attention whose
+    state per head is a [head_dim, head_dim] matrix, decayed per key channel by the delta rule."""
+
+    num_heads: int  # linear_attn_config's num_heads (transformers: linear_num_heads)
+    head_dim: int  # linear_attn_config's head_dim (linear_head_dim)
+    conv_kernel: int  # linear_attn_config's short_conv_kernel_size (linear_conv_kernel_dim)
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 3 * self.num_heads * self.head_dim
 
 
 def _llama(raw: dict) -> FamilyTraits:
@@ -670,27 +708,60 @@ def _qwen3_next(raw: dict) -> FamilyTraits:
     """Qwen3-Next: Gated DeltaNet layers (linear_attention) between full-attention layers whose q_proj
     also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but the Gated
     DeltaNet's own; qwen2_moe's MoE layers with a gated shared expert, renormalised by default."""
-    if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
-        raise FamilyError(f"qwen3_next with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-    types = qwen3_next_layer_types(raw)
     shared = int(raw.get("shared_expert_intermediate_size", 512))
     moe = _qwen_moe(raw, QWEN3_NEXT_MOE_DEFAULTS, shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+    return _gated_delta_family(raw, moe, "qkvz_ba", skipped_prefixes=("mtp.",))
+
+
+def _qwen3_5_text(raw: dict) -> FamilyTraits:
+    """Qwen3.5's dense text model: qwen3_next's layers with the Gated DeltaNet's four input products and
+    a dense MLP of intermediate_size in every layer."""
+    return _gated_delta_family(raw, None, "qkv_z_b_a", skipped_prefixes=QWEN3_5_SKIPPED)
+
+
+def _qwen3_5_moe_text(raw: dict) -> FamilyTraits:
+    """Qwen3.5's MoE text model (transformers' Qwen3_5MoeTextConfig defaults): every layer the top k of the
+    softmax over the experts, renormalised, plus a shared expert gated by sigmoid(x . shared_expert_gate)."""
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 256)))
+    shared = int(raw.get("shared_expert_intermediate_size", 512))
+    width = int(raw.get("moe_intermediate_size", 512))
+    moe = MoeTraits(num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=width,
+                    layers=(True,) * int(raw["num_hidden_layers"]), shared_intermediate_size=shared,
+                    shared_expert_gate=shared > 0)
+    # no layer is dense: the experts' width stands in for the dense MLP's, which config.json need not have
+    return replace(_gated_delta_family(raw, moe, "qkv_z_b_a", skipped_prefixes=QWEN3_5_SKIPPED),
+                   dense_intermediate_size=width)
+
+
+# what a Qwen3.5 checkpoint holds that we do not run: its multi-token-prediction module, and the vision tower of
+# the multimodal checkpoints it is published as (never read)
+QWEN3_5_SKIPPED = ("mtp.", "model.visual.")
+
+
+def _gated_delta_family(raw: dict, moe: MoeTraits | None, projections: str,
+                        skipped_prefixes: tuple[str, ...]) -> FamilyTraits:
+    """Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet layers (linear_attention) between full-attention
+    layers whose q_proj also gives an output gate, per-head q/k norms, x * (1 + w) norms everywhere but
+    the Gated DeltaNet's own."""
+    if raw.get("hidden_act", "silu") != "silu":  # also the Gated DeltaNet's convolution's activation
+        raise FamilyError(f"{raw['model_type']} with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+    types = qwen3_next_layer_types(raw)
     bias = bool(raw.get("attention_bias", False))
     recurrent = "linear_attention" in types
     gated_delta = GatedDeltaTraits(
         num_k_heads=int(raw.get("linear_num_key_heads", 16)), num_v_heads=int(raw.get("linear_num_value_heads", 32)),
         head_k_dim=int(raw.get("linear_key_head_dim", 128)), head_v_dim=int(raw.get("linear_value_head_dim", 128)),
-        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)), projections=projections,
     ) if recurrent else None
     return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm="head", norm_weight_offset=1.0,
-                        attention_output_gate=True, moe=moe, skipped_prefixes=("mtp.",),
+                        attention_output_gate=True, moe=moe, skipped_prefixes=skipped_prefixes,
                         mixers=tuple("gated_delta" if kind == "linear_attention" else None for kind in types)
                         if recurrent else None, gated_delta=gated_delta)
 
 
 def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
     """Each layer's kind, "linear_attention" or "full_attention": layer_types, else every
-    full_attention_interval-th layer full (transformers' Qwen3NextConfig, default 4)."""
+    full_attention_interval-th layer full (transformers' Qwen3NextConfig and Qwen3.5's, default 4)."""
     num_layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
     if types is None:
@@ -700,7 +771,7 @@ def qwen3_next_layer_types(raw: dict) -> tuple[str, ...]:
         types = ["full_attention" if (layer + 1) % interval == 0 else "linear_attention" for layer in range(num_layers)]
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if len(types) != num_layers or unknown:
-        raise FamilyError(f"qwen3_next needs layer_types of linear_attention / full_attention, one per layer "
+        raise FamilyError(f"{raw['model_type']} needs layer_types of linear_attention / full_attention, one per layer "
                           f"({num_layers}); got {types}")
     return tuple(types)
 
@@ -861,6 +932,80 @@ def _deepseek_v3(raw: dict) -> FamilyTraits:
                         num_extra_layers=_num_mtp_layers(raw))
 
 
+# transformers' KimiLinearConfig writes (and Moonshot's config.json has) these keys for deepseek_v3's
+KIMI_LINEAR_KEYS = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+                    "num_experts_per_token": "num_experts_per_tok", "num_expert_group": "n_group",
+                    "moe_renormalize": "norm_topk_prob", "num_shared_experts": "n_shared_experts"}
+KIMI_LINEAR_MOE_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+                                n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+                                first_k_dense_replace=1, norm_topk_prob=True)
+
+
+def _kimi_linear(raw: dict) -> FamilyTraits:
+    """Kimi Linear: KDA layers (linear_attention, workers/kda.py) between MLA layers without RoPE
+    (full_attention), deepseek_v3's MoE on the "sparse" layers of mlp_layer_types (else the first
+    first_k_dense_replace layers dense)."""
+    if raw.get("hidden_act", "silu") != "silu":  # also the KDA convolution's activation
+        raise FamilyError(f"kimi_linear with hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+    if raw.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise FamilyError(f"kimi_linear with moe_router_activation_func {raw['moe_router_activation_func']!r} "
+                          "is not supported (sigmoid only)")
+    if raw.get("mla_use_nope") is False:
+        raise FamilyError("kimi_linear with mla_use_nope false (RoPE in the MLA layers) is not supported")
+    moe_raw = dict(raw)
+    for theirs, ours in KIMI_LINEAR_KEYS.items():
+        if raw.get(theirs) is not None and raw.get(ours) is None:
+            moe_raw[ours] = raw[theirs]
+    moe_raw.pop("num_local_experts", None)
+    moe = _grouped_sigmoid_moe(moe_raw, KIMI_LINEAR_MOE_DEFAULTS)
+    if moe is not None:  # Moonshot's per-expert tensors: block_sparse_moe.experts.E.w1 / w3 / w2 (renamed mlp)
+        moe = replace(moe, expert_projections=("w1", "w3", "w2"))
+    num_layers, mlp_types = int(raw["num_hidden_layers"]), raw.get("mlp_layer_types")
+    if moe is not None and mlp_types is not None:
+        if len(mlp_types) != num_layers or set(mlp_types) - {"dense", "sparse"}:
+            raise FamilyError(f"kimi_linear needs mlp_layer_types of dense / sparse, one per layer; got {mlp_types}")
+        layers = tuple(kind == "sparse" for kind in mlp_types)
+        moe = replace(moe, layers=layers) if any(layers) else None
+    linear = raw.get("linear_attn_config") or {}
+    kda = KdaTraits(num_heads=int(linear.get("num_heads", raw.get("linear_num_heads", 32))),
+                    head_dim=int(linear.get("head_dim", raw.get("linear_head_dim", 128))),
+                    conv_kernel=int(linear.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4))))
+    q_lora_rank = raw.get("q_lora_rank")
+    mla = MlaTraits(
+        kv_lora_rank=int(raw.get("kv_lora_rank", 512)), qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim") or 128),
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank), rope_interleave=False, rope=False,
+    )
+    types = kimi_linear_layer_types(raw)
+    bias = bool(raw.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, attention_scale=mla.qk_head_dim**-0.5, mla=mla, moe=moe,
+                        mixers=tuple("kda" if kind == "linear_attention" else None for kind in types)
+                        if "linear_attention" in types else None, kda=kda, num_extra_layers=0,
+                        tensor_names=((".block_sparse_moe.", ".mlp."),))
+
+
+def kimi_linear_layer_types(raw: dict) -> tuple[str, ...]:
+    """Each layer's kind, "linear_attention" (KDA) or "full_attention" (MLA): layer_types, else
+    linear_attn_config's 1-based kda_layers and full_attn_layers (Moonshot's config.json), else
+    transformers' default (every fourth layer from layer 4, 0-based, full)."""
+    num_layers = int(raw["num_hidden_layers"])
+    types, linear = raw.get("layer_types"), raw.get("linear_attn_config") or {}
+    if types is None and "kda_layers" in linear and "full_attn_layers" in linear:
+        types = [None] * num_layers
+        for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
+            for layer in linear[key]:
+                if not 1 <= int(layer) <= num_layers:
+                    raise FamilyError(f"kimi_linear's linear_attn_config {key} names layer {layer} of {num_layers}")
+                types[int(layer) - 1] = kind
+    if types is None:
+        types = ["full_attention" if layer and layer % 4 == 0 else "linear_attention" for layer in range(num_layers)]
+    unknown = sorted(set(map(str, types)) - {"linear_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise FamilyError(f"kimi_linear needs layer_types of linear_attention / full_attention, one per layer "
+                          f"({num_layers}); got {types}")
+    return tuple(types)
+
+
 def _num_mtp_layers(raw: dict) -> int:
     """Multi-token-prediction layers a checkpoint holds after its last layer (transformers' default 1)."""
     return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1)))
@@ -1001,17 +1146,23 @@ FAMILIES: dict[str, Callable[[dict], FamilyTraits]] = {
     "lfm2": _lfm2,
     "granitemoehybrid": _granitemoehybrid,
     "qwen3_next": _qwen3_next,
+    "qwen3_5_text": _qwen3_5_text,
+    "qwen3_5_moe_text": _qwen3_5_moe_text,
     "falcon_h1": _falcon_h1,
+    "kimi_linear": _kimi_linear,
 }
 
 # Multimodal model_types whose text model we serve -> that text model's model_type (the vision
 # tower's tensors are skipped at load).
-MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text"}
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text",
+                          "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# model_types whose config.json has no intermediate_size: every MLP is a mixture of experts
+EXPERTS_ONLY_FAMILIES = frozenset({"qwen3_5_moe_text"})
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *MULTIMODAL_TEXT_MODELS)
 # RoPE scaling names a family's older configs use for one of ours (transformers renames them the same way)
 ROPE_TYPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # partial_rotary_factor where a family's config has none (and no rotary_dim): transformers' default for it
-PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25}
 # tensors read in fp32 whatever the model's dtype, as transformers keeps them: a correction bias's small
 # differences between experts decide the choice, and bf16 would round them away
 FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)

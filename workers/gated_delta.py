@@ -1,4 +1,4 @@
-"""The Gated DeltaNet mixer of Qwen3-Next's linear_attention layers, over a fixed-size state per sequence.
+"""The Gated DeltaNet mixer of Qwen3-Next's and Qwen3.5's linear_attention layers, over a fixed-size state per sequence.
 
 Per layer, with x the normed hidden states [n, hidden] of one sequence (GatedDeltaTraits:
 workers/families.py; Hk key heads, Hv value heads, each key head shared by Hv / Hk value heads):
@@ -23,9 +23,11 @@ DeltaNet), and only the chunks run in order. A step's one-token sequences run to
 one recurrent update (delta_rule_step_). A sequence cut anywhere into pieces gives the same
 outputs (to rounding): the padding of a last partial chunk neither decays nor writes the state.
 
-At load the checkpoint's projections are reordered and fused into one product: transformers
-stores in_proj_qkvz grouped by key head ([q, k, v, z] of each key head in turn) and in_proj_ba
-the same way; ours is [q of every head, k, v, z, b, a], so the split above is plain slicing.
+At load the checkpoint's projections are reordered and fused into one product, ours being [q of
+every head, k, v, z, b, a], so that the split above is plain slicing. Qwen3-Next stores
+in_proj_qkvz grouped by key head ([q, k, v, z] of each key head in turn) and in_proj_ba the same
+way; Qwen3.5 stores in_proj_qkv (every q head, then k, then v: ours already), in_proj_z, in_proj_b
+and in_proj_a (GatedDeltaTraits.projections). The maths after the product is the same.
 """
 
 from __future__ import annotations
@@ -56,10 +58,9 @@ class GatedDeltaWeights:
 
 def read_gated_delta_weights(reader, prefix: str, traits: GatedDeltaTraits, hidden: int) -> GatedDeltaWeights:
     """The layer's tensors from the checkpoint (reader: model.py's _WeightReader; prefix:
-    'model.layers.N.linear_attn.'), as transformers' Qwen3NextGatedDeltaNet names them."""
+    'model.layers.N.linear_attn.'), as transformers' Qwen3NextGatedDeltaNet or Qwen3_5GatedDeltaNet
+    names them (traits.projections)."""
     t = traits
-    per_group = t.num_v_heads // t.num_k_heads  # value heads per key head
-    group_rows = 2 * t.head_k_dim + 2 * per_group * t.head_v_dim
 
     def plain(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = reader.take(prefix + name, shape)
@@ -67,11 +68,13 @@ def read_gated_delta_weights(reader, prefix: str, traits: GatedDeltaTraits, hidd
             raise reader.error(f"{prefix + name} is a {tensor.label} weight; the Gated DeltaNet takes plain weights")
         return tensor
 
-    qkvz = plain("in_proj_qkvz.weight", (t.num_k_heads * group_rows, hidden)).view(t.num_k_heads, group_rows, hidden)
-    ba = plain("in_proj_ba.weight", (2 * t.num_v_heads, hidden)).view(t.num_k_heads, 2 * per_group, hidden)
-    q, k, v, z = qkvz.split([t.head_k_dim, t.head_k_dim, per_group * t.head_v_dim, per_group * t.head_v_dim], dim=1)
-    b, a = ba.split([per_group, per_group], dim=1)
-    in_proj = torch.cat([part.reshape(-1, hidden) for part in (q, k, v, z, b, a)], dim=0)
+    if t.projections == "qkv_z_b_a":  # Qwen3.5: already in our order, one tensor after another
+        in_proj = torch.cat([plain("in_proj_qkv.weight", (t.conv_channels, hidden)),
+                             plain("in_proj_z.weight", (t.value_dim, hidden)),
+                             plain("in_proj_b.weight", (t.num_v_heads, hidden)),
+                             plain("in_proj_a.weight", (t.num_v_heads, hidden))], dim=0)
+    else:
+        in_proj = _ungrouped_in_proj(plain, t, hidden)
     conv = plain("conv1d.weight", (t.conv_channels, 1, t.conv_kernel))
     return GatedDeltaWeights(
         in_proj=reader.pack(in_proj.contiguous()),
@@ -81,6 +84,17 @@ def read_gated_delta_weights(reader, prefix: str, traits: GatedDeltaTraits, hidd
         norm=plain("norm.weight", (t.head_v_dim,)),
         out=reader.pack(plain("out_proj.weight", (hidden, t.value_dim))),
     )
+
+
+def _ungrouped_in_proj(plain, t: GatedDeltaTraits, hidden: int) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped by key head, as our rows q, k, v, z, b, a."""
+    per_group = t.num_v_heads // t.num_k_heads  # value heads per key head
+    group_rows = 2 * t.head_k_dim + 2 * per_group * t.head_v_dim
+    qkvz = plain("in_proj_qkvz.weight", (t.num_k_heads * group_rows, hidden)).view(t.num_k_heads, group_rows, hidden)
+    ba = plain("in_proj_ba.weight", (2 * t.num_v_heads, hidden)).view(t.num_k_heads, 2 * per_group, hidden)
+    q, k, v, z = qkvz.split([t.head_k_dim, t.head_k_dim, per_group * t.head_v_dim, per_group * t.head_v_dim], dim=1)
+    b, a = ba.split([per_group, per_group], dim=1)
+    return torch.cat([part.reshape(-1, hidden) for part in (q, k, v, z, b, a)], dim=0)
 
 
 class GatedDeltaMixer:

@@ -185,9 +185,12 @@ def mla_attention(model, weights: MlaWeights, x: torch.Tensor, positions: torch.
     q = q.view(num_tokens, num_heads, t.qk_head_dim)
     compressed = linear(x, weights.kv_a, weights.kv_a_bias)  # [T, rank + rope]
     latent = F.rms_norm(compressed[:, :t.kv_lora_rank], (t.kv_lora_rank,), weights.kv_a_norm, eps)
-    cos, sin = model.rope.cos_sin(positions)
-    q_rope = apply_rotary(q[..., t.qk_nope_head_dim:], cos, sin)
-    k_rope = apply_rotary(compressed[:, None, t.kv_lora_rank:], cos, sin)[:, 0]
+    if t.rope:
+        cos, sin = model.rope.cos_sin(positions)
+        q_rope = apply_rotary(q[..., t.qk_nope_head_dim:], cos, sin)
+        k_rope = apply_rotary(compressed[:, None, t.kv_lora_rank:], cos, sin)[:, 0]
+    else:  # NoPE (Kimi Linear): the "RoPE" parts are plain parts of q and of the shared key
+        q_rope, k_rope = q[..., t.qk_nope_head_dim:], compressed[:, t.kv_lora_rank:]
     pool = kv_cache[0]
     step.write(torch.cat([latent, k_rope], dim=-1), pool)
     out = torch.empty(num_tokens, num_heads, t.v_head_dim, dtype=x.dtype, device=x.device)

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from workers.config import ModelConfig, RopeScaling
 from workers.families import FP32_TENSOR_SUFFIXES
 from workers.gated_delta import DecodeScratch, GatedDeltaMixer, read_gated_delta_weights
+from workers.kda import KdaMixer, read_kda_weights
 from workers.gguf_weight import GgufWeight
 from workers.kernels import bind_attention
 from workers.kernels.cpu_isa import cpu_plan, using_plan
@@ -475,7 +476,7 @@ class _WeightReader:
         self.dtype = next((t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)
                            and t.is_floating_point() and not name.endswith(FP32_TENSOR_SUFFIXES)), torch.float32)
         self.dequantized: list[str] = []  # fused products whose GGUF parts differ in type (dequantized)
-        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet layers' gathered states, one buffer for all
+        self.decode_scratch = DecodeScratch()  # the Gated DeltaNet and KDA layers' gathered states, one buffer
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GgufWeight:
         if name not in self.tensors:
@@ -620,10 +621,10 @@ class _WeightReader:
                                       if c.traits.qk_norm == "projection" else (head_dim, head_dim))
         moe = read_moe_weights(self, index, c.traits.moe, c.hidden_size) if c.is_moe_layer(index) else None
         dense = moe is None
-        if c.traits.mla is not None:
-            return self.mla_layer(index, moe)
         if not c.has_attention(index):
             return self.mixer_layer(index, moe)
+        if c.traits.mla is not None:
+            return self.mla_layer(index, moe)
         if c.traits.multipliers is not None:
             self.fold_multipliers(attn, mlp)
         gate, gate_bias = self.split_output_gate(attn + "q_proj") if c.traits.attention_output_gate else (None, None)
@@ -724,6 +725,9 @@ class _WeightReader:
         if kind == "gated_delta":
             weights = read_gated_delta_weights(self, prefix + "linear_attn.", c.traits.gated_delta, c.hidden_size)
             return GatedDeltaMixer(weights, c.traits.gated_delta, c.rms_norm_eps, self.decode_scratch)
+        if kind == "kda":
+            weights = read_kda_weights(self, prefix + "self_attn.", c.traits.kda, c.hidden_size)
+            return KdaMixer(weights, c.traits.kda, c.rms_norm_eps, self.decode_scratch)
         raise WeightError(f"layer {index}: no mixer of kind {kind!r}")
 
     def take_gate_up(self, mlp: str, width: int) -> torch.Tensor | LinearWeight:

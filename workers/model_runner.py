@@ -392,7 +392,8 @@ class ModelRunner:
                         f"{num_recurrent} of {c.num_layers} ({', '.join(kinds)}: workers/recurrent.py, "
                         f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
                         f"{self.states.num_snapshots} prefix-cache snapshots)")
-            return (f"{PER_HEAD_KV} in {c.num_layers - num_recurrent} of {c.num_layers} layers; a fixed-size state "
+            kv = PER_HEAD_KV if mla is None else f"an MLA latent of {mla.kv_lora_rank} + {mla.qk_rope_head_dim} values"
+            return (f"{kv} in {c.num_layers - num_recurrent} of {c.num_layers} layers; a fixed-size state "
                     f"per sequence in the other {num_recurrent} ({', '.join(kinds)}: workers/recurrent.py, "
                     f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
                     f"{self.states.num_snapshots} prefix-cache snapshots)")
@@ -431,21 +432,19 @@ class ModelRunner:
         """One pool per layer in the attention backend's layout. Zeroed: masked-out slots may
         still be multiplied by 0 in attention, and 0 * NaN is NaN."""
         c = self.model_config
-        if self.states is not None:  # recurrent layers hold their state pools instead, or beside their KV
-            kv = [self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.num_kv_heads,
-                                                         c.head_dim, dtype, self.device) if c.has_attention(layer)
-                  else None for layer in range(c.num_layers)]
-            return self._with_states(kv)
-        if c.traits.mla is not None:  # one latent and one RoPE key per token (workers/mla.py)
-            return [allocate_latent_cache(self.num_blocks, self.block_size, c.traits.mla, dtype, self.device)
-                    for _ in range(c.num_layers)]
-        pools: list[KVCache] = []
-        for layer in range(c.num_layers):
-            source = c.kv_source(layer)  # a layer sharing K/V reads its source's pool: the same tensors
-            pools.append(pools[source] if source is not None else self.model.attention.allocate_kv_cache(
-                self.num_blocks, self.block_size, c.layer_num_kv_heads(layer), c.layer_head_dim(layer), dtype,
-                self.device))
-        return pools
+
+        def pool(layer: int) -> KVCache:
+            if c.traits.mla is not None:  # one latent and one RoPE key per token (workers/mla.py)
+                return allocate_latent_cache(self.num_blocks, self.block_size, c.traits.mla, dtype, self.device)
+            return self.model.attention.allocate_kv_cache(self.num_blocks, self.block_size, c.layer_num_kv_heads(layer),
+                                                          c.layer_head_dim(layer), dtype, self.device)
+
+        kv: list[KVCache | None] = []
+        for layer in range(c.num_layers):  # a layer sharing K/V (Gemma 4) holds its source's pool: the same tensors
+            source = c.kv_source(layer)
+            kv.append(kv[source] if source is not None else pool(layer) if c.has_attention(layer) else None)
+        # recurrent layers hold their state pools instead (Kimi Linear's KDA between MLA layers), or beside their KV
+        return kv if self.states is None else self._with_states(kv)
 
     def _allocate_states(self) -> StateRows | None:
         """The recurrent layers' state pools (workers/recurrent.py); None when the model has none."""

@@ -1,6 +1,6 @@
 """Layers that keep a fixed-size state per sequence instead of keys and values per token.
 
-A short convolution (LFM2), a Gated DeltaNet (Qwen3-Next) or a Mamba-2 mixer (Granite 4)
+A short convolution (LFM2), a Gated DeltaNet (Qwen3-Next, Kimi Linear's KDA) or a Mamba-2 mixer (Granite 4)
 reads a sequence's tokens in order and folds each into a state: the last L - 1 inputs of a
 causal convolution, a matrix per head of a linear attention or a state-space model. The
 state's size does not grow with the tokens, so these layers add nothing to the paged KV pool.

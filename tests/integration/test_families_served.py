@@ -42,12 +42,16 @@ from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig
 
-pytestmark = pytest.mark.slow
+# The module fixture starts every family's app (about 40 s per wave of WAVE_SIZE on 2 cores) inside the first
+# test's timeout: the whole catalog needs more than the suite's 600 s per test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 27)
 MLA_TYPES = ("deepseek_v3",)  # families with latent attention
-RECURRENT_TYPES = ("lfm2", "granitemoehybrid", "qwen3_next")  # families with layers keeping a state per sequence
+GATED_DELTA_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers and gated full attention
+RECURRENT_TYPES = ("lfm2", "granitemoehybrid", *GATED_DELTA_TYPES)  # families with layers keeping a state per sequence
+MLA_RECURRENT_TYPES = ("kimi_linear",)  # families with latent attention layers between layers keeping a state
 SHARED_KV_TYPES = ("gemma4", "gemma4_text")  # families whose last layers read earlier layers' K/V (the Python loop)
 PARALLEL_TYPES = ("falcon_h1",)  # families whose layers run a mixer beside attention (both a KV and a state)
 LOGPROB_TOLERANCE = 1e-3  # served logprobs against log_softmax of transformers' logits
@@ -173,15 +177,20 @@ def test_models_report_the_family_and_the_layer_loop(served, family) -> None:
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
         assert backend["kv_cache_kind"].startswith("MLA latent") and "torch path" in backend["kv_cache_kind"]
         return
+    if SERVED_FAMILIES[family]["model_type"] in MLA_RECURRENT_TYPES:  # the same, a state in the other layers
+        assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "torch")
+        kind = backend["kv_cache_kind"]
+        assert kind.startswith("an MLA latent of 16 + 8 values in 1 of 4 layers; a fixed-size state"), kind
+        return
     if SERVED_FAMILIES[family]["model_type"] in PARALLEL_TYPES:  # the C loop refuses these: the Python loop
         assert (backend["layer_loop"], backend["attention_backend"]) == ("python", "cpu")
         assert backend["kv_cache_kind"].startswith("keys and values per head in every layer, and beside them")
         return
     recurrent = SERVED_FAMILIES[family]["model_type"] in RECURRENT_TYPES
     shared_kv = SERVED_FAMILIES[family]["model_type"] in SHARED_KV_TYPES
-    # the C loop has no MoE MLP, no attention output gate (qwen3_next has both) and none of Gemma 4's parts: the
-    # Python loop over our kernels runs those (recurrent layers it calls back)
-    layer_loop = ("python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] == "qwen3_next"
+    # the C loop has no MoE MLP, no attention output gate (the Gated DeltaNet families have one) and none of Gemma 4's
+    # parts: the Python loop over our kernels runs those (recurrent layers it calls back)
+    layer_loop = ("python" if family in SERVED_MOE or SERVED_FAMILIES[family]["model_type"] in GATED_DELTA_TYPES
                   or shared_kv else "c")
     assert (backend["layer_loop"], backend["attention_backend"], backend["dtype"]) == (layer_loop, "cpu", "float32")
     if recurrent:

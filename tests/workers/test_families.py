@@ -78,7 +78,8 @@ def test_traits_read_from_the_config(family_dir):
     assert (config.text_model_of or config.model_type) == traits["model_type"]
     assert config.traits.qk_norm == {"qwen3": "head", "olmo2": "projection", "olmo3": "projection",
                                      "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
-                                     "lfm2": "head", "qwen3_next": "head"}.get(config.model_type)
+                                     "lfm2": "head", "qwen3_next": "head", "qwen3_5_text": "head",
+                                     "qwen3_5_moe_text": "head"}.get(config.model_type)
     assert config.traits.norms == {"olmo2": "post", "olmo3": "post", "exaone4": "post", "gemma2": "sandwich",
                                    "gemma3_text": "sandwich", "gemma4_text": "sandwich"}.get(config.model_type, "pre")
     if config.model_type in ("gemma2", "gemma3_text"):
@@ -131,6 +132,19 @@ def test_traits_read_from_the_config(family_dir):
         assert config.traits.attention_output_gate and config.traits.norm_weight_offset == 1.0
         assert config.rotary_dim == 4 and config.traits.moe.layers == (False, True, True, True)
         assert config.paths.c_layer_loop == "mixture-of-experts layers, an attention output gate"
+    if config.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # multimodal checkpoints, the text model served
+        assert config.text_model_of == family_dir.name and config.traits.gated_delta.projections == "qkv_z_b_a"
+        assert config.traits.attention_output_gate and config.traits.norm_weight_offset == 1.0
+        assert config.traits.skipped_prefixes == ("mtp.", "model.visual.")
+    if config.model_type == "qwen3_5_text":
+        assert config.traits.mixers == ("gated_delta", "gated_delta", None, "gated_delta") and config.traits.moe is None
+        assert config.rotary_dim == 8 and config.intermediate_size == 128  # half of each head, mrope_section moot
+        assert config.paths.c_layer_loop == "an attention output gate"
+    if config.model_type == "qwen3_5_moe_text":
+        moe = config.traits.moe
+        assert config.traits.mixers == ("gated_delta", None, "gated_delta", "gated_delta") and config.rotary_dim == 4
+        assert (moe.layers, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == ((True,) * 4, 2, True, 48)
+        assert config.paths.c_layer_loop == "mixture-of-experts layers, an attention output gate"
     if config.model_type == "smollm3":
         assert config.traits.rope_layers == (True, False, True, False)
     if config.model_type in ("granite", "granitemoehybrid"):
@@ -177,6 +191,17 @@ def test_model_info_names_the_family_and_the_layer_loop(family_dir):
              "qwen3_next": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
                            "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "
                            "snapshots)",
+             # 3 layers x ((3 x 2 x 16) conv channels x 3 inputs + 2 heads x 16 x 16) x 4 bytes
+             "kimi_linear": "an MLA latent of 16 + 8 values in 1 of 4 layers; a fixed-size state per sequence in the "
+                            "other 3 (kda: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 "
+                            "prefix-cache snapshots)",
+             "qwen3_5": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other 3 "
+                        "(gated_delta: workers/recurrent.py, 9600 bytes per sequence, in torch ops; 64 prefix-cache "
+                        "snapshots)",
+             # 3 layers x (conv: (2 x 4 x 8 + 8 x 8) channels x 3 inputs + 8 heads x 8 x 8) x 4 bytes
+             "qwen3_5_moe": "keys and values per head in 1 of 4 layers; a fixed-size state per sequence in the other "
+                            "3 (gated_delta: workers/recurrent.py, 10752 bytes per sequence, in torch ops; 64 "
+                            "prefix-cache snapshots)",
              # 3 layers x (128 conv channels x 3 inputs + 6 heads x 16 x 8 of SSM state) x 4 bytes
              "falcon_h1": "keys and values per head in every layer, and beside them a fixed-size state per sequence "
                           "in 3 of 3 (mamba2: workers/recurrent.py, 13824 bytes per sequence, in torch ops; 64 "
