@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from hf_oracle import NEAR_TIE_EPSILON, HfGreedy, HfOracle, assert_greedy_matches, prompts_of_lengths  # noqa: F401
 
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
 from scheduler.sampling_params import SamplingParams
 from workers.model_runner import ModelRunner, RunnerConfig
 from workers.simple_driver import SimpleDriver
@@ -58,3 +60,36 @@ def run_with_logprobs(runner, prompts, params_list) -> list:
     for index, (prompt, params) in enumerate(zip(prompts, params_list)):
         driver.add_request(f"r{index}", prompt, params)
     return list(driver.run().values())
+
+
+def engine_of(runner: ModelRunner, **overrides) -> Engine:
+    """The real scheduler over the runner, as its ModelInfo describes it (recurrent states included), with
+    a small step budget so that prompts are chunked."""
+    info = runner.model_info
+    settings = dict(max_num_batched_tokens=16, max_num_seqs=16, block_size=info.block_size,
+                    num_blocks=info.num_blocks, max_model_len=256, recurrent_state=info.has_recurrent_state,
+                    num_state_snapshots=info.num_state_snapshots)
+    return Engine(SchedulerConfig(**dict(settings, **overrides)), runner, eos_token_ids=info.eos_token_ids)
+
+
+def assert_hits_forks_and_preemption_answer_as_transformers(runner: ModelRunner, oracle: HfOracle) -> None:
+    """Through the real scheduler, every answer transformers' greedy tokens: a 30-token prompt sent twice
+    and then extended, both times a prefix hit of 28 tokens (7 blocks of 4; a recurrent model restores
+    its states' snapshot there); an n=3 fork; three prompts in a pool too small for them (preemption).
+    The runner: blocks of 4, 400 blocks."""
+    prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
+    engine = engine_of(runner)
+    assert engine.generate([prefix], greedy(8))[0].num_cached_tokens == 0
+    for prompt in (prefix, prefix + tail):
+        hit = engine.generate([prompt], greedy(8))[0]
+        assert hit.num_cached_tokens == 28
+        assert_greedy_matches(hit.sequences[0].token_ids, oracle.greedy(prompt, 8))
+    forked = engine_of(runner).generate([others[0]], greedy(8, n=3))[0].sequences
+    assert len(forked) == 3
+    for sequence in forked:
+        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
+    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
+    tight = small.generate(others, greedy(16))
+    assert small.stats.num_preemptions > 0
+    for prompt, result in zip(others, tight):
+        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, assert_greedy_matches, greedy, make_runner, prompts_of_lengths, run_requests
-from test_recurrent import engine_of
+from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, greedy, make_runner, prompts_of_lengths, run_requests
 from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig, ModelConfigError
@@ -90,26 +89,9 @@ def test_prefix_hits_forks_and_preemption_continue_the_states(model_dir):
     """Snapshots at block ends (every 4 tokens) cut the Mamba-2 scan inside its chunks of 8; the prefix's
     KV blocks and its state snapshot are restored together."""
     runner = make_runner(model_dir, num_blocks=400, state_snapshots=4, max_num_seqs=2)
-    oracle = HfOracle(model_dir)
-    prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
-    engine = engine_of(runner)
-    assert engine.generate([prefix], greedy(8))[0].num_cached_tokens == 0
-    again = engine.generate([prefix], greedy(8))[0]
-    assert again.num_cached_tokens == 28  # its snapshot after 7 blocks of 4: 3.5 chunks of the scan
-    assert_greedy_matches(again.sequences[0].token_ids, oracle.greedy(prefix, 8))
-    longer = engine.generate([prefix + tail], greedy(8))[0]
-    assert longer.num_cached_tokens == 28
-    assert_greedy_matches(longer.sequences[0].token_ids, oracle.greedy(prefix + tail, 8))
-    forked = engine_of(runner).generate([others[0]], greedy(8, n=3))[0]  # 3 rows of 2 planned: the pools grow
-    for sequence in forked.sequences:
-        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
-    assert runner.states.num_grows > 0  # the layer caches were rebuilt around the grown pools, KV kept
+    assert_hits_forks_and_preemption_answer_as_transformers(runner, HfOracle(model_dir))
+    assert runner.states.num_grows > 0  # 3 fork rows of 2 planned: the layer caches rebuilt around the grown pools
     assert all(cache.states is runner.states.pools[layer] for layer, cache in enumerate(runner.kv_caches))
-    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
-    tight = small.generate(others, greedy(16))
-    assert small.stats.num_preemptions > 0
-    for prompt, result in zip(others, tight):
-        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
 
 
 def _outputs_differ_from_transformers(model_dir) -> bool:

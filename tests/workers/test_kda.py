@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
-from test_recurrent import engine_of
+from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, engine_of, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
 from tiny_model import build_tiny_model_dir
 from transformers import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
@@ -192,20 +191,7 @@ def test_prefix_hits_forks_and_preemption_continue_the_kda_states(kimi_linear_di
     """A prefix hit restores the KDA states from a snapshot (and the MLA layer's latents from the cached
     blocks); n=3 forks copy them; preemption recomputes them: transformers' tokens every time."""
     runner = make_runner(kimi_linear_dir, num_blocks=400, state_snapshots=4)
-    oracle = HfOracle(kimi_linear_dir)
-    prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
-    engine = engine_of(runner)
-    assert engine.generate([prefix], greedy(8))[0].num_cached_tokens == 0
-    again = engine.generate([prefix + tail], greedy(8))[0]  # the snapshot after 7 blocks of 4
-    assert again.num_cached_tokens == 28
-    assert_greedy_matches(again.sequences[0].token_ids, oracle.greedy(prefix + tail, 8))
-    for sequence in engine_of(runner).generate([others[0]], greedy(8, n=3))[0].sequences:
-        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
-    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
-    tight = small.generate(others, greedy(16))
-    assert small.stats.num_preemptions > 0
-    for prompt, result in zip(others, tight):
-        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
+    assert_hits_forks_and_preemption_answer_as_transformers(runner, HfOracle(kimi_linear_dir))
 
 
 # Kimi-Linear-48B-A3B's config.json as Moonshot writes it (the keys read here): its layer kinds in

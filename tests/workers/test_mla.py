@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import (HfOracle, assert_greedy_matches, greedy, make_runner, prompts_of_lengths, run_requests)
+from runner_helpers import (HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, greedy, make_runner,
+                            prompts_of_lengths, run_requests)
 from tiny_model import build_tiny_model_dir
 
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
 from workers import mla
-from workers.config import ModelConfig, ModelConfigError
+from workers.config import ModelConfig
 from workers.model_runner import kv_bytes_per_token, num_blocks_for_memory
 
 CHECKPOINTS = ("deepseek_v3", "deepseek_v3-q-proj")
@@ -109,30 +108,8 @@ def test_a_step_splits_decodes_from_prompt_rows():
     assert step.blocks.tolist() == [0, 3] and step.compact_tables.tolist() == [[1, 0]]
 
 
-def engine_of(runner, **overrides) -> Engine:
-    info = runner.model_info
-    settings = dict(max_num_batched_tokens=16, max_num_seqs=16, block_size=info.block_size,
-                    num_blocks=info.num_blocks, max_model_len=256)
-    return Engine(SchedulerConfig(**dict(settings, **overrides)), runner, eos_token_ids=info.eos_token_ids)
-
-
 def test_prefix_hits_forks_and_preemption_over_latent_blocks(model_dir):
-    runner = make_runner(model_dir, num_blocks=400)
-    oracle = HfOracle(model_dir)
-    prefix, a_tail, b_tail, *others = prompts_of_lengths([30, 3, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
-    engine = engine_of(runner)
-    engine.generate([prefix + a_tail], greedy(8))
-    hit = engine.generate([prefix + b_tail], greedy(8))[0]
-    assert hit.num_cached_tokens == 28  # 7 full blocks of 4
-    assert_greedy_matches(hit.sequences[0].token_ids, oracle.greedy(prefix + b_tail, 8))
-    forked = engine_of(runner).generate([others[0]], greedy(8, n=3))[0]
-    for sequence in forked.sequences:
-        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
-    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
-    tight = small.generate(others, greedy(16))
-    assert small.stats.num_preemptions > 0
-    for prompt, result in zip(others, tight):
-        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
+    assert_hits_forks_and_preemption_answer_as_transformers(make_runner(model_dir, num_blocks=400), HfOracle(model_dir))
 
 
 def test_a_latent_written_to_the_wrong_block_fails(model_dir, monkeypatch):

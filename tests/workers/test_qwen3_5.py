@@ -21,9 +21,8 @@ import dataclasses
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
+from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, engine_of, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
 from test_gated_delta import HIDDEN, MODEL, PREFIX, TOLERANCE, empty_pool, reference, run_in_pieces, sequences
-from test_recurrent import engine_of
 from tiny_model import build_tiny_model_dir
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
@@ -106,22 +105,7 @@ def test_prefix_hits_forks_and_preemption_give_transformers_tokens(model_dir):
     """A prefix hit restores the Gated DeltaNet states from a snapshot; n=3 forks copy them; preemption
     recomputes them: transformers' tokens every time."""
     runner = make_runner(model_dir, num_blocks=400, state_snapshots=4)
-    oracle = HfOracle(model_dir)
-    prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
-    engine = engine_of(runner)
-    assert engine.generate([prefix], greedy(8))[0].num_cached_tokens == 0
-    again = engine.generate([prefix + tail], greedy(8))[0]  # the snapshot after 7 blocks of 4
-    assert again.num_cached_tokens == 28
-    assert_greedy_matches(again.sequences[0].token_ids, oracle.greedy(prefix + tail, 8))
-    sequences_ = engine_of(runner).generate([others[0]], greedy(8, n=3))[0].sequences
-    assert len(sequences_) == 3
-    for sequence in sequences_:
-        assert_greedy_matches(sequence.token_ids, oracle.greedy(others[0], 8))
-    small = engine_of(runner, num_blocks=24, max_model_len=64)  # 23 usable blocks: the three cannot all fit
-    tight = small.generate(others, greedy(16))
-    assert small.stats.num_preemptions > 0
-    for prompt, result in zip(others, tight):
-        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
+    assert_hits_forks_and_preemption_answer_as_transformers(runner, HfOracle(model_dir))
 
 
 def test_a_text_only_checkpoint_loads_as_the_multimodal_one(tmp_path):
