@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, make_runner, prompts_of_lengths
+from runner_helpers import (HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, make_runner,
+                            prompts_of_lengths)
 from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig, ModelConfigError
@@ -63,6 +64,13 @@ def test_kv_bytes_per_token_with_shared_layers(model_dir):
     runner = make_runner(model_dir, **TORCH_PATH)  # the pools the runner holds are what it counted
     unique = {id(tensor): tensor for pool in runner.kv_caches for tensor in pool}.values()
     assert sum(t.numel() * t.element_size() for t in unique) == 1024 * runner.num_blocks * runner.block_size
+
+
+def test_prefix_hits_forks_and_preemption_answer_as_transformers(model_dir, oracle):
+    """Blocks are blocks: a prefix hit (the shared layers read their source's cached K/V), an n=3 fork and
+    preemption through the real scheduler give transformers' greedy tokens."""
+    runner = make_runner(model_dir, **TORCH_PATH, num_blocks=400)
+    assert_hits_forks_and_preemption_answer_as_transformers(runner, oracle)
 
 
 def test_prompt_logits_equal_transformers(model_dir, oracle):
