@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, engine_of, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
+from runner_helpers import (HfOracle, assert_greedy_matches, assert_hits_forks_and_preemption_answer_as_transformers,
+                            engine_of, greedy, make_runner, prompts_of_lengths)
 from tiny_model import build_tiny_model_dir
-from transformers import Qwen3NextConfig
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from workers.families import GatedDeltaTraits
 from workers.gated_delta import GatedDeltaMixer, read_gated_delta_weights
@@ -42,6 +41,8 @@ def layer():
     """(transformers' module, our mixer) with the same random weights: 2 key heads each shared by 2
     value heads, so that the checkpoint's per-key-head grouping of in_proj_qkvz / in_proj_ba matters."""
     torch.manual_seed(0)
+    from transformers import Qwen3NextConfig  # here: its import loads triton
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
     config = Qwen3NextConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                              linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)

@@ -15,10 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, engine_of, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
+from runner_helpers import (HfOracle, assert_greedy_matches, assert_hits_forks_and_preemption_answer_as_transformers,
+                            engine_of, greedy, make_runner, prompts_of_lengths)
 from tiny_model import build_tiny_model_dir
-from transformers import KimiLinearConfig
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from workers.families import KdaTraits
 from workers.kda import KdaMixer, read_kda_weights
@@ -39,6 +38,8 @@ POOL_ROWS = (3, 0, 5)  # each sequence's row in a pool of 7: not 0, 1, 2
 def layer():
     """(transformers' module, our mixer) with the same random weights, off their initial values."""
     torch.manual_seed(0)
+    from transformers import KimiLinearConfig  # here: its import loads triton
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
     config = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
                               linear_num_heads=3, linear_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
     module = KimiLinearDeltaAttention(config, layer_idx=0).eval()

@@ -12,8 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import GraniteMoeHybridConfig
-from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
 
 from workers.families import FamilyTraits, mamba2_traits
 from workers.linear import TorchLinear
@@ -33,6 +31,8 @@ CONFIGS = {
 def layers(request):
     """(transformers' layer, our mixer, the state pool factory) over the same random weights."""
     torch.manual_seed(0)
+    from transformers import GraniteMoeHybridConfig  # here: its import loads triton
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
     config = GraniteMoeHybridConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["mamba"],
                                     mamba_chunk_size=CHUNK, mamba_expand=2, rms_norm_eps=1e-5,
                                     **CONFIGS[request.param])

@@ -21,11 +21,10 @@ import dataclasses
 import pytest
 import torch
 from families_catalog import FAMILIES
-from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, engine_of, assert_greedy_matches, greedy, make_runner, prompts_of_lengths
+from runner_helpers import (HfOracle, assert_greedy_matches, assert_hits_forks_and_preemption_answer_as_transformers,
+                            engine_of, greedy, make_runner, prompts_of_lengths)
 from test_gated_delta import HIDDEN, MODEL, PREFIX, TOLERANCE, empty_pool, reference, run_in_pieces, sequences
 from tiny_model import build_tiny_model_dir
-from transformers import Qwen3_5TextConfig
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from workers.config import ModelConfig, ModelConfigError
 from workers.families import GatedDeltaTraits
@@ -41,6 +40,8 @@ def qwen3_5_layer(swap_b_and_a: bool = False):
     """(transformers' Qwen3_5GatedDeltaNet, our mixer read from its tensors), random weights off their
     initial values; swap_b_and_a: in_proj_b read as in_proj_a and the other way round (a broken reader)."""
     torch.manual_seed(0)
+    from transformers import Qwen3_5TextConfig  # here: its import loads triton
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     config = Qwen3_5TextConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
