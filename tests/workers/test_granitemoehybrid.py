@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 from families_catalog import FAMILIES, MOE_FAMILIES
-from runner_helpers import HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, assert_greedy_matches, greedy, make_runner, prompts_of_lengths, run_requests
+from runner_helpers import (HfOracle, assert_hits_forks_and_preemption_answer_as_transformers, assert_greedy_matches,
+                            greedy, make_runner, prompts_of_lengths, run_requests)
 from tiny_model import build_tiny_model_dir
 
 from workers.config import ModelConfig, ModelConfigError
