@@ -82,7 +82,7 @@ def run_mixer(mixer, model, x: torch.Tensor, pool: StatePool, step: StateStep) -
         if step.rows_tensor is None:
             step.rows_tensor = torch.tensor(step.rows, dtype=torch.long, device=x.device)
         return mixer.decode(model, x, pool, step.rows_tensor)
-    out = torch.empty((x.shape[0], *_out_shape(mixer, x)), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)  # a mixer's output is [tokens, hidden] too
     starts = step.query_start_loc
     if singles:
         rows = torch.tensor([starts[i] for i in singles], dtype=torch.long, device=x.device)
@@ -101,12 +101,6 @@ def run_mixer(mixer, model, x: torch.Tensor, pool: StatePool, step: StateStep) -
         if begin + cut < end:
             out[begin + cut:end] = mixer.prefill(model, x[begin + cut:end], pool, row)
     return out
-
-
-def _out_shape(mixer, x: torch.Tensor) -> tuple[int, ...]:
-    """A mixer's output row shape: the hidden size unless it says otherwise."""
-    width = getattr(mixer, "out_features", None)
-    return (x.shape[1],) if width is None else (width,)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

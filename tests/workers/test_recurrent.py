@@ -47,8 +47,6 @@ def test_a_causal_convolution_cut_anywhere_equals_it_whole():
 class _Doubling:
     """A toy mixer: out = x + 2 * (its state: the sum of the tokens before), to see cuts and rows."""
 
-    out_features = None
-
     def state_specs(self):
         return (((3,), torch.float32),)
 
