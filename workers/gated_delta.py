@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.families import GatedDeltaTraits
-from workers.recurrent import StatePool, causal_conv, causal_conv_step
+from workers.recurrent import StatePool, causal_conv
 
 CHUNK_SIZE = 64  # tokens per chunk of chunked_delta_rule (transformers' and FLA's)
 L2_NORM_EPS = 1e-6  # q and k are x / sqrt(sum(x^2) + eps) (FLA's l2norm)
@@ -130,7 +130,7 @@ class GatedDeltaMixer:
         """One token of each of s sequences x [s, hidden] -> [s, hidden]; their rows [s] of the pool updated."""
         conv_states, matrices = pool
         mixed, z, b, a = self._project(model, x)
-        mixed = F.silu(causal_conv_step(mixed, self.weights.conv, None, conv_states, rows))
+        mixed = model.ops.conv_step(mixed, self.weights.conv, None, conv_states, rows, silu=True)
         q, k, v, g, beta = self._heads(mixed, b, a)
         states = self.scratch.rows(rows.shape[0], matrices)
         torch.index_select(matrices, 0, rows, out=states)

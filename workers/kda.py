@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from workers.families import KdaTraits
 from workers.gated_delta import CHUNK_SIZE, DecodeScratch, _l2_normed
-from workers.recurrent import StatePool, causal_conv, causal_conv_step
+from workers.recurrent import StatePool, causal_conv
 
 
 @dataclass(slots=True)
@@ -114,7 +114,7 @@ class KdaMixer:
         """One token of each of s sequences x [s, hidden] -> [s, hidden]; their rows [s] of the pool updated."""
         conv_states, matrices = pool
         mixed, f, gate, b = self._project(model, x)
-        mixed = F.silu(causal_conv_step(mixed, self.weights.conv, None, conv_states, rows))
+        mixed = model.ops.conv_step(mixed, self.weights.conv, None, conv_states, rows, silu=True)
         q, k, v, g, beta = self._heads(model, mixed, f, b)
         states = self.scratch.rows(rows.shape[0], matrices)
         torch.index_select(matrices, 0, rows, out=states)

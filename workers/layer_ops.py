@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
+from workers.recurrent import causal_conv_step
 from workers.rope import RotaryEmbedding, apply_rotary
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU, as its checkpoints use it
@@ -93,6 +94,28 @@ class TorchOps:
         return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
+    def conv_step(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
+                  rows: torch.Tensor, silu: bool) -> torch.Tensor:
+        """A recurrent layer's causal convolution for one token of each of s sequences
+        (workers/recurrent.py's causal_conv_step; states[rows] move on by the token), SiLU'd if asked."""
+        y = causal_conv_step(x, weight, bias, states, rows)
+        return F.silu(y) if silu else y
+
+    def ssm_step(self, u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Mamba-2's recurrent step of s sequences (workers/mamba2.py), the reference: u [s, H, P],
+        dt [s, H], decay_rate [H], B and C [s, G, N] (head h reads group h // (H / G)); states
+        [num_rows, H, P, N] fp32, rows [s]: states[rows] updated. Returns y = h @ C [s, H, P] (no D
+        term)."""
+        heads_per_group = u.shape[1] // B.shape[1]
+        B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
+        h = states.index_select(0, rows)
+        decay = torch.exp(dt * decay_rate)  # [s, H]
+        h = h * decay[:, :, None, None] + (u * dt[:, :, None]).unsqueeze(-1) * B.unsqueeze(2)
+        states.index_copy_(0, rows, h)
+        return torch.einsum("shpn,shn->shp", h, C)
+
+
 class NativeOps:
     name = "native"
 
@@ -156,6 +179,41 @@ class NativeOps:
             DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
         ), "rayllm_gated_mul")
         return out
+
+    def conv_step(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
+                  rows: torch.Tensor, silu: bool) -> torch.Tensor:
+        """TorchOps.conv_step in one pass over each window (csrc/recurrent.c)."""
+        num_seqs, channels = x.shape
+        kernel = weight.shape[1]
+        assert x.dtype == weight.dtype == states.dtype and x.dtype in DTYPE_CODES and x.stride(1) == 1
+        assert weight.is_contiguous() and states.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+        assert rows.dtype == torch.int64 and rows.is_contiguous() and states.shape[1:] == (kernel - 1, channels)
+        out = torch.empty(num_seqs, channels, dtype=x.dtype)
+        check_status(self.library.rayllm_conv_step(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+            states.data_ptr(), rows.data_ptr(), out.data_ptr(), num_seqs, channels, kernel, int(silu),
+            DTYPE_CODES[x.dtype], torch.get_num_threads(),
+        ), "rayllm_conv_step")
+        return out
+
+    def ssm_step(self, u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """TorchOps.ssm_step in one pass over each state (csrc/recurrent.c), fp32, in place."""
+        num_seqs, num_heads, head_dim = u.shape
+        state_size, num_groups = B.shape[2], B.shape[1]
+        assert all(t.dtype == torch.float32 for t in (u, dt, decay_rate, B, C, states))
+        assert u.stride(2) == 1 and u.stride(1) == head_dim and B.stride(2) == C.stride(2) == 1
+        assert B.stride(1) == C.stride(1) == state_size and B.stride(0) == C.stride(0)
+        assert dt.is_contiguous() and decay_rate.is_contiguous() and states.is_contiguous()
+        assert rows.dtype == torch.int64 and rows.is_contiguous()
+        assert states.shape[1:] == (num_heads, head_dim, state_size)
+        y = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+        check_status(self.library.rayllm_ssm_step(
+            u.data_ptr(), dt.data_ptr(), decay_rate.data_ptr(), B.data_ptr(), C.data_ptr(), states.data_ptr(),
+            rows.data_ptr(), y.data_ptr(), num_seqs, num_heads, head_dim, state_size, num_groups, u.stride(0),
+            B.stride(0), torch.get_num_threads(),
+        ), "rayllm_ssm_step")
+        return y
 
 
 LAYER_OPS = ("torch", "native")

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.families import Mamba2Traits
-from workers.recurrent import StatePool, causal_conv, causal_conv_step
+from workers.recurrent import StatePool, causal_conv
 
 
 @dataclass(slots=True)
@@ -108,9 +108,13 @@ class Mamba2Mixer:
         dt = self._time_steps(dt)
         if x.shape[0] == 1:
             rows = torch.tensor([row], dtype=torch.long, device=x.device)
-            y = ssm_step(u, dt, w.decay_rate, B, C, pool[1], rows)
+            y = model.ops.ssm_step(u, dt, w.decay_rate, B, C, pool[1], rows)
         else:
-            y, final = ssd_scan(u, dt, w.decay_rate, B, C, ssm_state, t.chunk_size)
+            heads_per_group = t.num_heads // t.num_groups
+            B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
+            # a piece shorter than a chunk is one chunk of its own length: padded to chunk_size, the
+            # last 16 tokens of a prefix-cache hit cost as much as 256 (the result is the same)
+            y, final = ssd_scan(u, dt, w.decay_rate, B, C, ssm_state, min(t.chunk_size, x.shape[0]))
             ssm_state.copy_(final)
         return self._output(model, y, u, gate, x.dtype)
 
@@ -119,8 +123,8 @@ class Mamba2Mixer:
         step over the states pool[i][rows] (rows [s] int64)."""
         w = self.weights
         gate, xbc, dt = self._project(model, x)
-        u, B, C = self._split_conv_output(F.silu(causal_conv_step(xbc, w.conv, w.conv_bias, pool[0], rows)))
-        y = ssm_step(u, self._time_steps(dt), w.decay_rate, B, C, pool[1], rows)
+        u, B, C = self._split_conv_output(model.ops.conv_step(xbc, w.conv, w.conv_bias, pool[0], rows, silu=True))
+        y = model.ops.ssm_step(u, self._time_steps(dt), w.decay_rate, B, C, pool[1], rows)
         return self._output(model, y, u, gate, x.dtype)
 
     def _project(self, model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,17 +134,12 @@ class Mamba2Mixer:
         return projected.split([t.inner, t.conv_channels, t.num_heads], dim=-1)
 
     def _split_conv_output(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output [T, conv_channels] -> u [T, H, P], B and C [T, H, N] (each group's
-        repeated for its heads), all fp32."""
+        """The conv's output [T, conv_channels] -> u [T, H, P], B and C [T, G, N], all fp32 views."""
         t = self.traits
         width = t.num_groups * t.state_size
         u, B, C = xbc.float().split([t.inner, width, width], dim=-1)
-        heads_per_group = t.num_heads // t.num_groups
-
-        def per_head(groups: torch.Tensor) -> torch.Tensor:
-            return groups.view(-1, t.num_groups, t.state_size).repeat_interleave(heads_per_group, dim=1)
-
-        return u.view(-1, t.num_heads, t.head_dim), per_head(B), per_head(C)
+        return (u.view(-1, t.num_heads, t.head_dim), B.view(-1, t.num_groups, t.state_size),
+                C.view(-1, t.num_groups, t.state_size))
 
     def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         """dt [T, heads] from in_proj -> the time steps softplus(dt + dt_bias), clamped, fp32."""
@@ -176,21 +175,9 @@ def group_rms_norm(y: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: 
     return normed.view_as(y) * weight.float()
 
 
-def ssm_step(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """One recurrent step of s sequences: u [s, H, P], dt [s, H], decay_rate [H], B and C [s, H, N];
-    states [num_rows, H, P, N] fp32, rows [s] (states[rows] updated). Returns y = h @ C [s, H, P]
-    (no D term)."""
-    h = states.index_select(0, rows)
-    decay = torch.exp(dt * decay_rate)  # [s, H]
-    h = h * decay[:, :, None, None] + (u * dt[:, :, None]).unsqueeze(-1) * B.unsqueeze(2)
-    states.index_copy_(0, rows, h)
-    return torch.einsum("shpn,shn->shp", h, C)
-
-
 def ssd_scan(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence of ssm_step over one sequence's n tokens at once, in chunks of chunk_size.
+    """The recurrence of the layer ops' ssm_step over one sequence's n tokens at once, in chunks of chunk_size.
 
     u [n, H, P], dt [n, H], decay_rate [H], B and C [n, H, N], initial [H, P, N]: the state
     before the first token. Returns y [n, H, P] (no D term) and the state after the last token

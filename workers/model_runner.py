@@ -387,15 +387,17 @@ class ModelRunner:
         if self.states is not None:
             kinds = sorted({kind for kind in c.traits.mixers if kind is not None})
             num_recurrent = sum(kind is not None for kind in c.traits.mixers)
+            ops = ("in torch ops" if self.model.ops.name == "torch" else
+                   "decode steps' convolutions and Mamba-2 updates in C (csrc/recurrent.c), the rest in torch ops")
             if c.traits.mixers_beside_attention:
                 return (f"{PER_HEAD_KV} in every layer, and beside them a fixed-size state per sequence in "
                         f"{num_recurrent} of {c.num_layers} ({', '.join(kinds)}: workers/recurrent.py, "
-                        f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
+                        f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, {ops}; "
                         f"{self.states.num_snapshots} prefix-cache snapshots)")
             kv = PER_HEAD_KV if mla is None else f"an MLA latent of {mla.kv_lora_rank} + {mla.qk_rope_head_dim} values"
             return (f"{kv} in {c.num_layers - num_recurrent} of {c.num_layers} layers; a fixed-size state "
                     f"per sequence in the other {num_recurrent} ({', '.join(kinds)}: workers/recurrent.py, "
-                    f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, in torch ops; "
+                    f"{self.states.bytes_per_row(self.states.specs)} bytes per sequence, {ops}; "
                     f"{self.states.num_snapshots} prefix-cache snapshots)")
         if c.traits.kv_sources is not None:  # Gemma 4: the last layers read earlier layers' pools
             readers = [layer for layer in range(c.num_layers) if c.kv_source(layer) is not None]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.recurrent import StatePool, causal_conv, causal_conv_step
+from workers.recurrent import StatePool, causal_conv
 
 
 @dataclass(slots=True)
@@ -41,7 +41,7 @@ class ShortConv:
 
     def decode(self, model, x: torch.Tensor, pool: StatePool, rows: torch.Tensor) -> torch.Tensor:
         c, gated = self._gated_input(model, x)
-        return self._out(model, c * causal_conv_step(gated, self.conv, self.conv_bias, pool[0], rows))
+        return self._out(model, c * model.ops.conv_step(gated, self.conv, self.conv_bias, pool[0], rows, silu=False))
 
     def _gated_input(self, model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, c, u = model.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)

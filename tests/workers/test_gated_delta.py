@@ -23,6 +23,7 @@ from tiny_model import build_tiny_model_dir
 
 from workers.families import GatedDeltaTraits
 from workers.gated_delta import GatedDeltaMixer, read_gated_delta_weights
+from workers.layer_ops import TorchOps
 from workers.linear import TorchLinear
 from workers.model import _WeightReader
 from workers.recurrent import StateStep, run_mixer
@@ -59,7 +60,7 @@ def layer():
     return module, GatedDeltaMixer(weights, traits, config.rms_norm_eps)
 
 
-MODEL = SimpleNamespace(linear=TorchLinear().linear)  # what the mixer needs of the model: its products
+MODEL = SimpleNamespace(linear=TorchLinear().linear, ops=TorchOps())  # what the mixer needs of the model
 
 
 def empty_pool(mixer: GatedDeltaMixer, num_rows: int = 7) -> tuple[torch.Tensor, ...]:

@@ -21,6 +21,7 @@ from tiny_model import build_tiny_model_dir
 
 from workers.families import KdaTraits
 from workers.kda import KdaMixer, read_kda_weights
+from workers.layer_ops import TorchOps
 from workers.linear import TorchLinear
 from workers.model import _WeightReader
 from workers.recurrent import StateStep, run_mixer
@@ -59,7 +60,7 @@ def layer():
     return module, KdaMixer(weights, traits, config.rms_norm_eps)
 
 
-MODEL = SimpleNamespace(linear=TorchLinear().linear)  # what the mixer needs of the model: its products
+MODEL = SimpleNamespace(linear=TorchLinear().linear, ops=TorchOps())  # what the mixer needs of the model
 
 
 def empty_pool(mixer: KdaMixer, num_rows: int = 7) -> tuple[torch.Tensor, ...]:

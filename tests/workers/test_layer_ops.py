@@ -151,3 +151,43 @@ def test_loading_the_library_keeps_subnormal_floats() -> None:
     smallest_normal = sys.float_info.min
     assert smallest_normal / 2 > 0.0  # 0.0 under flush-to-zero
     assert torch.tensor([smallest_normal], dtype=torch.float64).div(2).item() > 0.0
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 4])
+def test_ssm_step(ops, num_groups):
+    """Mamba-2's recurrent step: u, B and C as views into one wider row (as the mixer splits its
+    conv output), sequences in pool rows out of order, states updated in place, the rest untouched."""
+    reference, native = ops
+    torch.manual_seed(num_groups)
+    num_seqs, heads, head_dim, state_size = 3, 4, 16, 24
+    inner, width = heads * head_dim, num_groups * state_size
+    xbc = torch.randn(num_seqs, inner + 2 * width + 5)
+    u = xbc[:, :inner].view(num_seqs, heads, head_dim)
+    B = xbc[:, inner:inner + width].view(num_seqs, num_groups, state_size)
+    C = xbc[:, inner + width:inner + 2 * width].view(num_seqs, num_groups, state_size)
+    dt, decay_rate = torch.rand(num_seqs, heads) + 0.05, -torch.rand(heads) * 2
+    states, rows = torch.randn(6, heads, head_dim, state_size), torch.tensor([4, 0, 2])
+    expected_states = states.clone()
+    expected = reference.ssm_step(u, dt, decay_rate, B, C, expected_states, rows)
+    y = native.ssm_step(u, dt, decay_rate, B, C, states, rows)
+    torch.testing.assert_close(y, expected, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(states, expected_states, **TOLERANCE[torch.float32])  # the other rows as they were
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kernel,silu,with_bias", [(4, True, True), (4, False, False), (2, True, False)])
+def test_conv_step(ops, dtype, kernel, silu, with_bias):
+    """A recurrent layer's conv step: x a view into wider rows, windows in pool rows out of order,
+    each moved on by its token in place; the other rows untouched."""
+    reference, native = ops
+    torch.manual_seed(kernel)
+    num_seqs, channels = 3, 600  # more than one item of channels (csrc/recurrent.c)
+    x = torch.randn(num_seqs, channels + 7).to(dtype)[:, 3:3 + channels]
+    weight, bias = torch.randn(channels, kernel).to(dtype), torch.randn(channels).to(dtype) if with_bias else None
+    states, rows = torch.randn(5, kernel - 1, channels).to(dtype), torch.tensor([3, 0, 4])
+    expected_states = states.clone()
+    expected = reference.conv_step(x, weight, bias, expected_states, rows, silu)
+    out = native.conv_step(x, weight, bias, states, rows, silu)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert torch.equal(states, expected_states)  # the windows hold inputs: moved, never rounded
+    assert torch.equal(states[rows, -1], x)

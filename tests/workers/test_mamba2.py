@@ -15,7 +15,9 @@ import torch
 
 from workers.families import FamilyTraits, mamba2_traits
 from workers.linear import TorchLinear
-from workers.mamba2 import Mamba2Mixer, read_mamba2_weights, segment_sums, ssd_scan, ssm_step
+from workers.kernels.native import NativeBuildError
+from workers.layer_ops import NativeOps, TorchOps
+from workers.mamba2 import Mamba2Mixer, read_mamba2_weights, segment_sums, ssd_scan
 from workers.model import _WeightReader
 
 HIDDEN, CHUNK = 24, 8
@@ -51,7 +53,16 @@ def layers(request):
     return reference, mixer
 
 
-MODEL = SimpleNamespace(linear=TorchLinear().linear)
+@pytest.fixture(params=["torch", "native"])
+def model(request):
+    """What the mixer needs of the model: its products, and its layer ops (the recurrent step's
+    torch reference, or our C kernel)."""
+    if request.param == "torch":
+        return SimpleNamespace(linear=TorchLinear().linear, ops=TorchOps())
+    try:
+        return SimpleNamespace(linear=TorchLinear().linear, ops=NativeOps())
+    except NativeBuildError as error:
+        pytest.skip(f"the C kernels do not build here: {error}")
 
 
 def new_pool(mixer: Mamba2Mixer, num_rows: int) -> tuple[torch.Tensor, ...]:
@@ -64,12 +75,12 @@ def transformers_outputs(reference, x: torch.Tensor) -> torch.Tensor:
     return reference(x.unsqueeze(0))[0]
 
 
-def run_in_pieces(mixer, x: torch.Tensor, pool, row: int, pieces: list[int], between=None) -> torch.Tensor:
+def run_in_pieces(model, mixer, x: torch.Tensor, pool, row: int, pieces: list[int], between=None) -> torch.Tensor:
     """The mixer's prefill over x cut into pieces (lengths), the state carried in pool's row;
     between(pool, row) runs after every piece but the last (a deliberate break)."""
     outputs, start = [], 0
     for i, length in enumerate(pieces):
-        outputs.append(mixer.prefill(MODEL, x[start:start + length], pool, row))
+        outputs.append(mixer.prefill(model, x[start:start + length], pool, row))
         start += length
         if between is not None and i < len(pieces) - 1:
             between(pool, row)
@@ -85,12 +96,12 @@ def test_the_state_is_a_conv_window_and_an_fp32_ssm_state_per_head(layers):
 
 
 @pytest.mark.parametrize("length", [1, 5, CHUNK, 3 * CHUNK + 5])
-def test_a_whole_prompt_equals_transformers(layers, length):
+def test_a_whole_prompt_equals_transformers(layers, model, length):
     reference, mixer = layers
     torch.manual_seed(length)
     x = torch.randn(length, HIDDEN)
     pool = new_pool(mixer, 3)
-    ours = mixer.prefill(MODEL, x, pool, 1)
+    ours = mixer.prefill(model, x, pool, 1)
     torch.testing.assert_close(ours, transformers_outputs(reference, x), atol=ATOL, rtol=1e-4)
     assert all(float(state[1].abs().sum()) > 0 for state in pool)  # its row holds the state now
     assert all(float(state[[0, 2]].abs().sum()) == 0 for state in pool)  # and no other row changed
@@ -101,17 +112,17 @@ SEQUENCES = [([5, 1, 9, 6], 3), ([CHUNK, 3], 0), ([2, 2, 2 * CHUNK + 3, 1, 7], 2
 NUM_DECODES = 4
 
 
-def test_pieces_then_batched_decodes_equal_transformers(layers):
+def test_pieces_then_batched_decodes_equal_transformers(layers, model):
     reference, mixer = layers
     torch.manual_seed(7)
     inputs = [torch.randn(sum(pieces) + NUM_DECODES, HIDDEN) for pieces, _ in SEQUENCES]
     pool = new_pool(mixer, 5)
-    outputs = [[run_in_pieces(mixer, x[:sum(pieces)], pool, row, pieces)]
+    outputs = [[run_in_pieces(model, mixer, x[:sum(pieces)], pool, row, pieces)]
                for x, (pieces, row) in zip(inputs, SEQUENCES)]
     rows = torch.tensor([row for _, row in SEQUENCES])
     for step in range(NUM_DECODES):
         tokens = torch.stack([x[sum(pieces) + step] for x, (pieces, _) in zip(inputs, SEQUENCES)])
-        decoded = mixer.decode(MODEL, tokens, pool, rows)
+        decoded = mixer.decode(model, tokens, pool, rows)
         for i, output in enumerate(outputs):
             output.append(decoded[i:i + 1])
     for x, output in zip(inputs, outputs):
@@ -129,34 +140,35 @@ def shift_conv_state(pool, row):
 
 
 @pytest.mark.parametrize("between", [break_ssm_state, shift_conv_state])
-def test_a_broken_state_between_pieces_is_caught(layers, between):
+def test_a_broken_state_between_pieces_is_caught(layers, model, between):
     reference, mixer = layers
     torch.manual_seed(11)
     x = torch.randn(20, HIDDEN)
     expected = transformers_outputs(reference, x)
     pieces = [7, 6, 7]
-    intact = run_in_pieces(mixer, x, new_pool(mixer, 2), 1, pieces)
+    intact = run_in_pieces(model, mixer, x, new_pool(mixer, 2), 1, pieces)
     torch.testing.assert_close(intact, expected, atol=ATOL, rtol=1e-4)
-    broken = run_in_pieces(mixer, x, new_pool(mixer, 2), 1, pieces, between)
+    broken = run_in_pieces(model, mixer, x, new_pool(mixer, 2), 1, pieces, between)
     assert torch.allclose(broken[:7], expected[:7], atol=ATOL, rtol=1e-4)  # the first piece is untouched
     assert not torch.allclose(broken[7:], expected[7:], atol=1e-3)
 
 
 @pytest.mark.parametrize("between", [break_ssm_state, shift_conv_state])
-def test_a_broken_state_before_a_decode_is_caught(layers, between):
+def test_a_broken_state_before_a_decode_is_caught(layers, model, between):
     reference, mixer = layers
     torch.manual_seed(13)
     x = torch.randn(10, HIDDEN)
     expected = transformers_outputs(reference, x)
     pool = new_pool(mixer, 2)
-    mixer.prefill(MODEL, x[:9], pool, 1)
+    mixer.prefill(model, x[:9], pool, 1)
     between(pool, 1)
-    decoded = mixer.decode(MODEL, x[9:], pool, torch.tensor([1]))
+    decoded = mixer.decode(model, x[9:], pool, torch.tensor([1]))
     assert not torch.allclose(decoded, expected[9:], atol=1e-3)
 
 
 def test_the_chunked_scan_equals_the_recurrence_from_a_carried_state():
-    """ssd_scan over 2.5 chunks from a nonzero state = ssm_step token by token (the final state too)."""
+    """ssd_scan over 2.5 chunks from a nonzero state = the reference step token by token (the final
+    state too)."""
     torch.manual_seed(3)
     n, heads, head_dim, state_size = 21, 3, 4, 5
     u, B, C = torch.randn(n, heads, head_dim), torch.randn(n, heads, state_size), torch.randn(n, heads, state_size)
@@ -164,7 +176,8 @@ def test_the_chunked_scan_equals_the_recurrence_from_a_carried_state():
     initial = torch.randn(heads, head_dim, state_size)
     y, final = ssd_scan(u, dt, decay_rate, B, C, initial, chunk_size=CHUNK)
     states, row = initial.clone().unsqueeze(0), torch.tensor([0])
-    steps = [ssm_step(u[i:i + 1], dt[i:i + 1], decay_rate, B[i:i + 1], C[i:i + 1], states, row) for i in range(n)]
+    step = TorchOps().ssm_step  # one group per head
+    steps = [step(u[i:i + 1], dt[i:i + 1], decay_rate, B[i:i + 1], C[i:i + 1], states, row) for i in range(n)]
     torch.testing.assert_close(y, torch.cat(steps), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, states[0], atol=1e-5, rtol=1e-5)
 

@@ -130,12 +130,16 @@ def test_a_convolution_state_one_token_off_fails(model_dir, monkeypatch):
     prompts = prompts_of_lengths([17, 40], 384, seed=1)
     oracle = HfOracle(model_dir)
 
-    def shifted(x, weight, bias, states, rows):
-        window = torch.cat([states.index_select(0, rows), x.unsqueeze(1)], dim=1)  # [s, width, channels]
-        states.index_copy_(0, rows, torch.cat([window[:, 2:], torch.zeros_like(x).unsqueeze(1)], dim=1))
-        return (window * weight.t()).sum(1) + bias
+    from workers.layer_ops import NativeOps, TorchOps
 
-    monkeypatch.setattr("workers.short_conv.causal_conv_step", shifted)
+    for ops in (NativeOps, TorchOps):  # whichever the runner took
+        def shifted(self, x, weight, bias, states, rows, silu, conv_step=ops.conv_step):
+            y = conv_step(self, x, weight, bias, states, rows, silu)  # right, then the window one token on
+            window = states.index_select(0, rows)
+            states.index_copy_(0, rows, torch.cat([window[:, 1:], torch.zeros_like(window[:, :1])], dim=1))
+            return y
+
+        monkeypatch.setattr(ops, "conv_step", shifted)
     engine = engine_of(make_runner(model_dir, num_blocks=400))
     results = engine.generate(prompts, greedy(8))
     assert all(r.sequences[0].token_ids != oracle.greedy(p, 8).token_ids for r, p in zip(results, prompts))

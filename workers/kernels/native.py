@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "panel_avx512.c", "forward.c", "sampler.c", "thread_pool.c",
-           "gguf_gemm.c", "amx.c", "attention_amx.c", "gguf_amx.c", "lora.c")  # compiled together; they include csrc/*.h
+           "gguf_gemm.c", "amx.c", "attention_amx.c", "gguf_amx.c", "lora.c",
+           "recurrent.c")  # compiled together; they include csrc/*.h
 # Not -ffast-math: GCC 12 then links crtfastmath.o even into a shared library, whose constructor
 # sets flush-to-zero and denormals-are-zero for the whole process on load (Python floats,
 # numpy and every other library lose subnormals). These are the parts of it the kernels want.
@@ -339,6 +340,11 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # step, layer, product (LORA_PRODUCTS' index), x, out, N, K, dtype, num_threads
     "rayllm_lora_add": [ctypes.POINTER(LoraStep), _I64, _I32, _P, _P, _I64, _I64, _I32, _I32],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
+    # x, x_stride, weight, bias, states, rows, out, num_seqs, channels, kernel, silu, dtype, num_threads
+    "rayllm_conv_step": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+    # u, dt, decay_rate, B, C, states, rows, y, num_seqs, num_heads, head_dim, state_size, num_groups,
+    # u_stride, bc_stride, num_threads (fp32)
+    "rayllm_ssm_step": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
 }
 
 

@@ -153,6 +153,20 @@ int rayllm_layout_lora_part(int64_t *offsets, char *names, int64_t capacity);
 int rayllm_layout_lora_segment(int64_t *offsets, char *names, int64_t capacity);
 int rayllm_layout_lora_step(int64_t *offsets, char *names, int64_t capacity);
 
+/* recurrent.c: a causal convolution's step of num_seqs sequences, on states [rows, K - 1, channels]
+ * in place: x [s, channels] (rows x_stride apart), weight [channels, K], bias [channels] or NULL,
+ * all in dtype -> out [s, channels] contiguous, SiLU'd if silu. */
+int rayllm_conv_step(const void *x, int64_t x_stride, const void *weight, const void *bias, void *states,
+                     const int64_t *rows, void *out, int64_t num_seqs, int64_t channels, int64_t kernel, int32_t silu,
+                     int32_t dtype, int32_t num_threads);
+/* recurrent.c: Mamba-2's recurrent step of num_seqs sequences, fp32, on states [rows, H, P, N] in
+ * place: u [s, H, P] (rows u_stride apart), dt [s, H], decay_rate [H], B and C [s, G, N] (rows
+ * bc_stride apart), rows [s] -> y [s, H, P] (no D term). */
+int rayllm_ssm_step(const float *u, const float *dt, const float *decay_rate, const float *B, const float *C,
+                    float *states, const int64_t *rows, float *y, int64_t num_seqs, int64_t num_heads,
+                    int64_t head_dim, int64_t state_size, int64_t num_groups, int64_t u_stride, int64_t bc_stride,
+                    int32_t num_threads);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);
