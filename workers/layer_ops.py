@@ -20,10 +20,15 @@ fp32, 1 thread) found about 25 torch dispatches per layer around the four GEMMs;
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.native import ACTIVATION_CODES, DTYPE_CODES, check_status, native_available, native_library
+from workers.families import Mamba2Traits
+from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, MAMBA2_NORM_MODES, Mamba2StepArgs, check_status,
+                                    native_available, native_library)
+from workers.mamba2 import Mamba2Weights, gated_step
 from workers.recurrent import causal_conv_step
 from workers.rope import RotaryEmbedding, apply_rotary
 
@@ -101,19 +106,11 @@ class TorchOps:
         y = causal_conv_step(x, weight, bias, states, rows)
         return F.silu(y) if silu else y
 
-    def ssm_step(self, u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor,
-                 C: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Mamba-2's recurrent step of s sequences (workers/mamba2.py), the reference: u [s, H, P],
-        dt [s, H], decay_rate [H], B and C [s, G, N] (head h reads group h // (H / G)); states
-        [num_rows, H, P, N] fp32, rows [s]: states[rows] updated. Returns y = h @ C [s, H, P] (no D
-        term)."""
-        heads_per_group = u.shape[1] // B.shape[1]
-        B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
-        h = states.index_select(0, rows)
-        decay = torch.exp(dt * decay_rate)  # [s, H]
-        h = h * decay[:, :, None, None] + (u * dt[:, :, None]).unsqueeze(-1) * B.unsqueeze(2)
-        states.index_copy_(0, rows, h)
-        return torch.einsum("shpn,shn->shp", h, C)
+    def mamba2_step(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor, weights: Mamba2Weights,
+                    traits: Mamba2Traits, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Mamba-2's decode step of s sequences from the conv's output to out_proj's input
+        (workers/mamba2.py's gated_step, the reference)."""
+        return gated_step(xbc, dt, gate, weights, traits, states, rows)
 
 
 class NativeOps:
@@ -196,25 +193,26 @@ class NativeOps:
         ), "rayllm_conv_step")
         return out
 
-    def ssm_step(self, u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor,
-                 C: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """TorchOps.ssm_step in one pass over each state (csrc/recurrent.c), fp32, in place."""
-        num_seqs, num_heads, head_dim = u.shape
-        state_size, num_groups = B.shape[2], B.shape[1]
-        assert all(t.dtype == torch.float32 for t in (u, dt, decay_rate, B, C, states))
-        assert u.stride(2) == 1 and u.stride(1) == head_dim and B.stride(2) == C.stride(2) == 1
-        assert B.stride(1) == C.stride(1) == state_size and B.stride(0) == C.stride(0)
-        assert dt.is_contiguous() and decay_rate.is_contiguous() and states.is_contiguous()
+    def mamba2_step(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor, weights: Mamba2Weights,
+                    traits: Mamba2Traits, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """TorchOps.mamba2_step in two passes (csrc/recurrent.c): each state read, updated and
+        reduced once, then each group's gate and norm; fp32 inside, out in xbc's dtype."""
+        t, w = traits, weights
+        num_seqs, dtype = xbc.shape[0], xbc.dtype
+        assert dtype in DTYPE_CODES and dt.dtype == gate.dtype == dtype and (w.norm is None or w.norm.dtype == dtype)
+        assert xbc.stride(1) == dt.stride(1) == gate.stride(1) == 1 and states.is_contiguous()
+        assert states.dtype == torch.float32 and states.shape[1:] == (t.num_heads, t.head_dim, t.state_size)
         assert rows.dtype == torch.int64 and rows.is_contiguous()
-        assert states.shape[1:] == (num_heads, head_dim, state_size)
-        y = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
-        check_status(self.library.rayllm_ssm_step(
-            u.data_ptr(), dt.data_ptr(), decay_rate.data_ptr(), B.data_ptr(), C.data_ptr(), states.data_ptr(),
-            rows.data_ptr(), y.data_ptr(), num_seqs, num_heads, head_dim, state_size, num_groups, u.stride(0),
-            B.stride(0), torch.get_num_threads(),
-        ), "rayllm_ssm_step")
-        return y
-
+        scratch = torch.empty(num_seqs, t.inner, dtype=torch.float32)
+        out = torch.empty(num_seqs, t.inner, dtype=dtype)
+        args = Mamba2StepArgs(
+            xbc.data_ptr(), dt.data_ptr(), gate.data_ptr(), None if w.norm is None else w.norm.data_ptr(),
+            w.dt_bias.data_ptr(), w.decay_rate.data_ptr(), w.skip.data_ptr(), states.data_ptr(),
+            scratch.data_ptr(), out.data_ptr(), rows.data_ptr(), num_seqs, t.num_heads, t.head_dim, t.state_size,
+            t.num_groups, xbc.stride(0), dt.stride(0), gate.stride(0), t.time_step_min, t.time_step_max,
+            t.norm_eps, MAMBA2_NORM_MODES[t.gated_norm], DTYPE_CODES[dtype], torch.get_num_threads())
+        check_status(self.library.rayllm_mamba2_step(ctypes.byref(args)), "rayllm_mamba2_step")
+        return out
 
 LAYER_OPS = ("torch", "native")
 

@@ -104,11 +104,10 @@ class Mamba2Mixer:
         w, t = self.weights, self.traits
         conv_state, ssm_state = pool[0][row], pool[1][row]
         gate, xbc, dt = self._project(model, x)
-        u, B, C = self._split_conv_output(F.silu(causal_conv(xbc, w.conv, w.conv_bias, conv_state)))
-        dt = self._time_steps(dt)
+        u, B, C = split_conv_output(F.silu(causal_conv(xbc, w.conv, w.conv_bias, conv_state)), t)
+        dt = time_steps(dt, w, t)
         if x.shape[0] == 1:
-            rows = torch.tensor([row], dtype=torch.long, device=x.device)
-            y = model.ops.ssm_step(u, dt, w.decay_rate, B, C, pool[1], rows)
+            y = ssm_step(u, dt, w.decay_rate, B, C, pool[1], torch.tensor([row], dtype=torch.long, device=x.device))
         else:
             heads_per_group = t.num_heads // t.num_groups
             B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
@@ -116,16 +115,17 @@ class Mamba2Mixer:
             # last 16 tokens of a prefix-cache hit cost as much as 256 (the result is the same)
             y, final = ssd_scan(u, dt, w.decay_rate, B, C, ssm_state, min(t.chunk_size, x.shape[0]))
             ssm_state.copy_(final)
-        return self._output(model, y, u, gate, x.dtype)
+        gated = gated_output(y + w.skip[:, None] * u, gate, w, t)
+        return model.linear(gated.to(x.dtype), w.out_proj, w.out_proj_bias)
 
     def decode(self, model, x: torch.Tensor, pool: StatePool, rows: torch.Tensor) -> torch.Tensor:
         """One token of each of s sequences x [s, hidden] -> [s, hidden]: one batched recurrent
-        step over the states pool[i][rows] (rows [s] int64)."""
+        step over the states pool[i][rows] (rows [s] int64), in the layer ops (our C kernels on CPU)."""
         w = self.weights
         gate, xbc, dt = self._project(model, x)
-        u, B, C = self._split_conv_output(model.ops.conv_step(xbc, w.conv, w.conv_bias, pool[0], rows, silu=True))
-        y = model.ops.ssm_step(u, self._time_steps(dt), w.decay_rate, B, C, pool[1], rows)
-        return self._output(model, y, u, gate, x.dtype)
+        xbc = model.ops.conv_step(xbc, w.conv, w.conv_bias, pool[0], rows, silu=True)
+        gated = model.ops.mamba2_step(xbc, dt, gate, w, self.traits, pool[1], rows)
+        return model.linear(gated, w.out_proj, w.out_proj_bias)
 
     def _project(self, model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> gate [T, inner], x ++ B ++ C [T, conv_channels], dt [T, heads]."""
@@ -133,30 +133,52 @@ class Mamba2Mixer:
         projected = model.linear(x, self.weights.in_proj, self.weights.in_proj_bias)
         return projected.split([t.inner, t.conv_channels, t.num_heads], dim=-1)
 
-    def _split_conv_output(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output [T, conv_channels] -> u [T, H, P], B and C [T, G, N], all fp32 views."""
-        t = self.traits
-        width = t.num_groups * t.state_size
-        u, B, C = xbc.float().split([t.inner, width, width], dim=-1)
-        return (u.view(-1, t.num_heads, t.head_dim), B.view(-1, t.num_groups, t.state_size),
-                C.view(-1, t.num_groups, t.state_size))
 
-    def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
-        """dt [T, heads] from in_proj -> the time steps softplus(dt + dt_bias), clamped, fp32."""
-        t = self.traits
-        return F.softplus(dt.float() + self.weights.dt_bias).clamp(t.time_step_min, t.time_step_max)
+def split_conv_output(xbc: torch.Tensor, t: Mamba2Traits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output [T, conv_channels] -> u [T, H, P], B and C [T, G, N], all fp32 views."""
+    width = t.num_groups * t.state_size
+    u, B, C = xbc.float().split([t.inner, width, width], dim=-1)
+    return (u.view(-1, t.num_heads, t.head_dim), B.view(-1, t.num_groups, t.state_size),
+            C.view(-1, t.num_groups, t.state_size))
 
-    def _output(self, model, y: torch.Tensor, u: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The scan's y [T, H, P] plus D * u, gated, normed per group, through out_proj -> [T, hidden]."""
-        w, t = self.weights, self.traits
-        y = (y + w.skip[:, None] * u).reshape(y.shape[0], t.inner)
-        if t.gated_norm == "after_gate":
-            gated = gated_group_rms_norm(y, gate, w.norm, t.num_groups, t.norm_eps)
-        elif t.gated_norm == "before_gate":
-            gated = group_rms_norm(y, w.norm, t.num_groups, t.norm_eps) * F.silu(gate.float())
-        else:
-            gated = y.float() * F.silu(gate.float())
-        return model.linear(gated.to(dtype), w.out_proj, w.out_proj_bias)
+
+def time_steps(dt: torch.Tensor, weights: Mamba2Weights, t: Mamba2Traits) -> torch.Tensor:
+    """dt [T, heads] from in_proj -> the time steps softplus(dt + dt_bias), clamped, fp32."""
+    return F.softplus(dt.float() + weights.dt_bias).clamp(t.time_step_min, t.time_step_max)
+
+
+def gated_output(y: torch.Tensor, gate: torch.Tensor, w: Mamba2Weights, t: Mamba2Traits) -> torch.Tensor:
+    """y [T, H, P] (with its D term), gated and normed per group -> out_proj's input [T, inner], fp32."""
+    y = y.reshape(y.shape[0], t.inner)
+    if t.gated_norm == "after_gate":
+        return gated_group_rms_norm(y, gate, w.norm, t.num_groups, t.norm_eps)
+    if t.gated_norm == "before_gate":
+        return group_rms_norm(y, w.norm, t.num_groups, t.norm_eps) * F.silu(gate.float())
+    return y.float() * F.silu(gate.float())
+
+
+def gated_step(xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor, w: Mamba2Weights, t: Mamba2Traits,
+               states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A decode step of s sequences from the conv's SiLU'd output xbc [s, conv_channels], in_proj's
+    dt [s, H] and gate [s, inner] to out_proj's input [s, inner] in xbc's dtype; states [num_rows,
+    H, P, N] fp32 (states[rows] updated). The layer ops' reference (workers/layer_ops.py)."""
+    u, B, C = split_conv_output(xbc, t)
+    y = ssm_step(u, time_steps(dt, w, t), w.decay_rate, B, C, states, rows)
+    return gated_output(y + w.skip[:, None] * u, gate, w, t).to(xbc.dtype)
+
+
+def ssm_step(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """One recurrent step of s sequences: u [s, H, P], dt [s, H], decay_rate [H], B and C [s, G, N]
+    (head h reads group h // (H / G)); states [num_rows, H, P, N] fp32, rows [s] (states[rows]
+    updated). Returns y = h @ C [s, H, P] (no D term)."""
+    heads_per_group = u.shape[1] // B.shape[1]
+    B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
+    h = states.index_select(0, rows)
+    decay = torch.exp(dt * decay_rate)  # [s, H]
+    h = h * decay[:, :, None, None] + (u * dt[:, :, None]).unsqueeze(-1) * B.unsqueeze(2)
+    states.index_copy_(0, rows, h)
+    return torch.einsum("shpn,shn->shp", h, C)
 
 
 def gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, num_groups: int,
@@ -177,7 +199,7 @@ def group_rms_norm(y: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: 
 
 def ssd_scan(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence of the layer ops' ssm_step over one sequence's n tokens at once, in chunks of chunk_size.
+    """The recurrence of ssm_step over one sequence's n tokens at once, in chunks of chunk_size.
 
     u [n, H, P], dt [n, H], decay_rate [H], B and C [n, H, N], initial [H, P, N]: the state
     before the first token. Returns y [n, H, P] (no D term) and the state after the last token

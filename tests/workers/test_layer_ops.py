@@ -153,24 +153,33 @@ def test_loading_the_library_keeps_subnormal_floats() -> None:
     assert torch.tensor([smallest_normal], dtype=torch.float64).div(2).item() > 0.0
 
 
-@pytest.mark.parametrize("num_groups", [1, 2, 4])
-def test_ssm_step(ops, num_groups):
-    """Mamba-2's recurrent step: u, B and C as views into one wider row (as the mixer splits its
-    conv output), sequences in pool rows out of order, states updated in place, the rest untouched."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_groups,gated_norm", [(1, "after_gate"), (2, "before_gate"), (4, None), (2, "after_gate")])
+def test_mamba2_step(ops, dtype, num_groups, gated_norm):
+    """Mamba-2's decode step from the conv's output to out_proj's input: dt and gate as views into
+    in_proj's wider rows (as the mixer splits them), sequences in pool rows out of order, clamped
+    time steps, states updated in place and the other rows untouched."""
+    from workers.families import Mamba2Traits
+    from workers.mamba2 import Mamba2Weights
+
     reference, native = ops
     torch.manual_seed(num_groups)
     num_seqs, heads, head_dim, state_size = 3, 4, 16, 24
-    inner, width = heads * head_dim, num_groups * state_size
-    xbc = torch.randn(num_seqs, inner + 2 * width + 5)
-    u = xbc[:, :inner].view(num_seqs, heads, head_dim)
-    B = xbc[:, inner:inner + width].view(num_seqs, num_groups, state_size)
-    C = xbc[:, inner + width:inner + 2 * width].view(num_seqs, num_groups, state_size)
-    dt, decay_rate = torch.rand(num_seqs, heads) + 0.05, -torch.rand(heads) * 2
+    traits = Mamba2Traits(num_heads=heads, head_dim=head_dim, num_groups=num_groups, state_size=state_size,
+                          conv_kernel=4, chunk_size=8, time_step_min=0.01, time_step_max=1.5, gated_norm=gated_norm)
+    weights = Mamba2Weights(in_proj=None, in_proj_bias=None, conv=torch.empty(0), conv_bias=None,
+                            dt_bias=torch.randn(heads), decay_rate=-torch.rand(heads) * 2, skip=torch.randn(heads),
+                            norm=None if gated_norm is None else (torch.rand(traits.inner) + 0.5).to(dtype),
+                            out_proj=None, out_proj_bias=None)
+    projected = (torch.randn(num_seqs, traits.inner + traits.conv_channels + heads) * 2).to(dtype)
+    gate, _, dt = projected.split([traits.inner, traits.conv_channels, heads], dim=-1)
+    xbc = torch.randn(num_seqs, traits.conv_channels).to(dtype)
     states, rows = torch.randn(6, heads, head_dim, state_size), torch.tensor([4, 0, 2])
     expected_states = states.clone()
-    expected = reference.ssm_step(u, dt, decay_rate, B, C, expected_states, rows)
-    y = native.ssm_step(u, dt, decay_rate, B, C, states, rows)
-    torch.testing.assert_close(y, expected, **TOLERANCE[torch.float32])
+    expected = reference.mamba2_step(xbc, dt, gate, weights, traits, expected_states, rows)
+    out = native.mamba2_step(xbc, dt, gate, weights, traits, states, rows)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(states, expected_states, **TOLERANCE[torch.float32])  # the other rows as they were
 
 

@@ -17,7 +17,7 @@ from workers.families import FamilyTraits, mamba2_traits
 from workers.linear import TorchLinear
 from workers.kernels.native import NativeBuildError
 from workers.layer_ops import NativeOps, TorchOps
-from workers.mamba2 import Mamba2Mixer, read_mamba2_weights, segment_sums, ssd_scan
+from workers.mamba2 import Mamba2Mixer, read_mamba2_weights, segment_sums, ssd_scan, ssm_step
 from workers.model import _WeightReader
 
 HIDDEN, CHUNK = 24, 8
@@ -167,8 +167,7 @@ def test_a_broken_state_before_a_decode_is_caught(layers, model, between):
 
 
 def test_the_chunked_scan_equals_the_recurrence_from_a_carried_state():
-    """ssd_scan over 2.5 chunks from a nonzero state = the reference step token by token (the final
-    state too)."""
+    """ssd_scan over 2.5 chunks from a nonzero state = ssm_step token by token (the final state too)."""
     torch.manual_seed(3)
     n, heads, head_dim, state_size = 21, 3, 4, 5
     u, B, C = torch.randn(n, heads, head_dim), torch.randn(n, heads, state_size), torch.randn(n, heads, state_size)
@@ -176,8 +175,7 @@ def test_the_chunked_scan_equals_the_recurrence_from_a_carried_state():
     initial = torch.randn(heads, head_dim, state_size)
     y, final = ssd_scan(u, dt, decay_rate, B, C, initial, chunk_size=CHUNK)
     states, row = initial.clone().unsqueeze(0), torch.tensor([0])
-    step = TorchOps().ssm_step  # one group per head
-    steps = [step(u[i:i + 1], dt[i:i + 1], decay_rate, B[i:i + 1], C[i:i + 1], states, row) for i in range(n)]
+    steps = [ssm_step(u[i:i + 1], dt[i:i + 1], decay_rate, B[i:i + 1], C[i:i + 1], states, row) for i in range(n)]
     torch.testing.assert_close(y, torch.cat(steps), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, states[0], atol=1e-5, rtol=1e-5)
 

@@ -287,11 +287,26 @@ class SampleArgs(ctypes.Structure):
     ]
 
 
+class Mamba2StepArgs(ctypes.Structure):
+    """Mirror of Mamba2StepArgs: Mamba-2's decode step (csrc/recurrent.c)."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("xbc", "dt", "gate", "norm", "dt_bias", "decay_rate", "skip",
+                                                        "states", "scratch", "out", "rows")),
+                *((name, ctypes.c_int64) for name in ("num_seqs", "num_heads", "head_dim", "state_size", "num_groups",
+                                                       "xbc_stride", "dt_stride", "gate_stride")),
+                *((name, ctypes.c_float) for name in ("time_step_min", "time_step_max", "eps")),
+                *((name, ctypes.c_int32) for name in ("norm_mode", "dtype", "num_threads"))]
+
+
+# Mamba2StepArgs.norm_mode, by Mamba2Traits.gated_norm (csrc/entry_points.h)
+MAMBA2_NORM_MODES = {None: 0, "after_gate": 1, "before_gate": 2}
+
+
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 LAYOUT_MIRRORS = {"rayllm_layout_attention_args": AttentionArgs, "rayllm_layout_layer_args": LayerArgs,
                   "rayllm_layout_forward_args": ForwardArgs, "rayllm_layout_sample_args": SampleArgs,
                   "rayllm_layout_lora_part": LoraPart, "rayllm_layout_lora_segment": LoraSegment,
-                  "rayllm_layout_lora_step": LoraStep}
+                  "rayllm_layout_lora_step": LoraStep, "rayllm_layout_mamba2_step_args": Mamba2StepArgs}
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
     **{entry_point: [_P, _P, _I64] for entry_point in LAYOUT_MIRRORS},  # offsets, names, capacity -> count
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
@@ -342,9 +357,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
     # x, x_stride, weight, bias, states, rows, out, num_seqs, channels, kernel, silu, dtype, num_threads
     "rayllm_conv_step": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
-    # u, dt, decay_rate, B, C, states, rows, y, num_seqs, num_heads, head_dim, state_size, num_groups,
-    # u_stride, bc_stride, num_threads (fp32)
-    "rayllm_ssm_step": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
+    "rayllm_mamba2_step": [ctypes.POINTER(Mamba2StepArgs)],
 }
 
 

@@ -159,13 +159,25 @@ int rayllm_layout_lora_step(int64_t *offsets, char *names, int64_t capacity);
 int rayllm_conv_step(const void *x, int64_t x_stride, const void *weight, const void *bias, void *states,
                      const int64_t *rows, void *out, int64_t num_seqs, int64_t channels, int64_t kernel, int32_t silu,
                      int32_t dtype, int32_t num_threads);
-/* recurrent.c: Mamba-2's recurrent step of num_seqs sequences, fp32, on states [rows, H, P, N] in
- * place: u [s, H, P] (rows u_stride apart), dt [s, H], decay_rate [H], B and C [s, G, N] (rows
- * bc_stride apart), rows [s] -> y [s, H, P] (no D term). */
-int rayllm_ssm_step(const float *u, const float *dt, const float *decay_rate, const float *B, const float *C,
-                    float *states, const int64_t *rows, float *y, int64_t num_seqs, int64_t num_heads,
-                    int64_t head_dim, int64_t state_size, int64_t num_groups, int64_t u_stride, int64_t bc_stride,
-                    int32_t num_threads);
+/* recurrent.c: Mamba-2's decode step of num_seqs sequences, from the conv's output to out_proj's
+ * input, on states [rows, H, P, N] fp32 in place (the contract is in recurrent.c). */
+enum { MAMBA2_NO_NORM = 0, MAMBA2_NORM_AFTER_GATE = 1, MAMBA2_NORM_BEFORE_GATE = 2 };
+typedef struct {
+    const void *xbc;  /* [s, H P + 2 G N] in dtype: u ++ B ++ C, rows xbc_stride apart */
+    const void *dt;   /* [s, H] in dtype: in_proj's dt, before dt_bias and softplus, rows dt_stride apart */
+    const void *gate; /* [s, H P] in dtype, rows gate_stride apart */
+    const void *norm; /* [H P] in dtype: the gated RMSNorm's weight, or NULL with MAMBA2_NO_NORM */
+    const float *dt_bias, *decay_rate, *skip; /* [H] each: dt_bias, A = -exp(A_log), D */
+    float *states;    /* [rows, H, P, N] */
+    float *scratch;   /* [s, H P]: y */
+    void *out;        /* [s, H P] in dtype, contiguous */
+    const int64_t *rows; /* [s] */
+    int64_t num_seqs, num_heads, head_dim, state_size, num_groups, xbc_stride, dt_stride, gate_stride;
+    float time_step_min, time_step_max, eps;
+    int32_t norm_mode, dtype, num_threads;
+} Mamba2StepArgs;
+int rayllm_mamba2_step(const Mamba2StepArgs *a);
+int rayllm_layout_mamba2_step_args(int64_t *offsets, char *names, int64_t capacity);
 
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */

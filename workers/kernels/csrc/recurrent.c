@@ -9,15 +9,22 @@
  * the window moves on by one token: w = w[1:] ++ x[s]. In torch that was a gather, K multiply-adds
  * over whole rows, a concatenation and a scatter: about 1 ms a layer at batch 16, for 400 KB.
  *
- * Mamba-2 (rayllm_ssm_step; workers/mamba2.py):
+ * Mamba-2 (rayllm_mamba2_step; workers/mamba2.py's gated_step is the reference), from the conv's
+ * SiLU'd output xbc = u ++ B ++ C and in_proj's dt and gate to the gated, normed y that out_proj
+ * takes:
  * Per sequence s, head h (group g = h / (H / G)) and channel p of the head:
  *     decay    = exp(dt[s, h] * A[h])
  *     h[p, n]  = decay * h[p, n] + dt[s, h] * u[s, h, p] * B[s, g, n]     over the state size N
- *     y[s,h,p] = sum_n h[p, n] * C[s, g, n]
- * with h the row rows[s] of the pool. Each state is read once, updated, written back and reduced
- * in the same pass; in torch the step was five passes over the states (gather, decay, add,
- * scatter, contraction), each through memory at batch 16. A (sequence, head) pair is one item of
- * the thread pool: P x N x 4 bytes of state (32 KiB at Granite 4.0-H's 64 x 128). */
+ *     y[s,h,p] = sum_n h[p, n] * C[s, g, n] + D[h] * u[s, h, p]
+ * with dt = softplus(dt_raw + dt_bias) clamped, and h the row rows[s] of the pool. Each state is
+ * read once, updated, written back and reduced in the same pass; in torch the step was five passes
+ * over the states (gather, decay, add, scatter, contraction), each through memory at batch 16. A
+ * (sequence, head) pair is one item of the thread pool: P x N x 4 bytes of state (32 KiB at
+ * Granite 4.0-H's 64 x 128). Then per sequence and group of inner / G values, in fp32:
+ *     MAMBA2_NORM_AFTER_GATE:  out = rms_norm(y * silu(gate)) * weight      (Granite 4.0-H)
+ *     MAMBA2_NORM_BEFORE_GATE: out = rms_norm(y) * weight * silu(gate)      (Falcon-H1)
+ *     MAMBA2_NO_NORM:          out = y * silu(gate)
+ * rounded to the dtype once. In torch these were about twenty ops a layer. */
 #include <math.h>
 
 #include "entry_points.h"
@@ -97,48 +104,105 @@ int rayllm_conv_step(const void *x, int64_t x_stride, const void *weight, const 
     return 0;
 }
 
-typedef struct {
-    const float *u, *dt, *decay_rate, *B, *C;
-    float *states, *y;
-    const int64_t *rows;
-    int64_t num_heads, head_dim, state_size, heads_per_group;
-    int64_t u_stride, bc_stride; /* elements between one sequence's u (B, C) and the next's */
-} SsmStep;
+#define MAMBA2_MAX_STATE 1024
 
-static void ssm_step_item(void *context, int64_t item) {
-    const SsmStep *a = context;
-    const int64_t s = item / a->num_heads, h = item % a->num_heads, N = a->state_size, P = a->head_dim;
-    const int64_t g = h / a->heads_per_group;
-    const float dt = a->dt[s * a->num_heads + h];
-    const float decay = expf(dt * a->decay_rate[h]);
-    const float *u = a->u + s * a->u_stride + h * P;
-    const float *B = a->B + s * a->bc_stride + g * N, *C = a->C + s * a->bc_stride + g * N;
-    float *state = a->states + (a->rows[s] * a->num_heads + h) * P * N;
-    float *y = a->y + (s * a->num_heads + h) * P;
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* F.softplus's threshold */
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static void mamba2_state_item(void *context, int64_t item) {
+    const Mamba2StepArgs *a = context;
+    const int dtype = a->dtype;
+    const int64_t H = a->num_heads, P = a->head_dim, N = a->state_size, inner = H * P;
+    const int64_t s = item / H, h = item % H, g = h / (H / a->num_groups);
+    const float dt_raw = load_element(a->dt, s * a->dt_stride + h, dtype) + a->dt_bias[h];
+    const float dt = fminf(fmaxf(softplus(dt_raw), a->time_step_min), a->time_step_max);
+    const float decay = expf(dt * a->decay_rate[h]), skip = a->skip[h];
+    const int64_t row = s * a->xbc_stride;
+    float B[MAMBA2_MAX_STATE], C[MAMBA2_MAX_STATE];
+    for (int64_t n = 0; n < N; n++) {
+        B[n] = load_element(a->xbc, row + inner + g * N + n, dtype);
+        C[n] = load_element(a->xbc, row + inner + (a->num_groups + g) * N + n, dtype);
+    }
+    float *state = a->states + (a->rows[s] * H + h) * P * N;
+    float *y = a->scratch + s * inner + h * P;
     for (int64_t p = 0; p < P; p++) {
-        float *row = state + p * N;
-        const float input = dt * u[p];
+        float *values = state + p * N;
+        const float u = load_element(a->xbc, row + h * P + p, dtype), input = dt * u;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t n = 0; n < N; n++) {
-            const float next = decay * row[n] + input * B[n];
-            row[n] = next;
+            const float next = decay * values[n] + input * B[n];
+            values[n] = next;
             sum += next * C[n];
         }
-        y[p] = sum;
+        y[p] = sum + skip * u;
     }
 }
 
-int rayllm_ssm_step(const float *u, const float *dt, const float *decay_rate, const float *B, const float *C,
-                    float *states, const int64_t *rows, float *y, int64_t num_seqs, int64_t num_heads,
-                    int64_t head_dim, int64_t state_size, int64_t num_groups, int64_t u_stride, int64_t bc_stride,
-                    int32_t num_threads) {
-    if (num_seqs < 0 || num_heads <= 0 || head_dim <= 0 || state_size <= 0 || num_groups <= 0 ||
-        num_heads % num_groups != 0)
+static void mamba2_gate_item(void *context, int64_t item) {
+    const Mamba2StepArgs *a = context;
+    const int dtype = a->dtype;
+    const int64_t inner = a->num_heads * a->head_dim, width = inner / a->num_groups;
+    const int64_t s = item / a->num_groups, first = item % a->num_groups * width;
+    float *y = a->scratch + s * inner + first;
+    const int64_t gate = s * a->gate_stride + first;
+    if (a->norm_mode == MAMBA2_NORM_AFTER_GATE)
+        for (int64_t i = 0; i < width; i++) y[i] *= silu(load_element(a->gate, gate + i, dtype));
+    float scale = 1.0f;
+    if (a->norm_mode != MAMBA2_NO_NORM) {
+        float squares = 0.0f;
+        for (int64_t i = 0; i < width; i++) squares += y[i] * y[i];
+        scale = 1.0f / sqrtf(squares / (float)width + a->eps);
+    }
+    void *out = (char *)a->out + s * inner * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int64_t i = 0; i < width; i++) {
+        float value = y[i];
+        if (a->norm_mode != MAMBA2_NO_NORM) value = value * scale * load_element(a->norm, first + i, dtype);
+        if (a->norm_mode != MAMBA2_NORM_AFTER_GATE) value *= silu(load_element(a->gate, gate + i, dtype));
+        store_element(out, first + i, value, dtype);
+    }
+}
+
+int rayllm_mamba2_step(const Mamba2StepArgs *a) {
+    const int64_t H = a->num_heads;
+    if (a->num_seqs < 0 || H <= 0 || a->head_dim <= 0 || a->state_size <= 0 || a->state_size > MAMBA2_MAX_STATE ||
+        a->num_groups <= 0 || H % a->num_groups != 0 || (a->dtype != DTYPE_F32 && a->dtype != DTYPE_BF16) ||
+        a->norm_mode < MAMBA2_NO_NORM || a->norm_mode > MAMBA2_NORM_BEFORE_GATE ||
+        (a->norm_mode != MAMBA2_NO_NORM && a->norm == NULL))
         return 1;
-    SsmStep step = {u, dt, decay_rate, B, C, states, y, rows, num_heads, head_dim, state_size,
-                    num_heads / num_groups, u_stride, bc_stride};
-    const int64_t items = num_seqs * num_heads;
-    rayllm_parallel_for(items, items > 1 && num_threads > 1 ? num_threads : 1, ssm_step_item, &step);
+    const int64_t heads = a->num_seqs * H, groups = a->num_seqs * a->num_groups;
+    rayllm_parallel_for(heads, heads > 1 && a->num_threads > 1 ? a->num_threads : 1, mamba2_state_item, (void *)a);
+    rayllm_parallel_for(groups, groups > 1 && a->num_threads > 1 ? a->num_threads : 1, mamba2_gate_item, (void *)a);
     return 0;
+}
+
+int rayllm_layout_mamba2_step_args(int64_t *offsets, char *names, int64_t capacity) {
+    LAYOUT_BEGIN(Mamba2StepArgs)
+    LAYOUT_FIELD(Mamba2StepArgs, xbc)
+    LAYOUT_FIELD(Mamba2StepArgs, dt)
+    LAYOUT_FIELD(Mamba2StepArgs, gate)
+    LAYOUT_FIELD(Mamba2StepArgs, norm)
+    LAYOUT_FIELD(Mamba2StepArgs, dt_bias)
+    LAYOUT_FIELD(Mamba2StepArgs, decay_rate)
+    LAYOUT_FIELD(Mamba2StepArgs, skip)
+    LAYOUT_FIELD(Mamba2StepArgs, states)
+    LAYOUT_FIELD(Mamba2StepArgs, scratch)
+    LAYOUT_FIELD(Mamba2StepArgs, out)
+    LAYOUT_FIELD(Mamba2StepArgs, rows)
+    LAYOUT_FIELD(Mamba2StepArgs, num_seqs)
+    LAYOUT_FIELD(Mamba2StepArgs, num_heads)
+    LAYOUT_FIELD(Mamba2StepArgs, head_dim)
+    LAYOUT_FIELD(Mamba2StepArgs, state_size)
+    LAYOUT_FIELD(Mamba2StepArgs, num_groups)
+    LAYOUT_FIELD(Mamba2StepArgs, xbc_stride)
+    LAYOUT_FIELD(Mamba2StepArgs, dt_stride)
+    LAYOUT_FIELD(Mamba2StepArgs, gate_stride)
+    LAYOUT_FIELD(Mamba2StepArgs, time_step_min)
+    LAYOUT_FIELD(Mamba2StepArgs, time_step_max)
+    LAYOUT_FIELD(Mamba2StepArgs, eps)
+    LAYOUT_FIELD(Mamba2StepArgs, norm_mode)
+    LAYOUT_FIELD(Mamba2StepArgs, dtype)
+    LAYOUT_FIELD(Mamba2StepArgs, num_threads)
+    return n;
 }
