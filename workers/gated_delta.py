@@ -118,25 +118,24 @@ class GatedDeltaMixer:
         conv_states, matrices = pool
         mixed, z, b, a = self._project(model, x)
         mixed = F.silu(causal_conv(mixed, self.weights.conv, None, conv_states[row]))
-        q, k, v, g, beta = self._heads(mixed, b, a)
+        q, k, v, g, beta = heads(mixed, b, a, self.weights, self.traits)
         if x.shape[0] == 1:
             out = delta_rule_step_(q, k, v, g, beta, matrices[row:row + 1])
         else:
             out = chunked_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(),
                                      matrices[row]).transpose(0, 1)
-        return self._output(model, out, z)
+        gated = gated_rms_norm(out.to(z.dtype), z.view(out.shape), self.weights.norm, self.eps)
+        return model.linear(gated.reshape(x.shape[0], self.traits.value_dim), self.weights.out, None)
 
     def decode(self, model, x: torch.Tensor, pool: StatePool, rows: torch.Tensor) -> torch.Tensor:
-        """One token of each of s sequences x [s, hidden] -> [s, hidden]; their rows [s] of the pool updated."""
+        """One token of each of s sequences x [s, hidden] -> [s, hidden]; their rows [s] of the pool
+        updated, in the layer ops (our C kernels on CPU)."""
         conv_states, matrices = pool
         mixed, z, b, a = self._project(model, x)
         mixed = model.ops.conv_step(mixed, self.weights.conv, None, conv_states, rows, silu=True)
-        q, k, v, g, beta = self._heads(mixed, b, a)
-        states = self.scratch.rows(rows.shape[0], matrices)
-        torch.index_select(matrices, 0, rows, out=states)
-        out = delta_rule_step_(q, k, v, g, beta, states)
-        matrices.index_copy_(0, rows, states)
-        return self._output(model, out, z)
+        gated = model.ops.gated_delta_step(mixed, z, b, a, self.weights, self.traits, self.eps, matrices, rows,
+                                           self.scratch)
+        return model.linear(gated, self.weights.out, None)
 
     def _project(self, model, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [n, hidden] -> q ++ k ++ v [n, conv_channels], z [n, value_dim], b [n, Hv], a [n, Hv]."""
@@ -144,24 +143,36 @@ class GatedDeltaMixer:
         projected = model.linear(x, self.weights.in_proj, None)
         return projected.split([t.conv_channels, t.value_dim, t.num_v_heads, t.num_v_heads], dim=1)
 
-    def _heads(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The convolved q ++ k ++ v [n, conv_channels] and b, a [n, Hv] -> fp32 q, k [n, Hv, dk]
-        (normed, q scaled, each key head repeated for its value heads), v [n, Hv, dv], g, beta [n, Hv]."""
-        t, n = self.traits, mixed.shape[0]
-        q, k, v = mixed.split([t.key_dim, t.key_dim, t.value_dim], dim=1)
-        q = _l2_normed(q.float().view(n, t.num_k_heads, t.head_k_dim)) * t.head_k_dim**-0.5
-        k = _l2_normed(k.float().view(n, t.num_k_heads, t.head_k_dim))
-        per_group = t.num_v_heads // t.num_k_heads
-        if per_group > 1:
-            q, k = q.repeat_interleave(per_group, dim=1), k.repeat_interleave(per_group, dim=1)
-        g = self.weights.neg_decay_rate * F.softplus(a.float() + self.weights.dt_bias)
-        return q, k, v.float().view(n, t.num_v_heads, t.head_v_dim), g, torch.sigmoid(b).float()
 
-    def _output(self, model, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The attention's fp32 out [n, Hv, dv] and the gate z [n, value_dim] -> out_proj(gated norm) [n, hidden]."""
-        n, dtype = out.shape[0], z.dtype
-        gated = gated_rms_norm(out.to(dtype), z.view(out.shape), self.weights.norm, self.eps)
-        return model.linear(gated.reshape(n, self.traits.value_dim), self.weights.out, None)
+def heads(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: GatedDeltaWeights,
+          t: GatedDeltaTraits) -> tuple[torch.Tensor, ...]:
+    """The convolved q ++ k ++ v [n, conv_channels] and b, a [n, Hv] -> fp32 q, k [n, Hv, dk]
+    (normed, q scaled, each key head repeated for its value heads), v [n, Hv, dv], g, beta [n, Hv]."""
+    n = mixed.shape[0]
+    q, k, v = mixed.split([t.key_dim, t.key_dim, t.value_dim], dim=1)
+    q = _l2_normed(q.float().view(n, t.num_k_heads, t.head_k_dim)) * t.head_k_dim**-0.5
+    k = _l2_normed(k.float().view(n, t.num_k_heads, t.head_k_dim))
+    per_group = t.num_v_heads // t.num_k_heads
+    if per_group > 1:
+        q, k = q.repeat_interleave(per_group, dim=1), k.repeat_interleave(per_group, dim=1)
+    g = w.neg_decay_rate * F.softplus(a.float() + w.dt_bias)
+    return q, k, v.float().view(n, t.num_v_heads, t.head_v_dim), g, torch.sigmoid(b).float()
+
+
+def gated_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: GatedDeltaWeights,
+               t: GatedDeltaTraits, eps: float, matrices: torch.Tensor, rows: torch.Tensor,
+               scratch: DecodeScratch | None = None) -> torch.Tensor:
+    """A decode step of s sequences from the conv's SiLU'd q ++ k ++ v [s, conv_channels] and
+    in_proj's z [s, value_dim], b and a [s, Hv] to out_proj's input [s, value_dim] in z's dtype;
+    matrices [num_rows, Hv, dk, dv] fp32 (matrices[rows] updated). The layer ops' reference
+    (workers/layer_ops.py)."""
+    q, k, v, g, beta = heads(mixed, b, a, w, t)
+    states = (scratch or DecodeScratch()).rows(rows.shape[0], matrices)
+    torch.index_select(matrices, 0, rows, out=states)
+    out = delta_rule_step_(q, k, v, g, beta, states)
+    matrices.index_copy_(0, rows, states)
+    gated = gated_rms_norm(out.to(z.dtype), z.view(out.shape), w.norm, eps)
+    return gated.reshape(rows.shape[0], t.value_dim)
 
 
 def _l2_normed(x: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,11 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from workers.families import Mamba2Traits
-from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, MAMBA2_NORM_MODES, Mamba2StepArgs, check_status,
-                                    native_available, native_library)
+from workers import gated_delta
+from workers.families import GatedDeltaTraits, Mamba2Traits
+from workers.gated_delta import DecodeScratch, GatedDeltaWeights
+from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, MAMBA2_NORM_MODES, GatedDeltaStepArgs,
+                                    Mamba2StepArgs, check_status, native_available, native_library)
 from workers.mamba2 import Mamba2Weights, gated_step
 from workers.recurrent import causal_conv_step
 from workers.rope import RotaryEmbedding, apply_rotary
@@ -111,6 +113,13 @@ class TorchOps:
         """Mamba-2's decode step of s sequences from the conv's output to out_proj's input
         (workers/mamba2.py's gated_step, the reference)."""
         return gated_step(xbc, dt, gate, weights, traits, states, rows)
+
+    def gated_delta_step(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                         weights: GatedDeltaWeights, traits: GatedDeltaTraits, eps: float, matrices: torch.Tensor,
+                         rows: torch.Tensor, scratch: DecodeScratch | None = None) -> torch.Tensor:
+        """The Gated DeltaNet's decode step of s sequences from the conv's output to out_proj's input
+        (workers/gated_delta.py's gated_step, the reference)."""
+        return gated_delta.gated_step(mixed, z, b, a, weights, traits, eps, matrices, rows, scratch)
 
 
 class NativeOps:
@@ -212,6 +221,27 @@ class NativeOps:
             t.num_groups, xbc.stride(0), dt.stride(0), gate.stride(0), t.time_step_min, t.time_step_max,
             t.norm_eps, MAMBA2_NORM_MODES[t.gated_norm], DTYPE_CODES[dtype], torch.get_num_threads())
         check_status(self.library.rayllm_mamba2_step(ctypes.byref(args)), "rayllm_mamba2_step")
+        return out
+
+    def gated_delta_step(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                         weights: GatedDeltaWeights, traits: GatedDeltaTraits, eps: float, matrices: torch.Tensor,
+                         rows: torch.Tensor, scratch: DecodeScratch | None = None) -> torch.Tensor:
+        """TorchOps.gated_delta_step in two passes over each state (csrc/recurrent.c), fp32 inside,
+        out in z's dtype; no scratch (the states are updated where they lie)."""
+        t, w = traits, weights
+        num_seqs, dtype = mixed.shape[0], mixed.dtype
+        assert dtype in DTYPE_CODES and z.dtype == b.dtype == a.dtype == w.norm.dtype == dtype
+        assert mixed.stride(1) == z.stride(1) == b.stride(1) == a.stride(1) == 1 and b.stride(0) == a.stride(0)
+        assert matrices.dtype == torch.float32 and matrices.is_contiguous()
+        assert matrices.shape[1:] == (t.num_v_heads, t.head_k_dim, t.head_v_dim)
+        assert rows.dtype == torch.int64 and rows.is_contiguous()
+        out = torch.empty(num_seqs, t.value_dim, dtype=dtype)
+        args = GatedDeltaStepArgs(
+            mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), w.norm.data_ptr(), w.dt_bias.data_ptr(),
+            w.neg_decay_rate.data_ptr(), matrices.data_ptr(), out.data_ptr(), rows.data_ptr(), num_seqs,
+            t.num_k_heads, t.num_v_heads, t.head_k_dim, t.head_v_dim, mixed.stride(0), z.stride(0), b.stride(0),
+            eps, DTYPE_CODES[dtype], torch.get_num_threads())
+        check_status(self.library.rayllm_gated_delta_step(ctypes.byref(args)), "rayllm_gated_delta_step")
         return out
 
 LAYER_OPS = ("torch", "native")

@@ -200,3 +200,31 @@ def test_conv_step(ops, dtype, kernel, silu, with_bias):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     assert torch.equal(states, expected_states)  # the windows hold inputs: moved, never rounded
     assert torch.equal(states[rows, -1], x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_k_heads,num_v_heads", [(2, 2), (2, 4)])
+def test_gated_delta_step(ops, dtype, num_k_heads, num_v_heads):
+    """The Gated DeltaNet's decode step from the conv's output to out_proj's input: z, b and a as
+    views into in_proj's wider rows (as the mixer splits them), key heads shared by value heads,
+    sequences in pool rows out of order, states updated in place and the other rows untouched."""
+    from workers.families import GatedDeltaTraits
+    from workers.gated_delta import GatedDeltaWeights
+
+    reference, native = ops
+    torch.manual_seed(num_v_heads)
+    num_seqs, head_k_dim, head_v_dim = 3, 16, 24
+    traits = GatedDeltaTraits(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
+                              head_v_dim=head_v_dim, conv_kernel=4)
+    weights = GatedDeltaWeights(in_proj=None, conv=torch.empty(0), dt_bias=torch.randn(num_v_heads),
+                                neg_decay_rate=-torch.rand(num_v_heads) * 2,
+                                norm=(torch.rand(head_v_dim) + 0.5).to(dtype), out=None)
+    projected = torch.randn(num_seqs, traits.conv_channels + traits.value_dim + 2 * num_v_heads).to(dtype)
+    mixed, z, b, a = projected.split([traits.conv_channels, traits.value_dim, num_v_heads, num_v_heads], dim=1)
+    matrices, rows = torch.randn(6, num_v_heads, head_k_dim, head_v_dim) * 0.3, torch.tensor([4, 0, 2])
+    expected_matrices = matrices.clone()
+    expected = reference.gated_delta_step(mixed, z, b, a, weights, traits, 1e-6, expected_matrices, rows)
+    out = native.gated_delta_step(mixed, z, b, a, weights, traits, 1e-6, matrices, rows)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(matrices, expected_matrices, **TOLERANCE[torch.float32])

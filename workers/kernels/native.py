@@ -298,6 +298,16 @@ class Mamba2StepArgs(ctypes.Structure):
                 *((name, ctypes.c_int32) for name in ("norm_mode", "dtype", "num_threads"))]
 
 
+class GatedDeltaStepArgs(ctypes.Structure):
+    """Mirror of GatedDeltaStepArgs: the Gated DeltaNet's decode step (csrc/recurrent.c)."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("mixed", "z", "b", "a", "norm", "dt_bias", "neg_decay_rate",
+                                                        "states", "out", "rows")),
+                *((name, ctypes.c_int64) for name in ("num_seqs", "num_k_heads", "num_v_heads", "head_k_dim",
+                                                       "head_v_dim", "mixed_stride", "z_stride", "ba_stride")),
+                ("eps", ctypes.c_float), ("dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+
+
 # Mamba2StepArgs.norm_mode, by Mamba2Traits.gated_norm (csrc/entry_points.h)
 MAMBA2_NORM_MODES = {None: 0, "after_gate": 1, "before_gate": 2}
 
@@ -306,7 +316,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 LAYOUT_MIRRORS = {"rayllm_layout_attention_args": AttentionArgs, "rayllm_layout_layer_args": LayerArgs,
                   "rayllm_layout_forward_args": ForwardArgs, "rayllm_layout_sample_args": SampleArgs,
                   "rayllm_layout_lora_part": LoraPart, "rayllm_layout_lora_segment": LoraSegment,
-                  "rayllm_layout_lora_step": LoraStep, "rayllm_layout_mamba2_step_args": Mamba2StepArgs}
+                  "rayllm_layout_lora_step": LoraStep, "rayllm_layout_mamba2_step_args": Mamba2StepArgs,
+                  "rayllm_layout_gated_delta_step_args": GatedDeltaStepArgs}
 _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() ints); all return int status
     **{entry_point: [_P, _P, _I64] for entry_point in LAYOUT_MIRRORS},  # offsets, names, capacity -> count
     "rayllm_paged_attention": [ctypes.POINTER(AttentionArgs)],
@@ -358,6 +369,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # x, x_stride, weight, bias, states, rows, out, num_seqs, channels, kernel, silu, dtype, num_threads
     "rayllm_conv_step": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     "rayllm_mamba2_step": [ctypes.POINTER(Mamba2StepArgs)],
+    "rayllm_gated_delta_step": [ctypes.POINTER(GatedDeltaStepArgs)],
 }
 
 

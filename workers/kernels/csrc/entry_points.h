@@ -179,6 +179,24 @@ typedef struct {
 int rayllm_mamba2_step(const Mamba2StepArgs *a);
 int rayllm_layout_mamba2_step_args(int64_t *offsets, char *names, int64_t capacity);
 
+/* recurrent.c: the Gated DeltaNet's decode step of num_seqs sequences, from the conv's output to
+ * out_proj's input, on states [rows, Hv, dk, dv] fp32 in place (the contract is in recurrent.c). */
+typedef struct {
+    const void *mixed; /* [s, 2 Hk dk + Hv dv] in dtype: q ++ k ++ v, rows mixed_stride apart */
+    const void *z;     /* [s, Hv dv] in dtype, rows z_stride apart */
+    const void *b, *a; /* [s, Hv] each in dtype, rows ba_stride apart */
+    const void *norm;  /* [dv] in dtype: the gated RMSNorm's weight */
+    const float *dt_bias, *neg_decay_rate; /* [Hv] each */
+    float *states;     /* [rows, Hv, dk, dv] */
+    void *out;         /* [s, Hv dv] in dtype, contiguous */
+    const int64_t *rows; /* [s] */
+    int64_t num_seqs, num_k_heads, num_v_heads, head_k_dim, head_v_dim, mixed_stride, z_stride, ba_stride;
+    float eps;
+    int32_t dtype, num_threads;
+} GatedDeltaStepArgs;
+int rayllm_gated_delta_step(const GatedDeltaStepArgs *a);
+int rayllm_layout_gated_delta_step_args(int64_t *offsets, char *names, int64_t capacity);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);

@@ -24,7 +24,16 @@
  *     MAMBA2_NORM_AFTER_GATE:  out = rms_norm(y * silu(gate)) * weight      (Granite 4.0-H)
  *     MAMBA2_NORM_BEFORE_GATE: out = rms_norm(y) * weight * silu(gate)      (Falcon-H1)
  *     MAMBA2_NO_NORM:          out = y * silu(gate)
- * rounded to the dtype once. In torch these were about twenty ops a layer. */
+ * rounded to the dtype once. In torch these were about twenty ops a layer.
+ *
+ * The Gated DeltaNet (rayllm_gated_delta_step; workers/gated_delta.py's gated_step is the
+ * reference), from the conv's SiLU'd output q ++ k ++ v and in_proj's z, b and a to out_proj's
+ * input: per sequence and value head (key head hk = hv / (Hv / Hk)), in fp32,
+ *     q = l2norm(q[hk]) / sqrt(dk), k = l2norm(k[hk]), beta = sigmoid(b) (in the dtype), decay = exp(g)
+ *     with g = -exp(A_log) softplus(a + dt_bias)
+ *     S = decay S;  p = k^T S;  S += k (beta (v - p))^T;  o = q^T S       S [dk, dv], two passes
+ *     out = rms_norm(o) * weight * silu(z)                                  per value head
+ * rounding to the dtype where transformers' Qwen3NextRMSNormGated does. */
 #include <math.h>
 
 #include "entry_points.h"
@@ -204,5 +213,108 @@ int rayllm_layout_mamba2_step_args(int64_t *offsets, char *names, int64_t capaci
     LAYOUT_FIELD(Mamba2StepArgs, norm_mode)
     LAYOUT_FIELD(Mamba2StepArgs, dtype)
     LAYOUT_FIELD(Mamba2StepArgs, num_threads)
+    return n;
+}
+
+#define GATED_DELTA_MAX_DIM 1024
+#define L2_NORM_EPS 1e-6f /* workers/gated_delta.py's */
+
+static inline float round_to(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+/* x [d] loaded from the dtype and divided by its L2 norm (times scale). */
+static inline void load_l2_normed(float *x, const void *base, int64_t first, int64_t d, int dtype, float scale) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        x[i] = load_element(base, first + i, dtype);
+        squares += x[i] * x[i];
+    }
+    const float factor = scale / sqrtf(squares + L2_NORM_EPS);
+    for (int64_t i = 0; i < d; i++) x[i] *= factor;
+}
+
+static void gated_delta_item(void *context, int64_t item) {
+    const GatedDeltaStepArgs *a = context;
+    const int dtype = a->dtype, bf16 = dtype == DTYPE_BF16;
+    const int64_t Hv = a->num_v_heads, dk = a->head_k_dim, dv = a->head_v_dim;
+    const int64_t s = item / Hv, hv = item % Hv, hk = hv / (Hv / a->num_k_heads), key_dim = a->num_k_heads * dk;
+    const int64_t row = s * a->mixed_stride;
+    float q[GATED_DELTA_MAX_DIM], k[GATED_DELTA_MAX_DIM], v[GATED_DELTA_MAX_DIM], p[GATED_DELTA_MAX_DIM];
+    load_l2_normed(q, a->mixed, row + hk * dk, dk, dtype, 1.0f / sqrtf((float)dk));
+    load_l2_normed(k, a->mixed, row + key_dim + hk * dk, dk, dtype, 1.0f);
+    for (int64_t j = 0; j < dv; j++) v[j] = load_element(a->mixed, row + 2 * key_dim + hv * dv + j, dtype);
+    const float beta = round_to(1.0f / (1.0f + expf(-load_element(a->b, s * a->ba_stride + hv, dtype))), bf16);
+    const float g = a->neg_decay_rate[hv] * softplus(load_element(a->a, s * a->ba_stride + hv, dtype) + a->dt_bias[hv]);
+    const float decay = expf(g);
+    float *S = a->states + (a->rows[s] * Hv + hv) * dk * dv;
+    for (int64_t j = 0; j < dv; j++) p[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) { /* decay, and what the decayed state recalls at k */
+        float *line = S + i * dv;
+        const float ki = k[i];
+#pragma omp simd
+        for (int64_t j = 0; j < dv; j++) {
+            line[j] *= decay;
+            p[j] += ki * line[j];
+        }
+    }
+    for (int64_t j = 0; j < dv; j++) {
+        v[j] = (v[j] - p[j]) * beta; /* the correction */
+        p[j] = 0.0f;                 /* o from here on */
+    }
+    for (int64_t i = 0; i < dk; i++) { /* the write at k, and the read at q */
+        float *line = S + i * dv;
+        const float ki = k[i], qi = q[i];
+#pragma omp simd
+        for (int64_t j = 0; j < dv; j++) {
+            line[j] += ki * v[j];
+            p[j] += qi * line[j];
+        }
+    }
+    float squares = 0.0f;
+    for (int64_t j = 0; j < dv; j++) {
+        p[j] = round_to(p[j], bf16);
+        squares += p[j] * p[j];
+    }
+    const float scale = 1.0f / sqrtf(squares / (float)dv + a->eps);
+    void *out = (char *)a->out + (s * Hv + hv) * dv * (bf16 ? 2 : 4);
+    const int64_t z = s * a->z_stride + hv * dv;
+    for (int64_t j = 0; j < dv; j++) {
+        const float weighted = round_to(load_element(a->norm, j, dtype) * round_to(p[j] * scale, bf16), bf16);
+        store_element(out, j, weighted * silu(load_element(a->z, z + j, dtype)), dtype);
+    }
+}
+
+int rayllm_gated_delta_step(const GatedDeltaStepArgs *a) {
+    if (a->num_seqs < 0 || a->num_k_heads <= 0 || a->num_v_heads <= 0 || a->num_v_heads % a->num_k_heads != 0 ||
+        a->head_k_dim <= 0 || a->head_k_dim > GATED_DELTA_MAX_DIM || a->head_v_dim <= 0 ||
+        a->head_v_dim > GATED_DELTA_MAX_DIM || (a->dtype != DTYPE_F32 && a->dtype != DTYPE_BF16))
+        return 1;
+    const int64_t items = a->num_seqs * a->num_v_heads;
+    rayllm_parallel_for(items, items > 1 && a->num_threads > 1 ? a->num_threads : 1, gated_delta_item, (void *)a);
+    return 0;
+}
+
+int rayllm_layout_gated_delta_step_args(int64_t *offsets, char *names, int64_t capacity) {
+    LAYOUT_BEGIN(GatedDeltaStepArgs)
+    LAYOUT_FIELD(GatedDeltaStepArgs, mixed)
+    LAYOUT_FIELD(GatedDeltaStepArgs, z)
+    LAYOUT_FIELD(GatedDeltaStepArgs, b)
+    LAYOUT_FIELD(GatedDeltaStepArgs, a)
+    LAYOUT_FIELD(GatedDeltaStepArgs, norm)
+    LAYOUT_FIELD(GatedDeltaStepArgs, dt_bias)
+    LAYOUT_FIELD(GatedDeltaStepArgs, neg_decay_rate)
+    LAYOUT_FIELD(GatedDeltaStepArgs, states)
+    LAYOUT_FIELD(GatedDeltaStepArgs, out)
+    LAYOUT_FIELD(GatedDeltaStepArgs, rows)
+    LAYOUT_FIELD(GatedDeltaStepArgs, num_seqs)
+    LAYOUT_FIELD(GatedDeltaStepArgs, num_k_heads)
+    LAYOUT_FIELD(GatedDeltaStepArgs, num_v_heads)
+    LAYOUT_FIELD(GatedDeltaStepArgs, head_k_dim)
+    LAYOUT_FIELD(GatedDeltaStepArgs, head_v_dim)
+    LAYOUT_FIELD(GatedDeltaStepArgs, mixed_stride)
+    LAYOUT_FIELD(GatedDeltaStepArgs, z_stride)
+    LAYOUT_FIELD(GatedDeltaStepArgs, ba_stride)
+    LAYOUT_FIELD(GatedDeltaStepArgs, eps)
+    LAYOUT_FIELD(GatedDeltaStepArgs, dtype)
+    LAYOUT_FIELD(GatedDeltaStepArgs, num_threads)
     return n;
 }
