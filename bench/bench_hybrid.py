@@ -4,7 +4,9 @@
 
 Builds two random checkpoints with transformers' own classes (once, under --workdir): the hybrid
 family at its published small model's shapes (lfm2: LFM2-350M, 10 short-convolution layers and 6
-attention layers; granitemoehybrid: Granite 4.0-H's mix of Mamba-2 and attention layers at that width), and a llama of the same width, depth, heads and MLP, whose every layer attends.
+attention layers; granitemoehybrid: Granite 4.0-H's mix of Mamba-2 and attention layers at that width;
+qwen3_5_text: Qwen3.5's mix of Gated DeltaNet and attention layers at that width), and a llama of the same
+width, depth, heads and MLP, whose every layer attends.
 Then, alternating between the two for --rounds rounds, it reports:
 
 - decode: the median seconds of a decode step of --streams sequences (every row a decode), after
