@@ -62,20 +62,62 @@ def run_with_logprobs(runner, prompts, params_list) -> list:
     return list(driver.run().values())
 
 
-def engine_of(runner: ModelRunner, **overrides) -> Engine:
+def engine_of(runner, on_runner_error=None, **overrides) -> Engine:
     """The real scheduler over the runner, as its ModelInfo describes it (recurrent states included), with
     a small step budget so that prompts are chunked."""
     info = runner.model_info
     settings = dict(max_num_batched_tokens=16, max_num_seqs=16, block_size=info.block_size,
                     num_blocks=info.num_blocks, max_model_len=256, recurrent_state=info.has_recurrent_state,
                     num_state_snapshots=info.num_state_snapshots)
-    return Engine(SchedulerConfig(**dict(settings, **overrides)), runner, eos_token_ids=info.eos_token_ids)
+    return Engine(SchedulerConfig(**dict(settings, **overrides)), runner, eos_token_ids=info.eos_token_ids,
+                  on_runner_error=on_runner_error)
+
+
+class DiesAfter:
+    """A worker whose execute raises after `steps` steps, as a dead worker's call does."""
+
+    def __init__(self, runner: ModelRunner, steps: int):
+        self.runner, self.steps_left = runner, steps
+
+    @property
+    def model_info(self):
+        return self.runner.model_info
+
+    def execute(self, scheduler_output):
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            raise RuntimeError("the worker died")
+        return self.runner.execute(scheduler_output)
+
+
+def assert_a_dead_workers_requests_answer_as_transformers(runner: ModelRunner, oracle: HfOracle) -> None:
+    """A worker dies mid-generation, chunked prompts beside decodes: its requests move to another
+    worker (a second runner of the same model, whose pools hold nothing of them: recurrent states
+    restart from zero there), and every answer is still transformers' greedy tokens."""
+    prompts = prompts_of_lengths([30, 21, 17], runner.model_info.vocab_size, seed=7)
+    live, migrations = engine_of(ModelRunner(runner.config)), []
+
+    def migrate(engine: Engine, error: Exception) -> None:
+        migrations.append(error)
+        live.adopt(engine.take_for_migration())
+
+    # 68 prompt tokens, 16 a step: the death comes after the first prompt's decodes began
+    dying = engine_of(DiesAfter(runner, steps=4), on_runner_error=migrate)
+    try:
+        results = dying.generate(prompts, greedy(8))
+    finally:
+        dying.close()
+        live.close()
+    assert len(migrations) == 1
+    for prompt, result in zip(prompts, results):
+        assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 8))
 
 
 def assert_hits_forks_and_preemption_answer_as_transformers(runner: ModelRunner, oracle: HfOracle) -> None:
     """Through the real scheduler, every answer transformers' greedy tokens: a 30-token prompt sent twice
     and then extended, both times a prefix hit of 28 tokens (7 blocks of 4; a recurrent model restores
-    its states' snapshot there); an n=3 fork; three prompts in a pool too small for them (preemption).
+    its states' snapshot there); an n=3 fork; three prompts in a pool too small for them (preemption);
+    a worker's death mid-generation (migration).
     The runner: blocks of 4, 400 blocks."""
     prefix, tail, *others = prompts_of_lengths([30, 5, 21, 17, 26], runner.model_info.vocab_size, seed=5)
     engine = engine_of(runner)
@@ -93,3 +135,4 @@ def assert_hits_forks_and_preemption_answer_as_transformers(runner: ModelRunner,
     assert small.stats.num_preemptions > 0
     for prompt, result in zip(others, tight):
         assert_greedy_matches(result.sequences[0].token_ids, oracle.greedy(prompt, 16))
+    assert_a_dead_workers_requests_answer_as_transformers(runner, oracle)
