@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from workers.families import KdaTraits
 from workers.gated_delta import CHUNK_SIZE, DecodeScratch, _l2_normed
-from workers.recurrent import StatePool, causal_conv
+from workers.recurrent import StatePool, causal_conv, decay_weights
 
 
 @dataclass(slots=True)
@@ -188,17 +188,17 @@ def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     s = state.float()
     for c in range(q.shape[1]):
         qc, kc, vc, cc, bc = q[:, c], k[:, c], v[:, c], decay[:, c], beta[:, c]
-        pairwise = (cc.unsqueeze(2) - cc.unsqueeze(1)).masked_fill(~causal[..., None], float("-inf")).exp()
+        pairwise = decay_weights((cc.unsqueeze(2) - cc.unsqueeze(1)).masked_fill(~causal[..., None], float("-inf")))
         k_pairs = torch.einsum("hie,hje,hije->hij", kc, kc, pairwise)  # [H, L, L]
         scores = torch.einsum("hie,hje,hije->hij", qc, kc, pairwise)
         k_beta = kc * bc.unsqueeze(-1)
         system = k_pairs * bc.unsqueeze(-1)  # its diagonal is ignored: T is unit triangular
         u_from_values = torch.linalg.solve_triangular(system, vc * bc.unsqueeze(-1), upper=False,
                                                       unitriangular=True)
-        u_per_state = torch.linalg.solve_triangular(system, k_beta * cc.exp(), upper=False, unitriangular=True)
+        u_per_state = torch.linalg.solve_triangular(system, k_beta * decay_weights(cc), upper=False, unitriangular=True)
         u = u_from_values - u_per_state @ s
-        out[:, c] = (qc * cc.exp()) @ s + scores.masked_fill(~causal, 0) @ u
+        out[:, c] = (qc * decay_weights(cc)) @ s + scores.masked_fill(~causal, 0) @ u
         end = cc[:, -1:]  # [H, 1, d]
-        s = s * end.mT.exp() + (kc * (end - cc).exp()).mT @ u
+        s = s * decay_weights(end.mT) + (kc * decay_weights(end - cc)).mT @ u
     state.copy_(s)
     return out.view(num_heads, -1, v.shape[-1])[:, :n]

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.families import Mamba2Traits
-from workers.recurrent import StatePool, causal_conv
+from workers.recurrent import StatePool, causal_conv, decay_weights
 
 
 # The most tokens per chunk of a prompt's scan. Any chunking gives the same result; the work within
@@ -229,17 +229,17 @@ def ssd_scan(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: tor
     inputs = chunked(u * dt[:, :, None])  # [chunks, Q, H, P]: dt[s] u[s]
     B, C = chunked(B), chunked(C)  # [chunks, Q, H, N]
     cumulative = log_decay.cumsum(-1)  # [chunks, H, Q]
-    within = torch.exp(segment_sums(log_decay))  # [chunks, H, Q, Q]: exp(cum[l] - cum[s]), 0 where s > l
+    within = decay_weights(segment_sums(log_decay))  # [chunks, H, Q, Q]: exp(cum[l] - cum[s]), 0 where s > l
     scores = torch.einsum("clhn,cshn->chls", C, B) * within
     y_within = torch.einsum("chls,cshp->clhp", scores, inputs)
-    to_end = torch.exp(cumulative[:, :, -1:] - cumulative)  # [chunks, H, Q]
+    to_end = decay_weights(cumulative[:, :, -1:] - cumulative)  # [chunks, H, Q]
     ends = torch.einsum("clhn,chl,clhp->chpn", B, to_end, inputs)  # [chunks, H, P, N]
     # the states at each chunk's start, and after the last: start[z] = sum_{w <= z} decay(w -> z) carried[w]
     carried = torch.cat([initial.unsqueeze(0).to(ends.dtype), ends], dim=0)  # [chunks + 1, H, P, N]
     chunk_decay = F.pad(cumulative[:, :, -1], (0, 0, 1, 0)).t()  # [H, chunks + 1]: 0, each chunk's total
-    across = torch.exp(segment_sums(chunk_decay))  # [H, chunks + 1, chunks + 1]
+    across = decay_weights(segment_sums(chunk_decay))  # [H, chunks + 1, chunks + 1]
     starts = torch.einsum("hzw,whpn->zhpn", across, carried)
-    y_carried = torch.einsum("clhn,chpn->clhp", C, starts[:-1]) * torch.exp(cumulative).permute(0, 2, 1)[..., None]
+    y_carried = torch.einsum("clhn,chpn->clhp", C, starts[:-1]) * decay_weights(cumulative).permute(0, 2, 1)[..., None]
     y = (y_within + y_carried).reshape(-1, *u.shape[1:])[:n]
     return y, starts[-1]
 

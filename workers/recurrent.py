@@ -103,6 +103,20 @@ def run_mixer(mixer, model, x: torch.Tensor, pool: StatePool, step: StateStep) -
     return out
 
 
+# A prompt's chunked scans weight tokens by exp(log decay); below e^-60 (1e-26) such a weight is
+# taken as 0. Left as they come, they reach subnormal floats (below 1.2e-38) in the products that
+# follow, which x86 computes about 100x slower: at Qwen3.5's heads a random checkpoint's 496-token
+# chunked delta rule took 72 ms against 29 for the same shapes without them (47 ms of it in bmm), and
+# setting flush-to-zero (per thread, so torch's other threads kept them) only got it to 58. What is
+# dropped is 19 orders of magnitude below fp32's rounding of any term it would be added to.
+LOG_DECAY_FLOOR = -60.0
+
+
+def decay_weights(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(log_decay), with 0 where log_decay < LOG_DECAY_FLOOR (-inf included)."""
+    return torch.exp(log_decay).masked_fill_(log_decay < LOG_DECAY_FLOOR, 0.0)
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 state: torch.Tensor) -> torch.Tensor:
     """A depthwise causal convolution over one sequence's next tokens, continuing from its state.

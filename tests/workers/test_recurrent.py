@@ -156,3 +156,11 @@ def test_lora_adapters_are_refused_in_one_line(model_dir):
 
     with pytest.raises(LoraError, match=r"recurrent layers \(lfm2\) are not supported yet"):
         make_runner(model_dir, lora_adapters=(("adapter", str(model_dir / "adapter")),))
+
+
+def test_decay_weights_are_exact_zeros_below_the_floor_never_subnormal():
+    log_decay = torch.tensor([0.0, -1.0, -59.9, -60.1, -95.0, -float("inf")])
+    weights = recurrent.decay_weights(log_decay)
+    assert torch.equal(weights[:3], torch.exp(log_decay[:3]))
+    assert torch.equal(weights[3:], torch.zeros(3))  # exp(-95) alone would be subnormal
+    assert bool((weights[:3] >= torch.finfo(torch.float32).tiny).all())
