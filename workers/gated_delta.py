@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.families import GatedDeltaTraits
-from workers.recurrent import StatePool, causal_conv, decay_weights
+from workers.recurrent import StatePool, causal_conv, decay_weights, unit_lower_solve
 
 # tokens per chunk of chunked_delta_rule (transformers' and FLA's). Any chunking gives the same result (to
 # rounding); a piece shorter than a chunk is one chunk of its own length, so a prefix hit's last 16
@@ -126,7 +126,8 @@ class GatedDeltaMixer:
             out = delta_rule_step_(q, k, v, g, beta, matrices[row:row + 1])
         else:
             out = chunked_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(),
-                                     matrices[row], min(CHUNK_SIZE, x.shape[0])).transpose(0, 1)
+                                     matrices[row], min(CHUNK_SIZE, x.shape[0]),
+                                     model.ops.unit_lower_solve).transpose(0, 1)
         gated = gated_rms_norm(out.to(z.dtype), z.view(out.shape), self.weights.norm, self.eps)
         return model.linear(gated.reshape(x.shape[0], self.traits.value_dim), self.weights.out, None)
 
@@ -225,8 +226,9 @@ class DecodeScratch:
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """One sequence's n tokens through the gated delta rule, chunk by chunk, in fp32.
+                       state: torch.Tensor, chunk_size: int = CHUNK_SIZE, solve=unit_lower_solve) -> torch.Tensor:
+    """One sequence's n tokens through the gated delta rule, chunk by chunk, in fp32; solve: the
+    layer ops' unit_lower_solve (workers/recurrent.py's, torch's, by default).
 
     q, k [H, n, dk]; v [H, n, dv]; g, beta [H, n]; state [H, dk, dv], updated in place to the
     state after the n tokens. Returns o [H, n, dv], as n delta_rule_step_ calls would give.
@@ -251,9 +253,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     pairwise = decay_weights((decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")))  # D
     k_beta = k * beta.unsqueeze(-1)
     system = (k_beta @ k.mT) * pairwise  # its diagonal is ignored: T is unit triangular
-    u_from_values = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    u_per_state = torch.linalg.solve_triangular(system, k_beta * decay_weights(decay).unsqueeze(-1), upper=False,
-                                                unitriangular=True)
+    solved = solve(system, torch.cat([v * beta.unsqueeze(-1), k_beta * decay_weights(decay).unsqueeze(-1)], dim=-1))
+    u_from_values, u_per_state = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     scores = (q @ k.mT) * pairwise  # [H, C, L, L]: the chunk's own tokens
     q_decayed = q * decay_weights(decay).unsqueeze(-1)
     k_to_end = k * decay_weights(decay[..., -1:] - decay).unsqueeze(-1)

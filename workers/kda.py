@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from workers.families import KdaTraits
 from workers.gated_delta import CHUNK_SIZE, DecodeScratch, _l2_normed
-from workers.recurrent import StatePool, causal_conv, decay_weights
+from workers.recurrent import StatePool, causal_conv, decay_weights, unit_lower_solve
 
 
 @dataclass(slots=True)
@@ -107,7 +107,7 @@ class KdaMixer:
             out = kda_step_(q, k, v, g, beta, matrices[row:row + 1])
         else:
             out = chunked_kda(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1), beta.t(),
-                              matrices[row]).transpose(0, 1)
+                              matrices[row], min(CHUNK_SIZE, x.shape[0]), model.ops.unit_lower_solve).transpose(0, 1)
         return self._output(model, out, gate)
 
     def decode(self, model, x: torch.Tensor, pool: StatePool, rows: torch.Tensor) -> torch.Tensor:
@@ -162,8 +162,9 @@ def kda_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """One sequence's n tokens through the KDA delta rule, chunk by chunk, in fp32.
+                state: torch.Tensor, chunk_size: int = CHUNK_SIZE, solve=unit_lower_solve) -> torch.Tensor:
+    """One sequence's n tokens through the KDA delta rule, chunk by chunk, in fp32; solve: the
+    layer ops' unit_lower_solve (workers/recurrent.py's, torch's, by default).
 
     q, k, v, g [H, n, d]; beta [H, n]; state [H, d, d], updated in place to the state after the
     n tokens. Returns o [H, n, d], as n kda_step_ calls would give.
@@ -193,9 +194,8 @@ def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         scores = torch.einsum("hie,hje,hije->hij", qc, kc, pairwise)
         k_beta = kc * bc.unsqueeze(-1)
         system = k_pairs * bc.unsqueeze(-1)  # its diagonal is ignored: T is unit triangular
-        u_from_values = torch.linalg.solve_triangular(system, vc * bc.unsqueeze(-1), upper=False,
-                                                      unitriangular=True)
-        u_per_state = torch.linalg.solve_triangular(system, k_beta * decay_weights(cc), upper=False, unitriangular=True)
+        solved = solve(system, torch.cat([vc * bc.unsqueeze(-1), k_beta * decay_weights(cc)], dim=-1))
+        u_from_values, u_per_state = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
         u = u_from_values - u_per_state @ s
         out[:, c] = (qc * decay_weights(cc)) @ s + scores.masked_fill(~causal, 0) @ u
         end = cc[:, -1:]  # [H, 1, d]

@@ -31,7 +31,7 @@ from workers.gated_delta import DecodeScratch, GatedDeltaWeights
 from workers.kernels.native import (ACTIVATION_CODES, DTYPE_CODES, MAMBA2_NORM_MODES, GatedDeltaStepArgs,
                                     Mamba2StepArgs, check_status, native_available, native_library)
 from workers.mamba2 import Mamba2Weights, gated_step
-from workers.recurrent import causal_conv_step
+from workers.recurrent import causal_conv_step, unit_lower_solve
 from workers.rope import RotaryEmbedding, apply_rotary
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU, as its checkpoints use it
@@ -107,6 +107,10 @@ class TorchOps:
         (workers/recurrent.py's causal_conv_step; states[rows] move on by the token), SiLU'd if asked."""
         y = causal_conv_step(x, weight, bias, states, rows)
         return F.silu(y) if silu else y
+
+    def unit_lower_solve(self, system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        """workers/recurrent.py's unit_lower_solve: the chunked delta rules' triangular solves."""
+        return unit_lower_solve(system, rhs)
 
     def mamba2_step(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor, weights: Mamba2Weights,
                     traits: Mamba2Traits, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -221,6 +225,18 @@ class NativeOps:
             t.num_groups, xbc.stride(0), dt.stride(0), gate.stride(0), t.time_step_min, t.time_step_max,
             t.norm_eps, MAMBA2_NORM_MODES[t.gated_norm], DTYPE_CODES[dtype], torch.get_num_threads())
         check_status(self.library.rayllm_mamba2_step(ctypes.byref(args)), "rayllm_mamba2_step")
+        return out
+
+    def unit_lower_solve(self, system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        """TorchOps.unit_lower_solve by forward substitution (csrc/recurrent.c), fp32."""
+        assert system.dtype == rhs.dtype == torch.float32 and system.shape[-1] == system.shape[-2] == rhs.shape[-2]
+        system = system.contiguous()
+        out = rhs.contiguous().clone()
+        length, width = rhs.shape[-2], rhs.shape[-1]
+        batch = out.numel() // (length * width) if out.numel() else 0
+        assert system.numel() == batch * length * length
+        check_status(self.library.rayllm_unit_lower_solve(system.data_ptr(), out.data_ptr(), batch, length, width,
+                                                          torch.get_num_threads()), "rayllm_unit_lower_solve")
         return out
 
     def gated_delta_step(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

@@ -117,6 +117,13 @@ def decay_weights(log_decay: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_decay).masked_fill_(log_decay < LOG_DECAY_FLOOR, 0.0)
 
 
+def unit_lower_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """T^-1 rhs for the unit lower-triangular T whose strictly lower part is system's ([..., L, L];
+    its diagonal and upper part unread), rhs [..., L, M]: the chunked delta rules' solves, in torch
+    (the layer ops' reference: workers/layer_ops.py)."""
+    return torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 state: torch.Tensor) -> torch.Tensor:
     """A depthwise causal convolution over one sequence's next tokens, continuing from its state.

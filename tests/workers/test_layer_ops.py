@@ -228,3 +228,17 @@ def test_gated_delta_step(ops, dtype, num_k_heads, num_v_heads):
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(matrices, expected_matrices, **TOLERANCE[torch.float32])
+
+
+def test_unit_lower_solve(ops):
+    """The chunked delta rules' triangular solves: only the strict lower part is read (the diagonal
+    and the upper part hold junk, as the rules leave them), over a batch of [H, C] systems."""
+    reference, native = ops
+    torch.manual_seed(5)
+    system = torch.randn(3, 2, 20, 20) * 0.3  # diagonal and upper part: junk that must not be read
+    rhs = torch.randn(3, 2, 20, 7)
+    expected = reference.unit_lower_solve(system, rhs)
+    solved = native.unit_lower_solve(system, rhs)
+    torch.testing.assert_close(solved, expected, **TOLERANCE[torch.float32])
+    unit_lower = system.tril(-1) + torch.eye(20)
+    torch.testing.assert_close(unit_lower @ solved, rhs, **TOLERANCE[torch.float32])

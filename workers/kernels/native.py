@@ -370,6 +370,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_conv_step": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     "rayllm_mamba2_step": [ctypes.POINTER(Mamba2StepArgs)],
     "rayllm_gated_delta_step": [ctypes.POINTER(GatedDeltaStepArgs)],
+    # A, B, batch, L, M, num_threads (fp32)
+    "rayllm_unit_lower_solve": [_P, _P, _I64, _I64, _I64, _I32],
 }
 
 

@@ -197,6 +197,10 @@ typedef struct {
 int rayllm_gated_delta_step(const GatedDeltaStepArgs *a);
 int rayllm_layout_gated_delta_step_args(int64_t *offsets, char *names, int64_t capacity);
 
+/* recurrent.c: B = T^-1 B in place for batch unit lower-triangular T (the strict lower part of A
+ * [batch, L, L]) and B [batch, L, M], fp32, contiguous. */
+int rayllm_unit_lower_solve(const float *A, float *B, int64_t batch, int64_t L, int64_t M, int32_t num_threads);
+
 /* thread_pool.c: fn(ctx, i) for i in [0, num_items) on up to num_threads threads, the caller
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);

@@ -318,3 +318,37 @@ int rayllm_layout_gated_delta_step_args(int64_t *offsets, char *names, int64_t c
     LAYOUT_FIELD(GatedDeltaStepArgs, num_threads)
     return n;
 }
+
+/* Triangular solves of the chunked delta rules (workers/gated_delta.py, workers/kda.py): for each of
+ * batch systems, B = T^-1 B in place, T the unit lower-triangular matrix whose strictly lower part
+ * is A's ([L, L]; A's diagonal and upper part are not read), B [L, M]; fp32, by forward
+ * substitution, one system an item. torch's solve_triangular calls MKL, whose threads, called from
+ * any thread but the process's first, took 11.6 ms for what took 1.8 ms from the first (128 systems
+ * of 64 x 64, 128 columns, 2 threads); a worker runs its steps on its step channel's thread. */
+typedef struct {
+    const float *A;
+    float *B;
+    int64_t L, M;
+} UnitLowerSolve;
+
+static void unit_lower_solve_item(void *context, int64_t item) {
+    const UnitLowerSolve *a = context;
+    const float *T = a->A + item * a->L * a->L;
+    float *X = a->B + item * a->L * a->M;
+    for (int64_t i = 1; i < a->L; i++) {
+        float *row = X + i * a->M;
+        for (int64_t j = 0; j < i; j++) {
+            const float factor = T[i * a->L + j];
+            const float *done = X + j * a->M;
+#pragma omp simd
+            for (int64_t m = 0; m < a->M; m++) row[m] -= factor * done[m];
+        }
+    }
+}
+
+int rayllm_unit_lower_solve(const float *A, float *B, int64_t batch, int64_t L, int64_t M, int32_t num_threads) {
+    if (batch < 0 || L < 0 || M < 0) return 1;
+    UnitLowerSolve solve = {A, B, L, M};
+    rayllm_parallel_for(batch, batch > 1 && num_threads > 1 ? num_threads : 1, unit_lower_solve_item, &solve);
+    return 0;
+}
