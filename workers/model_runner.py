@@ -387,8 +387,8 @@ class ModelRunner:
         if self.states is not None:
             kinds = sorted({kind for kind in c.traits.mixers if kind is not None})
             num_recurrent = sum(kind is not None for kind in c.traits.mixers)
-            ops = ("in torch ops" if self.model.ops.name == "torch" else
-                   "decode steps' convolutions and Mamba-2 updates in C (csrc/recurrent.c), the rest in torch ops")
+            ops = ("in torch ops" if self.model.ops.name == "torch" else "decode steps' convolutions and Mamba-2 and "
+                   "Gated DeltaNet updates in C (csrc/recurrent.c), the rest in torch ops")
             if c.traits.mixers_beside_attention:
                 return (f"{PER_HEAD_KV} in every layer, and beside them a fixed-size state per sequence in "
                         f"{num_recurrent} of {c.num_layers} ({', '.join(kinds)}: workers/recurrent.py, "
