@@ -8,6 +8,9 @@
     q, k, v = ops.rope(qkv, positions, rope, num_heads, num_kv_heads)   # q and k rotated; v as is
     act = ops.gated_mul(gate_up, "silu")                                  # or "gelu_tanh" (Gemma), or
     act = ops.gated_mul(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)    # gpt-oss's experts' clamped SwiGLU
+    y = ops.conv_step(x, weight, bias, states, rows, silu=True)           # recurrent layers' decode steps on
+    y = ops.mamba2_step(...); y = ops.gated_delta_step(...)               # their state pools, and the delta
+    u = ops.unit_lower_solve(system, rhs)                                 # rules' triangular solves
 
 TorchOps is plain torch: the reference, and the path on GPUs. NativeOps calls our C kernels
 (workers/kernels/csrc/layer_ops.c): each step is one pass over its rows instead of three to
@@ -99,7 +102,6 @@ class TorchOps:
             gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
             return gate * torch.sigmoid(gate * alpha) * (up + 1)
         return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-
 
     def conv_step(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
                   rows: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -201,7 +203,7 @@ class NativeOps:
         out = torch.empty(num_seqs, channels, dtype=x.dtype)
         check_status(self.library.rayllm_conv_step(
             x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-            states.data_ptr(), rows.data_ptr(), out.data_ptr(), num_seqs, channels, kernel, int(silu),
+            states.data_ptr(), rows.data_ptr(), states.shape[0], out.data_ptr(), num_seqs, channels, kernel, int(silu),
             DTYPE_CODES[x.dtype], torch.get_num_threads(),
         ), "rayllm_conv_step")
         return out
@@ -221,7 +223,8 @@ class NativeOps:
         args = Mamba2StepArgs(
             xbc.data_ptr(), dt.data_ptr(), gate.data_ptr(), None if w.norm is None else w.norm.data_ptr(),
             w.dt_bias.data_ptr(), w.decay_rate.data_ptr(), w.skip.data_ptr(), states.data_ptr(),
-            scratch.data_ptr(), out.data_ptr(), rows.data_ptr(), num_seqs, t.num_heads, t.head_dim, t.state_size,
+            scratch.data_ptr(), out.data_ptr(), rows.data_ptr(), states.shape[0], num_seqs, t.num_heads, t.head_dim,
+            t.state_size,
             t.num_groups, xbc.stride(0), dt.stride(0), gate.stride(0), t.time_step_min, t.time_step_max,
             t.norm_eps, MAMBA2_NORM_MODES[t.gated_norm], DTYPE_CODES[dtype], torch.get_num_threads())
         check_status(self.library.rayllm_mamba2_step(ctypes.byref(args)), "rayllm_mamba2_step")
@@ -254,11 +257,12 @@ class NativeOps:
         out = torch.empty(num_seqs, t.value_dim, dtype=dtype)
         args = GatedDeltaStepArgs(
             mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), w.norm.data_ptr(), w.dt_bias.data_ptr(),
-            w.neg_decay_rate.data_ptr(), matrices.data_ptr(), out.data_ptr(), rows.data_ptr(), num_seqs,
-            t.num_k_heads, t.num_v_heads, t.head_k_dim, t.head_v_dim, mixed.stride(0), z.stride(0), b.stride(0),
-            eps, DTYPE_CODES[dtype], torch.get_num_threads())
+            w.neg_decay_rate.data_ptr(), matrices.data_ptr(), out.data_ptr(), rows.data_ptr(), matrices.shape[0],
+            num_seqs, t.num_k_heads, t.num_v_heads, t.head_k_dim, t.head_v_dim, mixed.stride(0), z.stride(0),
+            b.stride(0), eps, DTYPE_CODES[dtype], torch.get_num_threads())
         check_status(self.library.rayllm_gated_delta_step(ctypes.byref(args)), "rayllm_gated_delta_step")
         return out
+
 
 LAYER_OPS = ("torch", "native")
 

@@ -242,3 +242,13 @@ def test_unit_lower_solve(ops):
     torch.testing.assert_close(solved, expected, **TOLERANCE[torch.float32])
     unit_lower = system.tril(-1) + torch.eye(20)
     torch.testing.assert_close(unit_lower @ solved, rhs, **TOLERANCE[torch.float32])
+
+
+def test_a_state_row_outside_the_pool_is_refused_before_anything_is_written(ops):
+    _, native = ops
+    x, weight = torch.randn(2, 8), torch.randn(8, 4)
+    states = torch.randn(3, 3, 8)
+    before = states.clone()
+    with pytest.raises(RuntimeError, match="rayllm_conv_step failed"):
+        native.conv_step(x, weight, None, states, torch.tensor([0, 3]), silu=False)
+    assert torch.equal(states, before)

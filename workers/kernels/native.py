@@ -292,8 +292,8 @@ class Mamba2StepArgs(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("xbc", "dt", "gate", "norm", "dt_bias", "decay_rate", "skip",
                                                         "states", "scratch", "out", "rows")),
-                *((name, ctypes.c_int64) for name in ("num_seqs", "num_heads", "head_dim", "state_size", "num_groups",
-                                                       "xbc_stride", "dt_stride", "gate_stride")),
+                *((name, ctypes.c_int64) for name in ("num_rows", "num_seqs", "num_heads", "head_dim", "state_size",
+                                                       "num_groups", "xbc_stride", "dt_stride", "gate_stride")),
                 *((name, ctypes.c_float) for name in ("time_step_min", "time_step_max", "eps")),
                 *((name, ctypes.c_int32) for name in ("norm_mode", "dtype", "num_threads"))]
 
@@ -303,8 +303,9 @@ class GatedDeltaStepArgs(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("mixed", "z", "b", "a", "norm", "dt_bias", "neg_decay_rate",
                                                         "states", "out", "rows")),
-                *((name, ctypes.c_int64) for name in ("num_seqs", "num_k_heads", "num_v_heads", "head_k_dim",
-                                                       "head_v_dim", "mixed_stride", "z_stride", "ba_stride")),
+                *((name, ctypes.c_int64) for name in ("num_rows", "num_seqs", "num_k_heads", "num_v_heads",
+                                                       "head_k_dim", "head_v_dim", "mixed_stride", "z_stride",
+                                                       "ba_stride")),
                 ("eps", ctypes.c_float), ("dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
 
 
@@ -366,8 +367,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     # step, layer, product (LORA_PRODUCTS' index), x, out, N, K, dtype, num_threads
     "rayllm_lora_add": [ctypes.POINTER(LoraStep), _I64, _I32, _P, _P, _I64, _I64, _I32, _I32],
     "rayllm_sample": [ctypes.POINTER(SampleArgs)],
-    # x, x_stride, weight, bias, states, rows, out, num_seqs, channels, kernel, silu, dtype, num_threads
-    "rayllm_conv_step": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+    # x, x_stride, weight, bias, states, rows, num_rows, out, num_seqs, channels, kernel, silu, dtype, num_threads
+    "rayllm_conv_step": [_P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     "rayllm_mamba2_step": [ctypes.POINTER(Mamba2StepArgs)],
     "rayllm_gated_delta_step": [ctypes.POINTER(GatedDeltaStepArgs)],
     # A, B, batch, L, M, num_threads (fp32)

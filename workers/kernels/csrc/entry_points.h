@@ -155,10 +155,11 @@ int rayllm_layout_lora_step(int64_t *offsets, char *names, int64_t capacity);
 
 /* recurrent.c: a causal convolution's step of num_seqs sequences, on states [rows, K - 1, channels]
  * in place: x [s, channels] (rows x_stride apart), weight [channels, K], bias [channels] or NULL,
- * all in dtype -> out [s, channels] contiguous, SiLU'd if silu. */
+ * all in dtype -> out [s, channels] contiguous, SiLU'd if silu. Here and below, a step whose rows
+ * are not all in [0, num_rows) is refused (status 1) before anything is written. */
 int rayllm_conv_step(const void *x, int64_t x_stride, const void *weight, const void *bias, void *states,
-                     const int64_t *rows, void *out, int64_t num_seqs, int64_t channels, int64_t kernel, int32_t silu,
-                     int32_t dtype, int32_t num_threads);
+                     const int64_t *rows, int64_t num_rows, void *out, int64_t num_seqs, int64_t channels,
+                     int64_t kernel, int32_t silu, int32_t dtype, int32_t num_threads);
 /* recurrent.c: Mamba-2's decode step of num_seqs sequences, from the conv's output to out_proj's
  * input, on states [rows, H, P, N] fp32 in place (the contract is in recurrent.c). */
 enum { MAMBA2_NO_NORM = 0, MAMBA2_NORM_AFTER_GATE = 1, MAMBA2_NORM_BEFORE_GATE = 2 };
@@ -172,6 +173,7 @@ typedef struct {
     float *scratch;   /* [s, H P]: y */
     void *out;        /* [s, H P] in dtype, contiguous */
     const int64_t *rows; /* [s] */
+    int64_t num_rows;    /* the pool's */
     int64_t num_seqs, num_heads, head_dim, state_size, num_groups, xbc_stride, dt_stride, gate_stride;
     float time_step_min, time_step_max, eps;
     int32_t norm_mode, dtype, num_threads;
@@ -190,6 +192,7 @@ typedef struct {
     float *states;     /* [rows, Hv, dk, dv] */
     void *out;         /* [s, Hv dv] in dtype, contiguous */
     const int64_t *rows; /* [s] */
+    int64_t num_rows;    /* the pool's */
     int64_t num_seqs, num_k_heads, num_v_heads, head_k_dim, head_v_dim, mixed_stride, z_stride, ba_stride;
     float eps;
     int32_t dtype, num_threads;

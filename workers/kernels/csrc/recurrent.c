@@ -101,10 +101,19 @@ static void conv_step_item(void *context, int64_t item) {
         conv_step_channels(a, s, c0, c1, 0);
 }
 
+/* Every rows[s] within [0, num_rows): a state row out of the pool is refused, never written. */
+static int rows_in_pool(const int64_t *rows, int64_t num_seqs, int64_t num_rows) {
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (rows[s] < 0 || rows[s] >= num_rows) return 0;
+    return 1;
+}
+
 int rayllm_conv_step(const void *x, int64_t x_stride, const void *weight, const void *bias, void *states,
-                     const int64_t *rows, void *out, int64_t num_seqs, int64_t channels, int64_t kernel, int32_t silu,
-                     int32_t dtype, int32_t num_threads) {
-    if (num_seqs < 0 || channels <= 0 || kernel < 1 || (dtype != DTYPE_F32 && dtype != DTYPE_BF16)) return 1;
+                     const int64_t *rows, int64_t num_rows, void *out, int64_t num_seqs, int64_t channels,
+                     int64_t kernel, int32_t silu, int32_t dtype, int32_t num_threads) {
+    if (num_seqs < 0 || channels <= 0 || kernel < 1 || (dtype != DTYPE_F32 && dtype != DTYPE_BF16) ||
+        !rows_in_pool(rows, num_seqs, num_rows))
+        return 1;
     const int64_t chunks = (channels + CONV_CHANNELS_PER_ITEM - 1) / CONV_CHANNELS_PER_ITEM;
     ConvStep step = {x, weight, bias, states, out, rows, channels, kernel, x_stride, chunks, silu != 0,
                      dtype == DTYPE_BF16};
@@ -178,7 +187,7 @@ int rayllm_mamba2_step(const Mamba2StepArgs *a) {
     if (a->num_seqs < 0 || H <= 0 || a->head_dim <= 0 || a->state_size <= 0 || a->state_size > MAMBA2_MAX_STATE ||
         a->num_groups <= 0 || H % a->num_groups != 0 || (a->dtype != DTYPE_F32 && a->dtype != DTYPE_BF16) ||
         a->norm_mode < MAMBA2_NO_NORM || a->norm_mode > MAMBA2_NORM_BEFORE_GATE ||
-        (a->norm_mode != MAMBA2_NO_NORM && a->norm == NULL))
+        (a->norm_mode != MAMBA2_NO_NORM && a->norm == NULL) || !rows_in_pool(a->rows, a->num_seqs, a->num_rows))
         return 1;
     const int64_t heads = a->num_seqs * H, groups = a->num_seqs * a->num_groups;
     rayllm_parallel_for(heads, heads > 1 && a->num_threads > 1 ? a->num_threads : 1, mamba2_state_item, (void *)a);
@@ -199,6 +208,7 @@ int rayllm_layout_mamba2_step_args(int64_t *offsets, char *names, int64_t capaci
     LAYOUT_FIELD(Mamba2StepArgs, scratch)
     LAYOUT_FIELD(Mamba2StepArgs, out)
     LAYOUT_FIELD(Mamba2StepArgs, rows)
+    LAYOUT_FIELD(Mamba2StepArgs, num_rows)
     LAYOUT_FIELD(Mamba2StepArgs, num_seqs)
     LAYOUT_FIELD(Mamba2StepArgs, num_heads)
     LAYOUT_FIELD(Mamba2StepArgs, head_dim)
@@ -286,7 +296,8 @@ static void gated_delta_item(void *context, int64_t item) {
 int rayllm_gated_delta_step(const GatedDeltaStepArgs *a) {
     if (a->num_seqs < 0 || a->num_k_heads <= 0 || a->num_v_heads <= 0 || a->num_v_heads % a->num_k_heads != 0 ||
         a->head_k_dim <= 0 || a->head_k_dim > GATED_DELTA_MAX_DIM || a->head_v_dim <= 0 ||
-        a->head_v_dim > GATED_DELTA_MAX_DIM || (a->dtype != DTYPE_F32 && a->dtype != DTYPE_BF16))
+        a->head_v_dim > GATED_DELTA_MAX_DIM || (a->dtype != DTYPE_F32 && a->dtype != DTYPE_BF16) ||
+        !rows_in_pool(a->rows, a->num_seqs, a->num_rows))
         return 1;
     const int64_t items = a->num_seqs * a->num_v_heads;
     rayllm_parallel_for(items, items > 1 && a->num_threads > 1 ? a->num_threads : 1, gated_delta_item, (void *)a);
@@ -305,6 +316,7 @@ int rayllm_layout_gated_delta_step_args(int64_t *offsets, char *names, int64_t c
     LAYOUT_FIELD(GatedDeltaStepArgs, states)
     LAYOUT_FIELD(GatedDeltaStepArgs, out)
     LAYOUT_FIELD(GatedDeltaStepArgs, rows)
+    LAYOUT_FIELD(GatedDeltaStepArgs, num_rows)
     LAYOUT_FIELD(GatedDeltaStepArgs, num_seqs)
     LAYOUT_FIELD(GatedDeltaStepArgs, num_k_heads)
     LAYOUT_FIELD(GatedDeltaStepArgs, num_v_heads)
