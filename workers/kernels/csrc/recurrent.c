@@ -1,6 +1,8 @@
 /* Recurrent-state layers' decode steps for every decoding sequence at once, on the state pools in
- * place (workers/layer_ops.py's TorchOps is the reference): the causal convolution's step, and
- * Mamba-2's state update.
+ * place (workers/layer_ops.py's TorchOps is the reference): the causal convolution's step,
+ * Mamba-2's and the Gated DeltaNet's steps; and the triangular solves of the delta rules' prompt
+ * chunks. Each entry point hands its items to rayllm_parallel_for, which keeps a single item, or
+ * a call for one thread, on the caller.
  *
  * The convolution (rayllm_conv_step; workers/recurrent.py's causal_conv_step): per sequence s and
  * channel c, with the window w = state[rows[s]] [K - 1, channels] of the last K - 1 inputs,
@@ -49,6 +51,8 @@ typedef struct {
 
 #define CONV_CHANNELS_PER_ITEM 512
 
+static inline float round_to(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
 /* acc[i] = silu(acc[i]) over n values, in vectors where the CPU has them. */
 static inline void silu_in_place(float *acc, int64_t n) {
     int64_t i = 0;
@@ -84,8 +88,7 @@ static inline void conv_step_channels(const ConvStep *a, int64_t s, int64_t c0, 
         for (int64_t c = 0; c < n; c++) acc[c] += load_element(a->bias, c0 + c, dtype);
     for (int64_t j = 0; j + 1 < K - 1; j++) memcpy(window + j * C * elem, window + (j + 1) * C * elem, n * elem);
     if (K > 1) memcpy(window + (K - 2) * C * elem, x, n * elem);
-    if (bf16)
-        for (int64_t c = 0; c < n; c++) acc[c] = bf16_to_f32(f32_to_bf16(acc[c]));
+    for (int64_t c = 0; c < n; c++) acc[c] = round_to(acc[c], bf16);
     if (a->silu) silu_in_place(acc, n);
     char *out = (char *)a->out + (s * C + c0) * elem;
     for (int64_t c = 0; c < n; c++) store_element(out, c, acc[c], dtype);
@@ -117,8 +120,7 @@ int rayllm_conv_step(const void *x, int64_t x_stride, const void *weight, const 
     const int64_t chunks = (channels + CONV_CHANNELS_PER_ITEM - 1) / CONV_CHANNELS_PER_ITEM;
     ConvStep step = {x, weight, bias, states, out, rows, channels, kernel, x_stride, chunks, silu != 0,
                      dtype == DTYPE_BF16};
-    const int64_t items = num_seqs * chunks;
-    rayllm_parallel_for(items, items > 1 && num_threads > 1 ? num_threads : 1, conv_step_item, &step);
+    rayllm_parallel_for(num_seqs * chunks, num_threads, conv_step_item, &step);
     return 0;
 }
 
@@ -189,9 +191,8 @@ int rayllm_mamba2_step(const Mamba2StepArgs *a) {
         a->norm_mode < MAMBA2_NO_NORM || a->norm_mode > MAMBA2_NORM_BEFORE_GATE ||
         (a->norm_mode != MAMBA2_NO_NORM && a->norm == NULL) || !rows_in_pool(a->rows, a->num_seqs, a->num_rows))
         return 1;
-    const int64_t heads = a->num_seqs * H, groups = a->num_seqs * a->num_groups;
-    rayllm_parallel_for(heads, heads > 1 && a->num_threads > 1 ? a->num_threads : 1, mamba2_state_item, (void *)a);
-    rayllm_parallel_for(groups, groups > 1 && a->num_threads > 1 ? a->num_threads : 1, mamba2_gate_item, (void *)a);
+    rayllm_parallel_for(a->num_seqs * H, a->num_threads, mamba2_state_item, (void *)a);
+    rayllm_parallel_for(a->num_seqs * a->num_groups, a->num_threads, mamba2_gate_item, (void *)a);
     return 0;
 }
 
@@ -228,8 +229,6 @@ int rayllm_layout_mamba2_step_args(int64_t *offsets, char *names, int64_t capaci
 
 #define GATED_DELTA_MAX_DIM 1024
 #define L2_NORM_EPS 1e-6f /* workers/gated_delta.py's */
-
-static inline float round_to(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
 
 /* x [d] loaded from the dtype and divided by its L2 norm (times scale). */
 static inline void load_l2_normed(float *x, const void *base, int64_t first, int64_t d, int dtype, float scale) {
@@ -299,8 +298,7 @@ int rayllm_gated_delta_step(const GatedDeltaStepArgs *a) {
         a->head_v_dim > GATED_DELTA_MAX_DIM || (a->dtype != DTYPE_F32 && a->dtype != DTYPE_BF16) ||
         !rows_in_pool(a->rows, a->num_seqs, a->num_rows))
         return 1;
-    const int64_t items = a->num_seqs * a->num_v_heads;
-    rayllm_parallel_for(items, items > 1 && a->num_threads > 1 ? a->num_threads : 1, gated_delta_item, (void *)a);
+    rayllm_parallel_for(a->num_seqs * a->num_v_heads, a->num_threads, gated_delta_item, (void *)a);
     return 0;
 }
 
@@ -361,6 +359,6 @@ static void unit_lower_solve_item(void *context, int64_t item) {
 int rayllm_unit_lower_solve(const float *A, float *B, int64_t batch, int64_t L, int64_t M, int32_t num_threads) {
     if (batch < 0 || L < 0 || M < 0) return 1;
     UnitLowerSolve solve = {A, B, L, M};
-    rayllm_parallel_for(batch, batch > 1 && num_threads > 1 ? num_threads : 1, unit_lower_solve_item, &solve);
+    rayllm_parallel_for(batch, num_threads, unit_lower_solve_item, &solve);
     return 0;
 }
