@@ -57,7 +57,8 @@ HYBRID_SHAPES = {
     "qwen3_5_text": dict(model_type="qwen3_5_text", vocab_size=65536, hidden_size=1024, num_hidden_layers=24,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=3584,
                          max_position_embeddings=4096,
-                         layer_types=["full_attention" if layer % 4 == 3 else "linear_attention" for layer in range(24)],
+                         layer_types=["full_attention" if layer % 4 == 3 else "linear_attention"
+                                      for layer in range(24)],
                          linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
                          linear_value_head_dim=128, linear_conv_kernel_dim=4),
 }

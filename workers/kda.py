@@ -107,7 +107,7 @@ class KdaMixer:
             out = kda_step_(q, k, v, g, beta, matrices[row:row + 1])
         else:
             out = chunked_kda(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1), beta.t(),
-                              matrices[row], min(CHUNK_SIZE, x.shape[0]), model.ops.unit_lower_solve).transpose(0, 1)
+                              matrices[row], solve=model.ops.unit_lower_solve).transpose(0, 1)
         return self._output(model, out, gate)
 
     def decode(self, model, x: torch.Tensor, pool: StatePool, rows: torch.Tensor) -> torch.Tensor:
@@ -176,6 +176,7 @@ def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     exp(c_L - c_j)) u_j^T. The exponents are taken as differences ([L, L, d] per head and chunk,
     each <= 0 where used), never as exp(c) and exp(-c) apart, which overflow under strong decay."""
     num_heads, n, _ = k.shape
+    chunk_size = min(chunk_size, n)  # fewer tokens than a chunk: one chunk of their own length
     pad = (-n) % chunk_size  # padded tokens: g 0 (no decay), beta 0 and k 0 (no write)
 
     def chunked(x: torch.Tensor) -> torch.Tensor:  # [H, n, ...] -> [H, num_chunks, chunk_size, ...]

@@ -38,8 +38,7 @@ from workers.recurrent import StatePool, causal_conv, decay_weights
 # The most tokens per chunk of a prompt's scan. Any chunking gives the same result; the work within
 # a chunk grows with its square. A 512-token prompt at Granite 4.0-H's heads (32 x 64, N = 128), 2
 # threads: 94 ms a layer in chunks of 256 (the checkpoints' mamba_chunk_size), 26 in 128, 24 in 64,
-# 22 in 32, 50 in 16. A piece shorter than a chunk is one chunk of its own length, so the last 16
-# tokens of a prefix-cache hit are not padded to 64.
+# 22 in 32, 50 in 16.
 SCAN_CHUNK = 64
 
 
@@ -117,9 +116,7 @@ class Mamba2Mixer:
         if x.shape[0] == 1:
             y = ssm_step(u, dt, w.decay_rate, B, C, pool[1], torch.tensor([row], dtype=torch.long, device=x.device))
         else:
-            heads_per_group = t.num_heads // t.num_groups
-            B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
-            y, final = ssd_scan(u, dt, w.decay_rate, B, C, ssm_state, min(t.chunk_size, SCAN_CHUNK, x.shape[0]))
+            y, final = ssd_scan(u, dt, w.decay_rate, B, C, ssm_state, min(t.chunk_size, SCAN_CHUNK))
             ssm_state.copy_(final)
         gated = gated_output(y + w.skip[:, None] * u, gate, w, t)
         return model.linear(gated.to(x.dtype), w.out_proj, w.out_proj_bias)
@@ -178,13 +175,17 @@ def ssm_step(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: tor
     """One recurrent step of s sequences: u [s, H, P], dt [s, H], decay_rate [H], B and C [s, G, N]
     (head h reads group h // (H / G)); states [num_rows, H, P, N] fp32, rows [s] (states[rows]
     updated). Returns y = h @ C [s, H, P] (no D term)."""
-    heads_per_group = u.shape[1] // B.shape[1]
-    B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)
+    B, C = per_head(B, u.shape[1]), per_head(C, u.shape[1])
     h = states.index_select(0, rows)
     decay = torch.exp(dt * decay_rate)  # [s, H]
     h = h * decay[:, :, None, None] + (u * dt[:, :, None]).unsqueeze(-1) * B.unsqueeze(2)
     states.index_copy_(0, rows, h)
     return torch.einsum("shpn,shn->shp", h, C)
+
+
+def per_head(groups: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """B or C [T, G, N] -> [T, H, N]: each group's row repeated for its H / G heads."""
+    return groups.repeat_interleave(num_heads // groups.shape[1], dim=1)
 
 
 def gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, num_groups: int,
@@ -207,10 +208,11 @@ def ssd_scan(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: tor
              initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence of ssm_step over one sequence's n tokens at once, in chunks of chunk_size.
 
-    u [n, H, P], dt [n, H], decay_rate [H], B and C [n, H, N], initial [H, P, N]: the state
+    u [n, H, P], dt [n, H], decay_rate [H], B and C [n, G, N], initial [H, P, N]: the state
     before the first token. Returns y [n, H, P] (no D term) and the state after the last token
     [H, P, N]. The tokens are padded to whole chunks with dt = 0, which neither decays the state
-    nor adds to it.
+    nor adds to it; fewer than chunk_size tokens are one chunk of their own length (a prefix hit's
+    last 16 tokens are not padded to a whole chunk).
 
         chunk c, tokens l, s in it; a = dt * A; cum[l] = a[0] + ... + a[l] (within the chunk)
         y[l]     = sum_{s <= l} exp(cum[l] - cum[s]) (C[l] . B[s]) dt[s] u[s]      within the chunk
@@ -219,7 +221,9 @@ def ssd_scan(u: torch.Tensor, dt: torch.Tensor, decay_rate: torch.Tensor, B: tor
         start[c] = exp(cum_c-1[last]) start[c - 1] + end[c - 1],  start[0] = initial
     """
     n = u.shape[0]
+    chunk_size = min(chunk_size, n)
     pad = -n % chunk_size
+    B, C = per_head(B, u.shape[1]), per_head(C, u.shape[1])
 
     def chunked(tensor: torch.Tensor) -> torch.Tensor:  # [n, ...] -> [chunks, chunk_size, ...]
         padded = F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, pad))

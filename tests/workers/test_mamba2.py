@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from workers.families import FamilyTraits, mamba2_traits
-from workers.linear import TorchLinear
 from workers.kernels.native import NativeBuildError
 from workers.layer_ops import NativeOps, TorchOps
+from workers.linear import TorchLinear
 from workers.mamba2 import Mamba2Mixer, read_mamba2_weights, segment_sums, ssd_scan, ssm_step
 from workers.model import _WeightReader
 
