@@ -34,7 +34,7 @@
  * bf16, pairs of head dims sit together and one vdpbf16ps multiplies a pair of q values
  * (broadcast) with that pair of dims for 16 keys; V keeps keys in pairs, so one vdpbf16ps adds
  * two keys' p * v into 16 output dims. A block's K and V parts are adjacent. The SIMD bodies
- * prefetch the next block's part of a kv head just before they need it (prefetch_next_part);
+ * prefetch the next block's part of a kv head while this one computes (prefetch_slice, prefetch_span);
  * the portable body reads each block whole, in order, once per task (stream_block).
  *
  * Work split: one task per (sequence, tile of consecutive queries) with all heads, so a task
@@ -167,7 +167,7 @@ static inline const char *block_part(const Task *t, const void *cache, int64_t i
  * prefetch_next prefetches the next one into L2 (measured 1.4x faster than demand loads alone
  * on a pool in DRAM on the Zen 4 VM; with AVX2 on an EPYC, bench.bench_attention: 30 layers
  * of 16 decodes at 272 keys, 39.2 -> 26.0 ms). The SIMD bodies read only a task's first block
- * this way, without prefetch_next: they prefetch the rest themselves (prefetch_next_part). */
+ * this way, without prefetch_next: they prefetch the rest themselves (prefetch_slice, prefetch_span). */
 static void stream_block(const Task *t, int64_t index, int prefetch_next) {
     const AttentionArgs *a = t->a;
     const int64_t bytes = (t->g1 - t->g0) * part_bytes(a);
@@ -211,30 +211,35 @@ static inline const char *next_part(const Task *t, const void *cache, int64_t st
     return block_part(t, cache, next, g);
 }
 
-/* Prefetches next_part into L2 in one burst: the AVX-512 bodies call it for K just before a
- * head's scores and for V just before its values, so each burst is one head's part (2-4 KB)
- * and the next block arrives while this one computes. Against the whole next block prefetched
- * at once and every block read ahead of its arithmetic (stream_block): bench.bench_attention
- * (16 decodes at 272 keys, 30 layers, blocks scattered over a 1 GB pool), AVX-512 bf16, 1 / 2
- * threads: 10.4 / 5.6-6.0 -> 6.0 / 3.6 ms; fp32 16.4 / 8.8 -> 12.2 / 6.9 ms; the AVX2 body
- * (built with -march=znver3 on the same Zen 4), fp32, which spread its prefetches over the head
- * dims into L1: 21.1 / 10.6-11.1 -> 12.5-13.0 / 7.5-8.3 ms. Prefetching the whole next block at
- * once overlapped less (5.6-6.0 ms, 2 threads, bf16); one head's K and V together before its
- * scores gave 4.5-4.7 ms; into L1 (T0) instead of L2, 5.4-5.5 ms; two blocks ahead, no better.
- *
- * The AVX2 body, which runs on CPUs without AVX-512, spreads its prefetches of next_part over
- * the dims of its scores (K) and the keys of its values (V) instead, a line or two between
- * FMAs (prefetch_span). On a 2-core Zen 3 EPYC the burst's 32 prefetches stalled the core until
- * most had left, so the next block's reads and this one's arithmetic hardly overlapped: a
- * 16-sequence decode step of SmolLM2 at 256-384 keys spent 9.6-9.7 ms in attention with the
- * burst and 7.6-8.1 ms spread, one sequence 0.98 and 0.74-0.77 ms (2 threads, fp16 pool, in
- * the step, two runs each); bench.bench_attention-like C loops over 16 sequences, 30 pools of
- * scattered blocks, 2 threads: 0.74-0.85x the time. Blocks two or four ahead, or whole blocks
- * at once, were slower there. */
+/* The next block's part of a kv head is prefetched while this block's part computes: the SIMD
+ * bodies spread its lines over the steps of their loops, a slice per step (prefetch_slice: into
+ * L2 for AVX-512, over the dims of the scores for K and the keys of the values for V; AVX2:
+ * prefetch_span, into L1), so the next block arrives while this one computes and the core never
+ * waits for a burst of prefetches to leave. A core has few line-fill buffers (16 on Golden
+ * Cove), and a prefetch waits for a free one: on a 2-core AMX Xeon, one burst of 32 prefetches
+ * per part before its arithmetic put 30% of the kernel's samples on the prefetch loop, even on a
+ * warm pool. Spread: bench.bench_attention --threads 2 --context 320 (16 decodes, 30 layers,
+ * blocks scattered over a 1 GB pool), bf16 7.3-7.8 -> 5.5-6.4 ms, fp32 queries over a half pool
+ * 7.1-7.7 -> 5.5-6.1 ms; prefetching two blocks ahead, or a different block size, changed
+ * nothing there. On a 2-core Zen 3 EPYC (AVX2) the burst's 32 prefetches stalled the core the
+ * same way: a 16-sequence decode step of SmolLM2 at 256-384 keys spent 9.6-9.7 ms in attention
+ * with the burst and 7.6-8.1 ms spread. On the Zen 4 VM a burst into L2 before each head's
+ * scores measured 6.0 / 3.6 ms (1 / 2 threads, bf16, 272 keys) against 10.4 / 5.6-6.0 with the
+ * whole next block read ahead of its arithmetic (stream_block); two blocks ahead, no better.
+ * prefetch_next_part, the burst, remains for a part no loop step follows (a chunk no row sees). */
 static inline void prefetch_next_part(const Task *t, const void *cache, int64_t start, int64_t g) {
     const char *p = next_part(t, cache, start, g);
     if (p == NULL) return;
     for (int64_t offset = 0; offset < part_bytes(t->a); offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
+/* Bytes of a next part each of `steps` loop steps prefetches (rounded up: all of it is covered). */
+static inline int64_t slice_bytes(const AttentionArgs *a, int64_t steps) { return (part_bytes(a) + steps - 1) / steps; }
+
+/* Step `step`'s slice of the next part into L2 (nothing when next is NULL). */
+static inline __attribute__((always_inline)) void prefetch_slice(const char *next, int64_t step, int64_t slice) {
+    if (next == NULL) return;
+    for (int64_t offset = 0; offset < slice; offset += 64) __builtin_prefetch(next + step * slice + offset, 0, 1);
 }
 
 /* Prefetches the lines of [p, p + bytes) into L1 (at least p's line). */
@@ -350,15 +355,17 @@ static inline void softmax_row_fast(Scratch *w, int64_t r, __m512 scores, Lanes 
  * compile-time constants in every call (see chunk_fast), so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Scratch *w, const int64_t *rows,
                                                                const int RB, const char *kb, int64_t g, int64_t start,
-                                                               int64_t n, const int DV) {
+                                                               int64_t n, const int DV, const char *next) {
     const AttentionArgs *a = t->a;
     const int64_t D = 16 * DV, BS = a->block_size, slot0 = start % BS;
+    const int64_t slice = next == NULL ? 0 : slice_bytes(a, a->kv_dtype == DTYPE_BF16 ? D / 4 : D / 2);
     const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
     __m512 even[ROW_BATCH], odd[ROW_BATCH]; /* two chains per row (alternate dims) for latency */
     for (int i = 0; i < RB; i++) even[i] = odd[i] = _mm512_setzero_ps();
     if (a->kv_dtype == DTYPE_BF16) {
         const uint16_t *kt = (const uint16_t *)kb + (g * (D / 2) * BS + slot0) * 2; /* dim pair 0, key slot0 */
         for (int64_t pair = 0; pair < D / 2; pair += 2) {
+            prefetch_slice(next, pair / 2, slice);
             const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(lanes, kt + pair * BS * 2);
             const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi32(lanes, kt + (pair + 1) * BS * 2);
             for (int i = 0; i < RB; i++) {
@@ -370,6 +377,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
     } else if (a->kv_dtype == DTYPE_F16) {
         const uint16_t *kt = (const uint16_t *)kb + g * D * BS + slot0; /* dim 0, key slot0 */
         for (int64_t d = 0; d < D; d += 2) {
+            prefetch_slice(next, d / 2, slice);
             const __m512 k0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, kt + d * BS));
             const __m512 k1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, kt + (d + 1) * BS));
             for (int i = 0; i < RB; i++) {
@@ -380,6 +388,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
     } else {
         const float *kt = (const float *)kb + g * D * BS + slot0; /* dim 0, key slot0 */
         for (int64_t d = 0; d < D; d += 2) {
+            prefetch_slice(next, d / 2, slice);
             const __m512 k0 = _mm512_maskz_loadu_ps(lanes, kt + d * BS);
             const __m512 k1 = _mm512_maskz_loadu_ps(lanes, kt + (d + 1) * BS);
             for (int i = 0; i < RB; i++) {
@@ -406,9 +415,10 @@ static inline __attribute__((always_inline)) void chunk_scores(const Task *t, Sc
  * chunk's n keys. RB rows at a time share every V load (RB * DV accumulators in registers). */
 static inline __attribute__((always_inline)) void chunk_values(const Task *t, Scratch *w, const int64_t *rows,
                                                                const int RB, const char *vb, int64_t g, int64_t start,
-                                                               int64_t n, const int DV) {
+                                                               int64_t n, const int DV, const char *next) {
     const AttentionArgs *a = t->a;
     const int64_t D = 16 * DV, BS = a->block_size, slot0 = start % BS;
+    const int64_t slice = next == NULL ? 0 : slice_bytes(a, a->kv_dtype == DTYPE_BF16 ? (n + 1) / 2 : n);
     __m512 out[ROW_BATCH][MAX_HEAD_DIM / 16];
     for (int i = 0; i < RB; i++) {
         const __m512 c = _mm512_set1_ps(w->correction[rows[i]]);
@@ -419,6 +429,7 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
         for (int64_t pair = 0; pair < (n + 1) / 2; pair++) {
             /* a last key past n (odd n) may hold anything, even NaN: keep it out of the product */
             const __mmask32 keys = 2 * pair + 1 < n ? 0xFFFFFFFFu : 0x55555555u;
+            prefetch_slice(next, pair, slice);
             __m512bh p[ROW_BATCH];
             for (int i = 0; i < RB; i++) p[i] = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)w->pb[rows[i]])[pair]);
             for (int d = 0; d < DV; d++) {
@@ -429,6 +440,7 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
     } else if (a->kv_dtype == DTYPE_F16) {
         const uint16_t *v = (const uint16_t *)vb + (g * BS + slot0) * D; /* key slot0 */
         for (int64_t j = 0; j < n; j++) {
+            prefetch_slice(next, j, slice);
             for (int d = 0; d < DV; d++) {
                 const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + j * D + 16 * d)));
                 for (int i = 0; i < RB; i++)
@@ -438,6 +450,7 @@ static inline __attribute__((always_inline)) void chunk_values(const Task *t, Sc
     } else {
         const float *v = (const float *)vb + (g * BS + slot0) * D; /* key slot0 */
         for (int64_t j = 0; j < n; j++) {
+            prefetch_slice(next, j, slice);
             for (int d = 0; d < DV; d++) {
                 const __m512 x = _mm512_loadu_ps(v + j * D + 16 * d);
                 for (int i = 0; i < RB; i++) out[i][d] = _mm512_fmadd_ps(_mm512_set1_ps(w->p[rows[i]][j]), x, out[i][d]);
@@ -462,12 +475,12 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
         int64_t rows[MAX_ROWS], live[MAX_ROWS], num_rows = 0, num_live = 0;
         for (int64_t q = 0; q < t->num_queries; q++)
             for (int64_t h = g * G; h < (g + 1) * G; h++) rows[num_rows++] = q * H + h;
-        prefetch_next_part(t, a->k_cache, start, g);
-        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV)
+        const char *next_k = next_part(t, a->k_cache, start, g), *next_v = next_part(t, a->v_cache, start, g);
+        FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV, i_ == 0 ? next_k : NULL)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (row_sees_some(w, rows[i], start, n)) live[num_live++] = rows[i];
-        prefetch_next_part(t, a->v_cache, start, g);
-        FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV)
+        if (num_live == 0) prefetch_next_part(t, a->v_cache, start, g); /* no values pass to spread them over */
+        FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV, i_ == 0 ? next_v : NULL)
     }
 }
 
@@ -645,7 +658,7 @@ static void chunk_d128(const Task *t, Scratch *w, int64_t start, int64_t n) {
 typedef void (*ChunkBody)(const Task *, Scratch *, int64_t, int64_t);
 
 #ifdef HAVE_FAST_PATH
-#define BODY_PREFETCHES(body) ((body) == chunk_d64 || (body) == chunk_d128) /* prefetch_next_part */
+#define BODY_PREFETCHES(body) ((body) == chunk_d64 || (body) == chunk_d128) /* prefetch_slice, prefetch_span */
 #else
 #define BODY_PREFETCHES(body) 0
 #endif
