@@ -285,12 +285,15 @@ static uint16_t *thread_buffer(uint16_t **buffer, int64_t *elems, int64_t needed
  * with rayllm_gated_mul's own arithmetic (simd.h's gated16): the unfused path's bits. */
 static void store_gated_block(const AmxJob *job, const float *sums, int64_t m, int r0, int r1, int64_t n) {
     const __m512 gate_bias = load_bias(job, n, 16), up_bias = load_bias(job, n + job->N, 16); /* ups after N gates */
-    const int bf16 = job->out_dtype == DTYPE_BF16; /* fp32: the product's fp32 output, as it is */
+    const int bf16 = job->out_dtype == DTYPE_BF16;
+    /* a bf16 step's gates and ups are bf16 values (its bias's dtype is the step's); an fp32
+     * step's stay as the product leaves them, whatever out's dtype */
+    const int bf16_gates = job->bias_dtype == DTYPE_BF16;
     const int64_t elem = bf16 ? 2 : 4;
     for (int r = r0; r < r1; r++) {
         __m512 g = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS), gate_bias);
         __m512 u = _mm512_add_ps(_mm512_load_ps(sums + r * GROUP_COLUMNS + 16), up_bias);
-        if (bf16) g = round_bf16(g), u = round_bf16(u);
+        if (bf16_gates) g = round_bf16(g), u = round_bf16(u);
         store16((char *)job->out + ((m + r) * job->N + n) * elem, gated16(g, u, job->activation, job->alpha, job->limit),
                 bf16);
     }
@@ -525,6 +528,31 @@ int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void
     return amx_gemm(x, dtype, &job, num_threads);
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
+    (void)out_dtype, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* A GGUF product of an fp32 step whose x its producer already rounded to bf16 (forward.c: a norm,
+ * or the gated product before a down projection): x [num_rows, K] bf16, bias fp32 or NULL. With
+ * activation -1 out is [num_rows, N] fp32, the bits rayllm_amx_gguf_gemm gives for the fp32 x,
+ * which it rounds to bf16 the same way (nearest even) before any tile sees it. Otherwise the
+ * gated product of a gate_up weight ([2 N, K], N = width, a multiple of 32), the gates and ups
+ * in fp32 as rayllm_amx_gguf_gated_gemm's, out in out_dtype: bf16 for a reader that rounds its x
+ * to bf16 anyway, so that no fp32 copy is written and rounded again. */
+int rayllm_amx_gguf_gemm_rounded_x(const uint16_t *x, const uint8_t *w, const float *bias, void *out, int64_t num_rows,
+                                   int64_t N, int64_t K, int32_t ggml_type, int32_t activation, int32_t out_dtype,
+                                   int32_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    const int gated = activation >= 0;
+    if (activation > 2 || (gated && (N < 32 || N % 32)) || (!gated && out_dtype != DTYPE_F32)) return 2;
+    const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, gated ? 2 * N : N, K);
+    if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
+    AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
+                  .N = N, .K = K, .bias_dtype = DTYPE_F32, .out_dtype = out_dtype, .activation = gated ? activation : -1};
+    return amx_gemm(x, DTYPE_BF16, &job, num_threads);
+#else
+    (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)activation;
     (void)out_dtype, (void)num_threads;
     return 1;
 #endif

@@ -51,6 +51,8 @@ int rayllm_write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_st
 /* layer_ops.c */
 int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
                         int64_t hidden, float eps, int32_t dtype, int32_t num_threads);
+int rayllm_add_rms_norm_to(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
+                           int64_t hidden, float eps, int32_t dtype, int32_t out_dtype, int32_t num_threads);
 int rayllm_rope(void *qkv, const int64_t *positions, const float *cos, const float *sin, int64_t num_tokens,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, int32_t dtype,
                 int32_t num_threads);
@@ -122,6 +124,9 @@ int rayllm_amx_gguf_gated_gemm(const void *x, const uint8_t *w, const void *bias
                                float alpha, float limit, int32_t num_threads);
 int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                          int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t num_threads);
+int rayllm_amx_gguf_gemm_rounded_x(const uint16_t *x, const uint8_t *w, const float *bias, void *out, int64_t num_rows,
+                                   int64_t N, int64_t K, int32_t ggml_type, int32_t activation, int32_t out_dtype,
+                                   int32_t num_threads);
 
 /* attention_amx.c: whether the tile path takes a call's shapes, and the sequences of at least
  * min_queries queries on it (taken[s] set for each; 1 where this build has no tiles). */

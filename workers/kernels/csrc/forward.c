@@ -87,6 +87,15 @@ static int adapted(const ForwardArgs *a, int64_t l, int32_t product, const void 
 
 static int takes_tiles(int64_t min_rows, int64_t num_tokens) { return min_rows > 0 && num_tokens >= min_rows; }
 
+/* Whether a GGUF weight of `type` takes this step's x on bf16 tiles (linear's first case), which
+ * round an fp32 step's x to bf16 before any tile sees it. Its producer (a norm, the gated product)
+ * then writes x in bf16 itself: the same bits, half the bytes, and no rounding pass over a copy
+ * (amx.c: rayllm_amx_gguf_gemm_rounded_x). Not under LoRA adapters, which read the step's x. */
+static int rounds_x_to_bf16(const ForwardArgs *a, int32_t type) {
+    return type && a->dtype == DTYPE_F32 && a->gguf_mode == GGUF_INT8 && !a->lora &&
+           takes_tiles(a->tile_min_rows_gguf, a->num_tokens);
+}
+
 static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t type, const void *bias, void *out,
                   int64_t N, int64_t K) {
     if (type && a->gguf_mode == GGUF_INT8 && takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
@@ -166,13 +175,20 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
         attention.window = layer->window;
         attention.softcap = layer->softcap;
         attention.sinks = layer->sinks;
+        /* the x that the layer's products read in bf16, written so by their producers (rounds_x_to_bf16) */
+        const int qkv_x_bf16 = !layer->mixer && layer->input_norm && rounds_x_to_bf16(a, layer->qkv_type);
+        const int mlp_x_bf16 = layer->post_norm && inter % 32 == 0 && rounds_x_to_bf16(a, layer->gate_up_type);
+        const int act_bf16 = mlp_x_bf16 && rounds_x_to_bf16(a, layer->down_type);
         const void *x = layer->input_norm ? a->x : a->residual; /* no norm: the branch reads the stream */
-        int status = rayllm_add_rms_norm(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden, a->eps,
-                                         a->dtype, a->num_threads);
+        int status = rayllm_add_rms_norm_to(a->residual, l ? a->delta : NULL, layer->input_norm, a->x, T, hidden,
+                                            a->eps, a->dtype, qkv_x_bf16 ? DTYPE_BF16 : a->dtype, a->num_threads);
         if (!status && layer->mixer) {
             if (layer->mixer(l, T)) status = 90;
         } else {
-            if (!status)
+            if (!status && qkv_x_bf16)
+                status = rayllm_amx_gguf_gemm_rounded_x(a->x, layer->qkv, layer->qkv_bias, a->qkv, T, qkv_width, hidden,
+                                                        layer->qkv_type, -1, DTYPE_F32, a->num_threads);
+            else if (!status)
                 status = adapted(a, l, LORA_QKV, x, layer->qkv, layer->qkv_type, layer->qkv_bias, a->qkv, qkv_width,
                                  hidden);
             if (!status && layer->q_norm)
@@ -196,10 +212,18 @@ int rayllm_decoder_forward(const ForwardArgs *a) {
                                          a->num_threads);
         x = layer->post_norm ? a->x : a->residual;
         if (!status)
-            status = rayllm_add_rms_norm(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
-                                         a->num_threads);
-        if (!status) status = gated(a, x, layer, l, inter, hidden);
-        if (!status)
+            status = rayllm_add_rms_norm_to(a->residual, a->delta, layer->post_norm, a->x, T, hidden, a->eps, a->dtype,
+                                            mlp_x_bf16 ? DTYPE_BF16 : a->dtype, a->num_threads);
+        if (!status && mlp_x_bf16)
+            status = rayllm_amx_gguf_gemm_rounded_x(a->x, layer->gate_up, layer->gate_up_bias, a->act, T, inter, hidden,
+                                                    layer->gate_up_type, a->activation,
+                                                    act_bf16 ? DTYPE_BF16 : DTYPE_F32, a->num_threads);
+        else if (!status)
+            status = gated(a, x, layer, l, inter, hidden);
+        if (!status && act_bf16)
+            status = rayllm_amx_gguf_gemm_rounded_x(a->act, layer->down, layer->down_bias, a->delta, T, hidden, inter,
+                                                    layer->down_type, -1, DTYPE_F32, a->num_threads);
+        else if (!status)
             status = adapted(a, l, LORA_DOWN, a->act, layer->down, layer->down_type, layer->down_bias, a->delta, hidden,
                              inter);
         if (!status && layer->mlp_out_norm)

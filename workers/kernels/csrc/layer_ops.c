@@ -23,9 +23,9 @@
 
 /* One row of add_rms_norm; returns nothing, writes residual (the sum) and out. */
 static void add_rms_norm_row(void *residual, const void *delta, const void *weight, void *out, int64_t hidden,
-                             float eps, int dtype) {
-    const int bf16 = dtype == DTYPE_BF16;
-    const int64_t elem = bf16 ? 2 : 4;
+                             float eps, int dtype, int out_dtype) {
+    const int bf16 = dtype == DTYPE_BF16, out_bf16 = out_dtype == DTYPE_BF16;
+    const int64_t elem = bf16 ? 2 : 4, out_elem = out_bf16 ? 2 : 4;
     if (!weight) { /* the add alone: a layer whose branch reads the residual stream unnormed (OLMo 2) */
         if (delta)
             for (int64_t i = 0; i < hidden; i++) {
@@ -78,17 +78,19 @@ static void add_rms_norm_row(void *residual, const void *delta, const void *weig
     const __m512 scale = _mm512_set1_ps(inv_rms);
     for (; i + 16 <= hidden; i += 16) {
         const __m512 x = load16((const char *)residual + i * elem, bf16);
-        store16((char *)out + i * elem, _mm512_mul_ps(_mm512_mul_ps(x, scale), load16((const char *)weight + i * elem, bf16)), bf16);
+        store16((char *)out + i * out_elem, _mm512_mul_ps(_mm512_mul_ps(x, scale), load16((const char *)weight + i * elem, bf16)),
+                out_bf16);
     }
 #elif defined(RAYLLM_AVX2)
     const __m256 scale = _mm256_set1_ps(inv_rms);
     for (; i + 8 <= hidden; i += 8) {
         const __m256 x = load8((const char *)residual + i * elem, bf16);
-        store8((char *)out + i * elem, _mm256_mul_ps(_mm256_mul_ps(x, scale), load8((const char *)weight + i * elem, bf16)), bf16);
+        store8((char *)out + i * out_elem, _mm256_mul_ps(_mm256_mul_ps(x, scale), load8((const char *)weight + i * elem, bf16)),
+               out_bf16);
     }
 #endif
     for (; i < hidden; i++)
-        store_element(out, i, load_element(residual, i, dtype) * inv_rms * load_element(weight, i, dtype), dtype);
+        store_element(out, i, load_element(residual, i, dtype) * inv_rms * load_element(weight, i, dtype), out_dtype);
 }
 
 /* The row-wise ops (norms, rope, silu) over many rows run on the same thread pool as the
@@ -126,19 +128,27 @@ typedef struct {
     const void *delta, *weight;
     int64_t hidden;
     float eps;
-    int32_t dtype;
+    int32_t dtype, out_dtype;
 } NormJob;
 
 static void norm_row(const void *context, int64_t t) {
     const NormJob *j = context;
     const int64_t bytes = j->hidden * (j->dtype == DTYPE_BF16 ? 2 : 4);
+    const int64_t out_bytes = j->hidden * (j->out_dtype == DTYPE_BF16 ? 2 : 4);
     add_rms_norm_row((char *)j->residual + t * bytes, j->delta ? (const char *)j->delta + t * bytes : NULL, j->weight,
-                     (char *)j->out + t * bytes, j->hidden, j->eps, j->dtype);
+                     (char *)j->out + t * out_bytes, j->hidden, j->eps, j->dtype, j->out_dtype);
 }
 
 int rayllm_add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
                         int64_t hidden, float eps, int32_t dtype, int32_t num_threads) {
-    const NormJob job = {residual, out, delta, weight, hidden, eps, dtype};
+    return rayllm_add_rms_norm_to(residual, delta, weight, out, num_rows, hidden, eps, dtype, dtype, num_threads);
+}
+
+/* The same with out in out_dtype (an fp32 step's normed x in bf16 for a product that rounds its x
+ * to bf16 anyway: forward.c); out_dtype is dtype where out is residual. */
+int rayllm_add_rms_norm_to(void *residual, const void *delta, const void *weight, void *out, int64_t num_rows,
+                           int64_t hidden, float eps, int32_t dtype, int32_t out_dtype, int32_t num_threads) {
+    const NormJob job = {residual, out, delta, weight, hidden, eps, dtype, out_dtype};
     for_each_row(norm_row, &job, num_rows, num_threads);
     return 0;
 }
@@ -285,14 +295,14 @@ static void head_norm_row(const void *context, int64_t t) {
     const int64_t elem = j->dtype == DTYPE_F32 ? 4 : 2, heads = j->num_heads + j->num_kv_heads, D = j->head_dim;
     char *row = (char *)j->qkv + t * (heads + j->num_kv_heads) * D * elem;
     if (j->whole) {
-        add_rms_norm_row(row, NULL, j->q_weight, row, j->num_heads * D, j->eps, j->dtype);
+        add_rms_norm_row(row, NULL, j->q_weight, row, j->num_heads * D, j->eps, j->dtype, j->dtype);
         char *k = row + j->num_heads * D * elem;
-        add_rms_norm_row(k, NULL, j->k_weight, k, j->num_kv_heads * D, j->eps, j->dtype);
+        add_rms_norm_row(k, NULL, j->k_weight, k, j->num_kv_heads * D, j->eps, j->dtype, j->dtype);
         return;
     }
     for (int64_t h = 0; h < heads; h++) {
         char *head = row + h * D * elem;
-        add_rms_norm_row(head, NULL, h < j->num_heads ? j->q_weight : j->k_weight, head, D, j->eps, j->dtype);
+        add_rms_norm_row(head, NULL, h < j->num_heads ? j->q_weight : j->k_weight, head, D, j->eps, j->dtype, j->dtype);
     }
 }
 
