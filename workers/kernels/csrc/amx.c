@@ -497,6 +497,18 @@ static int amx_gemm(const void *x, int32_t dtype, AmxJob *job, int32_t num_threa
     run_items(job, threads);
     return 0;
 }
+
+/* A product over GGUF blocks w of ggml_type: plain (activation -1, w [N, K]) or gated (w [2 N, K]). */
+static int gguf_product(const void *x, int32_t x_dtype, const uint8_t *w, int32_t ggml_type, const void *bias,
+                        int32_t bias_dtype, void *out, int32_t out_dtype, int64_t num_rows, int64_t N, int64_t K,
+                        int32_t activation, float alpha, float limit, int32_t num_threads) {
+    const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, activation >= 0 ? 2 * N : N, K);
+    if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
+    AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
+                  .N = N, .K = K, .bias_dtype = bias_dtype, .out_dtype = out_dtype, .activation = activation,
+                  .alpha = alpha, .limit = limit};
+    return amx_gemm(x, x_dtype, &job, num_threads);
+}
 #endif
 
 /* x: [num_rows, K] bf16 or fp32 (dtype); panels: [ceil(N / 16), K / 2, 16, 2] bf16 (panel_avx512.c's
@@ -521,11 +533,8 @@ int rayllm_amx_gemm_bf16(const void *x, const void *panels, const void *bias, vo
 int rayllm_amx_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows, int64_t N,
                          int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype, int32_t num_threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, N, K);
-    if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
-    AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
-                  .N = N, .K = K, .bias_dtype = dtype, .out_dtype = out_dtype, .activation = -1};
-    return amx_gemm(x, dtype, &job, num_threads);
+    return gguf_product(x, dtype, w, ggml_type, bias, dtype, out, out_dtype, num_rows, N, K, -1, 0.0f, 0.0f,
+                        num_threads);
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
     (void)out_dtype, (void)num_threads;
@@ -546,11 +555,8 @@ int rayllm_amx_gguf_gemm_rounded_x(const uint16_t *x, const uint8_t *w, const fl
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     const int gated = activation >= 0;
     if (activation > 2 || (gated && (N < 32 || N % 32)) || (!gated && out_dtype != DTYPE_F32)) return 2;
-    const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, gated ? 2 * N : N, K);
-    if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
-    AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
-                  .N = N, .K = K, .bias_dtype = DTYPE_F32, .out_dtype = out_dtype, .activation = gated ? activation : -1};
-    return amx_gemm(x, DTYPE_BF16, &job, num_threads);
+    return gguf_product(x, DTYPE_BF16, w, ggml_type, bias, DTYPE_F32, out, out_dtype, num_rows, N, K,
+                        gated ? activation : -1, 0.0f, 0.0f, num_threads);
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)activation;
     (void)out_dtype, (void)num_threads;
@@ -589,12 +595,8 @@ int rayllm_amx_gguf_gated_gemm(const void *x, const uint8_t *w, const void *bias
                                float alpha, float limit, int32_t num_threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (width < 32 || width % 32 || activation < 0 || activation > 2) return 2;
-    const int64_t row_bytes = rayllm_gguf_row_bytes(ggml_type, 2 * width, K);
-    if (row_bytes < 0) return row_bytes == -1 ? 1 : 2;
-    AmxJob job = {.w = w, .type = ggml_type, .row_bytes = row_bytes, .bias = bias, .out = out, .num_rows = num_rows,
-                  .N = width, .K = K, .bias_dtype = dtype, .out_dtype = dtype, .activation = activation,
-                  .alpha = alpha, .limit = limit};
-    return amx_gemm(x, dtype, &job, num_threads);
+    return gguf_product(x, dtype, w, ggml_type, bias, dtype, out, dtype, num_rows, width, K, activation, alpha, limit,
+                        num_threads);
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)width, (void)K, (void)ggml_type, (void)dtype;
     (void)activation, (void)alpha, (void)limit, (void)num_threads;
