@@ -87,18 +87,22 @@ static int adapted(const ForwardArgs *a, int64_t l, int32_t product, const void 
 
 static int takes_tiles(int64_t min_rows, int64_t num_tokens) { return min_rows > 0 && num_tokens >= min_rows; }
 
-/* Whether a GGUF weight of `type` takes this step's x on bf16 tiles (linear's first case), which
- * round an fp32 step's x to bf16 before any tile sees it. Its producer (a norm, the gated product)
- * then writes x in bf16 itself: the same bits, half the bytes, and no rounding pass over a copy
- * (amx.c: rayllm_amx_gguf_gemm_rounded_x). Not under LoRA adapters, which read the step's x. */
+/* Whether a GGUF weight of `type` (0: not GGUF) takes this step's products on bf16 tiles. */
+static int gguf_on_bf16_tiles(const ForwardArgs *a, int32_t type) {
+    return type && a->gguf_mode == GGUF_INT8 && takes_tiles(a->tile_min_rows_gguf, a->num_tokens);
+}
+
+/* Whether such a product rounds an fp32 step's x to bf16 before any tile sees it. Its producer (a
+ * norm, the gated product) then writes x in bf16 itself: the same bits, half the bytes, and no
+ * rounding pass over a copy (amx.c: rayllm_amx_gguf_gemm_rounded_x). Not under LoRA adapters,
+ * which read the step's x. */
 static int rounds_x_to_bf16(const ForwardArgs *a, int32_t type) {
-    return type && a->dtype == DTYPE_F32 && a->gguf_mode == GGUF_INT8 && !a->lora &&
-           takes_tiles(a->tile_min_rows_gguf, a->num_tokens);
+    return a->dtype == DTYPE_F32 && !a->lora && gguf_on_bf16_tiles(a, type);
 }
 
 static int linear(const ForwardArgs *a, const void *x, const void *w, int32_t type, const void *bias, void *out,
                   int64_t N, int64_t K) {
-    if (type && a->gguf_mode == GGUF_INT8 && takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
+    if (gguf_on_bf16_tiles(a, type))
         return rayllm_amx_gguf_gemm(x, w, bias, out, a->num_tokens, N, K, type, a->dtype, a->dtype, a->num_threads);
     const int q4 = (type & GGUF_PACKED) && ((type & 0xff) == 2 || (type & 0xff) == 3); /* packed Q4_0, Q4_1 */
     if (q4 && a->gguf_mode == GGUF_INT8 && N % 16 == 0 && a->num_tokens <= 512 &&
@@ -131,8 +135,7 @@ static int gated(const ForwardArgs *a, const void *x, const LayerArgs *layer, in
                       : rayllm_gated_mul(a->gate_up, a->act, a->num_tokens, inter, a->activation, 0.0f, 0.0f, a->dtype,
                                          a->num_threads);
     }
-    if (layer->gate_up_type && a->gguf_mode == GGUF_INT8 && inter % 32 == 0 &&
-        takes_tiles(a->tile_min_rows_gguf, a->num_tokens))
+    if (gguf_on_bf16_tiles(a, layer->gate_up_type) && inter % 32 == 0)
         return rayllm_amx_gguf_gated_gemm(x, layer->gate_up, layer->gate_up_bias, a->act, a->num_tokens, inter, hidden,
                                           layer->gate_up_type, a->dtype, a->activation, 0.0f, 0.0f, a->num_threads);
     if (!layer->gate_up_type && a->linear == LINEAR_PANELS && a->dtype == DTYPE_BF16 && hidden % 32 == 0 &&

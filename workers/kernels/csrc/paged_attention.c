@@ -226,12 +226,8 @@ static inline const char *next_part(const Task *t, const void *cache, int64_t st
  * with the burst and 7.6-8.1 ms spread. On the Zen 4 VM a burst into L2 before each head's
  * scores measured 6.0 / 3.6 ms (1 / 2 threads, bf16, 272 keys) against 10.4 / 5.6-6.0 with the
  * whole next block read ahead of its arithmetic (stream_block); two blocks ahead, no better.
- * prefetch_next_part, the burst, remains for a part no loop step follows (a chunk no row sees). */
-static inline void prefetch_next_part(const Task *t, const void *cache, int64_t start, int64_t g) {
-    const char *p = next_part(t, cache, start, g);
-    if (p == NULL) return;
-    for (int64_t offset = 0; offset < part_bytes(t->a); offset += 64) __builtin_prefetch(p + offset, 0, 1);
-}
+ * A part no loop step follows (the V part of a chunk no row sees) is prefetched whole, as one
+ * slice. */
 
 /* Bytes of a next part each of `steps` loop steps prefetches (rounded up: all of it is covered). */
 static inline int64_t slice_bytes(const AttentionArgs *a, int64_t steps) { return (part_bytes(a) + steps - 1) / steps; }
@@ -479,7 +475,7 @@ static inline __attribute__((always_inline)) void chunk_fast(const Task *t, Scra
         FOR_ROW_BATCHES(rows, num_rows, ROW_BATCH, SCORES, kb, g, start, n, DV, i_ == 0 ? next_k : NULL)
         for (int64_t i = 0; i < num_rows; i++) /* rows that see none of the chunk add nothing */
             if (row_sees_some(w, rows[i], start, n)) live[num_live++] = rows[i];
-        if (num_live == 0) prefetch_next_part(t, a->v_cache, start, g); /* no values pass to spread them over */
+        if (num_live == 0) prefetch_slice(next_v, 0, part_bytes(a)); /* no values pass to spread it over */
         FOR_ROW_BATCHES(live, num_live, most_values, VALUES, vb, g, start, n, DV, i_ == 0 ? next_v : NULL)
     }
 }
