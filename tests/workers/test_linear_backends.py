@@ -3,12 +3,15 @@ choices fail clearly."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
-from workers.kernels.native import LINEAR_PANELS, native_available
+from workers.kernels.native import LINEAR_PANELS, native_available, native_library
 from workers.linear import (GEMV_MAX_ROWS, onednn_available, pack_panels, pack_panels_bf16,
                             select_linear_backend)
 
@@ -154,6 +157,37 @@ def test_panel_gemm_from_two_python_threads_at_once(dtype):
     for thread in threads:
         thread.join()
     assert not mismatches
+
+
+@pytest.mark.skipif(not native_available(), reason="the C kernels do not build here")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool's helpers and their futexes are Linux's")
+def test_a_caller_sleeps_until_a_helper_that_lost_its_core_is_done():
+    """With a busy process on every core, the pool's helper loses its core in the middle of items;
+    the caller, its own items done, stops spinning and sleeps until the helper counts its last
+    item (csrc/thread_pool.c, WAIT_SPINS), and wakes: every product exact, none left hanging (the
+    suite's timeout), and such sleeps counted."""
+    native = select_linear_backend("native", "cpu", torch.float32)
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(4096, 512, generator=generator)
+    packed = native.pack(weight)
+    x = torch.randn(128, 512, generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = native.linear(x, packed)
+        library = native_library()
+        slept = library.rayllm_pool_caller_sleeps()
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        try:
+            for _ in range(60):
+                assert torch.equal(native.linear(x, packed), expected)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        assert library.rayllm_pool_caller_sleeps() > slept
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_pack_panels_layout():

@@ -344,6 +344,7 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_panel_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32],
     "rayllm_panel_gemm_bf16_available": [],
     "rayllm_vector_width": [],
+    "rayllm_pool_caller_sleeps": [],  # waits of the thread pool's caller that slept (csrc/thread_pool.c)
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, mode, num_threads
     "rayllm_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     # blocks, out, N, K, ggml_type, num_threads (fp32 out)

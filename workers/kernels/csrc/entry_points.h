@@ -213,6 +213,8 @@ int rayllm_unit_lower_solve(const float *A, float *B, int64_t batch, int64_t L, 
  * among them; returns when every item is done. */
 typedef void (*ParallelBody)(void *ctx, int64_t item);
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx);
+/* how many times a caller of rayllm_parallel_for has slept waiting for a helper's item (tests) */
+int32_t rayllm_pool_caller_sleeps(void);
 /* Each argument struct's layout: sizeof, then its fields' offsets in declaration order, and their
  * names space-separated in names; returns the count of numbers (workers/kernels/native.py checks
  * its ctypes mirrors against these at load). */

@@ -8,7 +8,8 @@
  * finishes the region's work and then waits for it, and the step loses the whole time. Here
  * items are claimed one at a time from a shared counter by the caller and the helpers alike,
  * and the caller waits only for items that someone has claimed: a helper that is not running
- * claims nothing, and the caller does its share.
+ * claims nothing, and the caller does its share. A helper that lost its core in the middle of an
+ * item is waited for asleep, not spinning (WAIT_SPINS), so that it can have the caller's core.
  *
  * The helpers (num_threads - 1, started on first use, grown when more are asked for) spin
  * for a short while after each job and then sleep on a futex until the next one. One job at
@@ -42,14 +43,27 @@ static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
 #define MAX_HELPERS 255
 #define NO_ITEMS 0xffffffffu /* the low half of a state being published: more than any job has */
 /* Pause loops before a helper sleeps: a step's kernels come back to back. How long that is depends
- * on the CPU's pause: 20000 take about 0.5 ms on a Zen 3 EPYC. 5000 there (0.13 ms) cut the
- * caller's long waits for helpers by about a quarter but left served c1 within its noise, so it stays. */
+ * on the CPU's pause: 20000 take about 0.5 ms on a Zen 3 EPYC (0.2 ms on a Sapphire Rapids-class
+ * Xeon, 11 ns a pause). 5000 there (0.13 ms) cut the caller's long waits for helpers by about a
+ * quarter but left served c1 within its noise, so it stays. */
 #define SPIN_ROUNDS 20000
+/* Pause loops before the caller, its own items done, sleeps until the items the helpers claimed
+ * are done: as long as a helper spins before it sleeps, longer than the end of a job takes. A
+ * longer wait means a helper lost its core mid-item to another process (served: the ingress, the
+ * proxy, the scheduler), and spinning on would keep the caller's core from it; asleep, the caller
+ * leaves its core idle and the kernel moves the helper there. On a 2-core AMX Xeon, served c16,
+ * rounds alternating with the spinning wait: GGUF 440 / 477 / 459 against 419 / 461 / 488 tok/s,
+ * within the machine's drift, with the worker's CPU at 141-143% against 145-151%; c1 and the
+ * in-process steps level. A shorter spin (2000, about 20 us there) also sleeps at the ends of
+ * ordinary jobs; its c1 looked 3% slower, about the bias of the rounds' order, so this one keeps
+ * those ends spinning as before. */
+#define WAIT_SPINS SPIN_ROUNDS
 
 static struct {
     pthread_mutex_t lock; /* one job at a time (trylock: a busy pool means run inline) */
     _Atomic uint64_t state; /* job generation << 32 | next unclaimed item */
-    _Atomic int64_t num_done; /* items of the current job finished */
+    _Atomic uint32_t num_done; /* items of the current job finished (a futex word: the caller may sleep on it) */
+    _Atomic int caller_waiting; /* the caller sleeps until num_done reaches num_items */
     _Atomic uint32_t wake;    /* futex word: bumped for every job */
     _Atomic int num_sleeping;
     ParallelBody fn;
@@ -57,6 +71,10 @@ static struct {
     int64_t num_items;
     int num_helpers;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static _Atomic int32_t caller_sleeps; /* waits that outlasted WAIT_SPINS (rayllm_pool_caller_sleeps) */
+
+int32_t rayllm_pool_caller_sleeps(void) { return atomic_load(&caller_sleeps); }
 
 static void futex_wait(_Atomic uint32_t *word, uint32_t expected) {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
@@ -73,8 +91,10 @@ static void work(uint32_t generation) {
         if ((uint32_t)(state >> 32) != generation || (int64_t)(state & 0xffffffffu) >= pool.num_items) return;
         if (!atomic_compare_exchange_weak(&pool.state, &state, state + 1)) continue;
         /* the item is ours; the job cannot change until it is counted done */
+        const int64_t num_items = pool.num_items;
         pool.fn(pool.ctx, (int64_t)(state & 0xffffffffu));
-        atomic_fetch_add(&pool.num_done, 1);
+        if ((int64_t)atomic_fetch_add(&pool.num_done, 1) + 1 == num_items && atomic_load(&pool.caller_waiting))
+            futex_wake_all(&pool.num_done); /* the last item, and the caller asleep on it */
     }
 }
 
@@ -139,10 +159,27 @@ void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, vo
     atomic_fetch_add(&pool.wake, 1);
     if (atomic_load(&pool.num_sleeping) > 0) futex_wake_all(&pool.wake);
     work(generation);
-    while (atomic_load(&pool.num_done) < num_items) cpu_relax(); /* only items someone claimed */
+    /* Only items someone claimed are left. Past WAIT_SPINS, sleep on num_done: the flag is set
+     * before num_done is read again, and a helper counts its item before it reads the flag, so
+     * either this read sees the last item done or that helper sees the flag and wakes us (and a
+     * wake between the read and the wait makes the wait return: num_done has changed). */
+    for (int spins = 0;; spins++) {
+        const uint32_t done = atomic_load(&pool.num_done);
+        if ((int64_t)done >= num_items) break;
+        if (spins < WAIT_SPINS) {
+            cpu_relax();
+            continue;
+        }
+        if (spins == WAIT_SPINS) atomic_fetch_add(&caller_sleeps, 1);
+        atomic_store(&pool.caller_waiting, 1);
+        if ((int64_t)atomic_load(&pool.num_done) < num_items) futex_wait(&pool.num_done, done);
+        atomic_store(&pool.caller_waiting, 0);
+    }
     pthread_mutex_unlock(&pool.lock);
 }
 #else /* no futex: the caller runs every item */
+int32_t rayllm_pool_caller_sleeps(void) { return 0; }
+
 void rayllm_parallel_for(int64_t num_items, int num_threads, ParallelBody fn, void *ctx) {
     (void)num_threads;
     run_inline(num_items, fn, ctx);
