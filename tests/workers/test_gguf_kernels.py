@@ -259,7 +259,8 @@ def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(
     per 512-bit vector instead, and an odd item's last group as AVX2 does: packed_int8_pair,
     packed_q8_int16_pair): on one thread and two, with a last tile of 2 rows, its outputs are
     within the reference's bound and bit for bit those of the same rows 4 at a time (a tile's sums
-    in registers) and those of every build (the portable one has none of these kernels)."""
+    in registers, or on a CPU with AMX the int16 pair from 2 rows) and those of every build (the
+    portable one has none of these kernels)."""
     from workers.kernels.native import native_library
 
     weight = pack_columns(random_gguf_weight(ggml_type, 8 * 72, 64, seed=int(ggml_type) + 200))  # 72 groups
@@ -278,6 +279,10 @@ def test_a_prompt_steps_rows_through_many_packed_groups_are_those_of_a_few_rows(
                                     for i in range(0, 290, 4)])
                 assert torch.equal(out, pieces)
                 assert torch.equal(out, gguf.gguf_gemm(x, weight, b, mode=mode, library=native_library()))
+                # this machine's few-row tiles too (a CPU with AMX takes its int16 ones to the pair)
+                assert torch.equal(out, torch.cat([gguf.gguf_gemm(x[i:i + 4], weight, b, mode=mode,
+                                                                  library=native_library())
+                                                   for i in range(0, 290, 4)]))
     finally:
         torch.set_num_threads(threads)
 

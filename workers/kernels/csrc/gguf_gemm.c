@@ -1035,6 +1035,18 @@ static inline __attribute__((always_inline)) void packed_q8_int16_pair(const Ggu
     }
 }
 
+/* Rows from which a Q8_0 lm_head's int16 product takes packed_q8_int16_pair. A Zen 4 runs a 512-bit
+ * vpdpwssd at half rate, and there the 256-bit tiles of 2-4 rows stay (PACKED_TILE). A CPU with AMX
+ * runs it at full rate: on a 2-core Sapphire Rapids-class Xeon (bench.bench_gguf --threads 2
+ * --rows 2,3,4,5, SmolLM2's 49152 x 576 lm_head) the pair took 1.98 / 2.02 / 2.25 ms at 2 / 3 / 4
+ * rows against 2.14 / 3.47 / 4.17 ms, and served GGUF c4 gave 179 / 164 tok/s against 155 / 142
+ * (alternating). Same bits either way (test_gguf_kernels.py compares 4-row pieces with whole batches). */
+static int64_t int16_pair_from_rows(void) {
+    static int64_t rows; /* 0 until the first call asks the CPU; the same answer from any thread */
+    if (!rows) rows = (rayllm_cpu_features() & CPU_AMX_INT8) ? 2 : PACKED_TILE + 1;
+    return rows;
+}
+
 #define PAIR_CASE(T, R) case R: packed_int8_pair(T, job, g, m0, R, out); break;
 #define PAIR_FUNCTION(T)                                                                                 \
     static void pair_##T(const GgufJob *job, int64_t g, int64_t m0, int MR, float *out) {               \
@@ -1214,7 +1226,12 @@ static void packed_columns(void *context, int64_t item) {
     /* Q4_0/Q4_1 int8 and Q8_0 int16 past PACKED_TILE rows: x's tile (16 rows) and the item's
      * weights stay in cache from one group to the next. */
     const int int16 = job->type == GGML_Q8_0 && job->mode == GGUF_INT16;
-    if (!unpacked && (job->type != GGML_Q8_0 || int16) && job->num_rows > PACKED_TILE) {
+#ifdef HAVE_PAIR_KERNEL
+    const int64_t first_pair_rows = int16 ? int16_pair_from_rows() : PACKED_TILE + 1;
+#else
+    const int64_t first_pair_rows = PACKED_TILE + 1;
+#endif
+    if (!unpacked && (job->type != GGML_Q8_0 || int16) && job->num_rows >= first_pair_rows) {
 #ifdef HAVE_PAIR_KERNEL
         /* two groups at a time through all the blocks; an odd last group through the 256-bit kernels */
         for (int64_t m0 = 0; m0 < job->num_rows; m0 += PAIR_ROWS) {
