@@ -36,6 +36,7 @@
  * below: eight columns' sums in one vector's lanes (Q4_0 and Q4_1 int8, Q8_0 fp32).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1042,8 +1043,12 @@ static inline __attribute__((always_inline)) void packed_q8_int16_pair(const Ggu
  * rows against 2.14 / 3.47 / 4.17 ms, and served GGUF c4 gave 179 / 164 tok/s against 155 / 142
  * (alternating). Same bits either way (test_gguf_kernels.py compares 4-row pieces with whole batches). */
 static int64_t int16_pair_from_rows(void) {
-    static int64_t rows; /* 0 until the first call asks the CPU; the same answer from any thread */
-    if (!rows) rows = (rayllm_cpu_features() & CPU_AMX_INT8) ? 2 : PACKED_TILE + 1;
+    static _Atomic int64_t cached; /* 0 until a first call asks the CPU; every thread gets the same answer */
+    int64_t rows = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (!rows) {
+        rows = (rayllm_cpu_features() & CPU_AMX_INT8) ? 2 : PACKED_TILE + 1;
+        atomic_store_explicit(&cached, rows, memory_order_relaxed);
+    }
     return rows;
 }
 
