@@ -42,22 +42,31 @@ static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
 
 #define MAX_HELPERS 255
 #define NO_ITEMS 0xffffffffu /* the low half of a state being published: more than any job has */
-/* Pause loops before a helper sleeps: a step's kernels come back to back. How long that is depends
- * on the CPU's pause: 20000 take about 0.5 ms on a Zen 3 EPYC (0.2 ms on a Sapphire Rapids-class
- * Xeon, 11 ns a pause). 5000 there (0.13 ms) cut the caller's long waits for helpers by about a
- * quarter but left served c1 within its noise, so it stays. */
-#define SPIN_ROUNDS 20000
+/* Pause loops before a helper with no job sleeps: 2000, about 20 us on a Sapphire Rapids-class
+ * Xeon (11 ns a pause), 50 us on a Zen 3 EPYC. Within a step the kernels come back to back and
+ * the caller's serial work between them (norms, RoPE, the KV write) is shorter than that; past it
+ * (the step's Python, the wait for the next step) a spinning helper only holds a core that the
+ * ingress, the proxy and the scheduler want at that moment. On a 2-core AMX Xeon, served, rounds
+ * alternating with 20000 (0.2 ms; `perf record` of the served worker at c16 had the helper's spin
+ * at 9.6% of its samples): GGUF c16 453 / 466 / 463 tok/s against 438 / 453 / 435 (ITL p50 26.8-27.4
+ * against 27.8-28.9 ms), bf16 c16 488 / 472 against 447 / 481, GGUF c1 149 / 159 / 163 / 158 against
+ * 143 / 134 / 158 / 160; in-process decode steps of 16 level (18.2 / 18.8 against 18.4 / 19.0 ms).
+ * A build may set it (-DSPIN_ROUNDS=...) to compare. */
+#ifndef SPIN_ROUNDS
+#define SPIN_ROUNDS 2000
+#endif
 /* Pause loops before the caller, its own items done, sleeps until the items the helpers claimed
- * are done: as long as a helper spins before it sleeps, longer than the end of a job takes. A
- * longer wait means a helper lost its core mid-item to another process (served: the ingress, the
- * proxy, the scheduler), and spinning on would keep the caller's core from it; asleep, the caller
- * leaves its core idle and the kernel moves the helper there. On a 2-core AMX Xeon, served c16,
- * rounds alternating with the spinning wait: GGUF 440 / 477 / 459 against 419 / 461 / 488 tok/s,
- * within the machine's drift, with the worker's CPU at 141-143% against 145-151%; c1 and the
- * in-process steps level. A shorter spin (2000, about 20 us there) also sleeps at the ends of
- * ordinary jobs; its c1 looked 3% slower, about the bias of the rounds' order, so this one keeps
- * those ends spinning as before. */
-#define WAIT_SPINS SPIN_ROUNDS
+ * are done: 20000 (0.2 ms there), longer than the end of any job takes. A longer wait means a
+ * helper lost its core mid-item to another process (served: the ingress, the proxy, the
+ * scheduler), and spinning on would keep the caller's core from it; asleep, the caller leaves its
+ * core idle and the kernel moves the helper there. On a 2-core AMX Xeon, served c16, rounds
+ * alternating with the spinning wait: GGUF 440 / 477 / 459 against 419 / 461 / 488 tok/s, within
+ * the machine's drift, with the worker's CPU at 141-143% against 145-151%; c1 and the in-process
+ * steps level. A shorter wait (2000) also sleeps at the ends of ordinary jobs; its c1 looked 3%
+ * slower, about the bias of the rounds' order, so the ends of jobs keep spinning. */
+#ifndef WAIT_SPINS
+#define WAIT_SPINS 20000
+#endif
 
 static struct {
     pthread_mutex_t lock; /* one job at a time (trylock: a busy pool means run inline) */
