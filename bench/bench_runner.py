@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.bench_runner                      # SmolLM2, batch 1 8 16, prompt 128, 128 new
     .venv/bin/python -m bench.bench_runner --batch-sizes 16 --repeats 3 --threads 1
     .venv/bin/python -m bench.bench_runner --breakdown          # step vs GEMM-only vs attention (bench/step_breakdown.py)
-    .venv/bin/python -m bench.bench_runner --breakdown --quantization auto --dtypes auto   # the GGUF weights
+    .venv/bin/python -m bench.bench_runner --breakdown --quantization auto   # the GGUF weights, as served
     .venv/bin/python -m bench.bench_runner --sampling           # sampled vs greedy decode steps (bench/sampling_cost.py)
 
 Both sides run greedy on the same random prompts (prompt_len tokens each, no padding) for
@@ -40,6 +40,8 @@ from scheduler.sampling_params import SamplingParams  # noqa: E402
 from workers.loader import resolve_model_path  # noqa: E402
 from workers.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from workers.simple_driver import SimpleDriver  # noqa: E402
+
+DEFAULT_DTYPES = "float32,bfloat16"  # --dtypes
 
 
 @dataclass
@@ -122,7 +124,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: decode step time vs its GEMM-only time, attention share and weight-read time "
                              "(bench/step_breakdown.py), at --batch-sizes (default here 1,16) and --prompt-len (256)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="--breakdown: dtypes to run")
+    parser.add_argument("--dtypes", default=DEFAULT_DTYPES,
+                        help="--breakdown: dtypes to run (default float32,bfloat16; with --quantization auto: auto, "
+                             "the path a GGUF model is served on, fp32 activations over an fp16 KV pool)")
     parser.add_argument("--threads-list", default="1,2", help="--breakdown: torch thread counts to run")
     parser.add_argument("--sampling", action="store_true",
                         help="instead: greedy vs sampled (temperature 1.0, top_p 0.95) decode steps side by side "
@@ -139,6 +143,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def breakdown_dtypes(dtypes: str, quantization: str) -> list[str]:
+    """The breakdown's dtypes: those asked for; left at the default with a GGUF model, auto alone, as
+    it is served (an explicit float32 would run its dequantized weights, bfloat16 its bf16 path)."""
+    return ["auto"] if dtypes == DEFAULT_DTYPES and quantization == "auto" else dtypes.split(",")
+
+
 def run_breakdown(args: argparse.Namespace) -> None:
     from bench import step_breakdown
 
@@ -149,7 +159,7 @@ def run_breakdown(args: argparse.Namespace) -> None:
     print(step_breakdown.HEADER)
     print("-" * len(step_breakdown.HEADER))
     model = str(resolve_model_path(args.model)) if args.quantization == "none" else (args.model or "default")
-    step_breakdown.run(model, args.dtypes.split(","), [int(t) for t in args.threads_list.split(",")], batches,
+    step_breakdown.run(model, breakdown_dtypes(args.dtypes, args.quantization), [int(t) for t in args.threads_list.split(",")], batches,
                        prompt_len, prefill_seqs=args.prefill, quantization=args.quantization,
                        kv_cache_dtype=args.kv_cache_dtype)
     print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
@@ -159,7 +169,7 @@ def run_sampling(args: argparse.Namespace) -> None:
     from bench import sampling_cost
 
     batches = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes != "1,8,16" else [1, 16]
-    dtypes = args.dtypes.split(",") if args.dtypes != "float32,bfloat16" else ["auto"]
+    dtypes = args.dtypes.split(",") if args.dtypes != DEFAULT_DTYPES else ["auto"]
     prompt_len = args.prompt_len if args.prompt_len != 128 else 256
     print(f"model {resolve_model_path(args.model)} | context {prompt_len} | sampled: temperature 1.0, top_p 0.95 | "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load average before {os.getloadavg()[0]:.2f}")

@@ -35,3 +35,11 @@ def test_run_prints_a_row_per_batch_with_its_kv(tiny_model_dir, capsys) -> None:
     assert results[1].kv_bytes == 2 * results[0].kv_bytes > 0
     assert all(r.byte_floor > 1 for r in results)
     assert len(capsys.readouterr().out.strip().splitlines()) == 2
+
+
+def test_a_gguf_breakdown_runs_the_served_dtype_unless_told_otherwise() -> None:
+    from bench.bench_runner import DEFAULT_DTYPES, breakdown_dtypes
+
+    assert breakdown_dtypes(DEFAULT_DTYPES, "auto") == ["auto"]  # fp32 activations, fp16 pool: what ships
+    assert breakdown_dtypes(DEFAULT_DTYPES, "none") == ["float32", "bfloat16"]
+    assert breakdown_dtypes("bfloat16", "auto") == ["bfloat16"]
