@@ -159,9 +159,9 @@ def run_breakdown(args: argparse.Namespace) -> None:
     print(step_breakdown.HEADER)
     print("-" * len(step_breakdown.HEADER))
     model = str(resolve_model_path(args.model)) if args.quantization == "none" else (args.model or "default")
-    step_breakdown.run(model, breakdown_dtypes(args.dtypes, args.quantization), [int(t) for t in args.threads_list.split(",")], batches,
-                       prompt_len, prefill_seqs=args.prefill, quantization=args.quantization,
-                       kv_cache_dtype=args.kv_cache_dtype)
+    threads = [int(t) for t in args.threads_list.split(",")]
+    step_breakdown.run(model, breakdown_dtypes(args.dtypes, args.quantization), threads, batches, prompt_len,
+                       prefill_seqs=args.prefill, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     print(f"load average after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 

@@ -63,7 +63,8 @@ static void run_inline(int64_t num_items, ParallelBody fn, void *ctx) {
  * alternating with the spinning wait: GGUF 440 / 477 / 459 against 419 / 461 / 488 tok/s, within
  * the machine's drift, with the worker's CPU at 141-143% against 145-151%; c1 and the in-process
  * steps level. A shorter wait (2000) also sleeps at the ends of ordinary jobs; its c1 looked 3%
- * slower, about the bias of the rounds' order, so the ends of jobs keep spinning. */
+ * slower, about the bias of the rounds' order, and beside the helpers' 2000 above it gave GGUF c16
+ * 410 / 419 / 409 tok/s against 431 / 416 / 408, so the ends of jobs keep spinning. */
 #ifndef WAIT_SPINS
 #define WAIT_SPINS 20000
 #endif
