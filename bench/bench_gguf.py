@@ -13,7 +13,8 @@ With --tiles (a CPU whose OS grants AMX tile data), the layer shapes also run on
 packed weights: bf16 tiles (gguf.amx_gemm: each group of columns dequantized to bf16, x rounded to
 bf16) and int8 tiles (gguf.amx_int8_gemm: the int8 mode's product, bit for bit), each against
 the packed int8 vector kernel last: what workers/kernels/cpu_isa.py's TILE_MIN_ROWS["gguf"] and
-["gguf_int8"] are judged by.
+["gguf_int8"] are judged by; and the lm_head's int16 product on int8 tiles (gguf.amx_int16_gemm,
+bit for bit) against the packed int16 vector kernel, for TILE_MIN_ROWS["gguf_int16"].
 
 Each shape gets enough copies of its weight (distinct memory) that a pass over them reads
 --min-mb megabytes, so every product streams its weight from memory as a real step does; the
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from workers.gguf_weight import (BLOCK_LAYOUT, LAYER_PACKED_TYPES, LOGITS_PACKED_TYPES, PACKED_ROWS, GGMLType,
                                  GgufWeight, pack_columns)
 from workers.kernels.cpu_isa import cpu_plan
-from workers.kernels.gguf import amx_gemm, amx_int8_gemm, gguf_dequantize, gguf_gemm, logits_mode
+from workers.kernels.gguf import amx_gemm, amx_int8_gemm, amx_int16_gemm, gguf_dequantize, gguf_gemm, logits_mode
 from workers.linear import NativeLinear
 
 SHAPES = [(576, 576, None), (192, 576, None), (1536, 576, None), (576, 1536, None), (49152, 576, GGMLType.Q8_0)]
@@ -119,6 +120,8 @@ def main() -> None:
                 paths["tiles"] = (amx_gemm, packed, first.nbytes)
                 if packed_mode == "int8" and packed[0].packed:
                     paths["int8 tiles"] = (amx_int8_gemm, packed, first.nbytes)
+            if args.tiles and packed_mode == "int16" and out_features % 16 == 0:
+                paths["int16 tiles"] = (amx_int16_gemm, packed, first.nbytes)
             times: dict[str, list[float]] = {name: [] for name in paths}
             for name, (run, weights, _) in paths.items():  # warm-up
                 timed(run, weights[:2], x)
@@ -133,7 +136,9 @@ def main() -> None:
                   + f" {median['dequantized'] / median['packed']:8.2f}"
                   + (f"   tiles/packed {median['tiles'] / median['packed']:.2f}" if "tiles" in median else "")
                   + (f"   int8 tiles/packed {median['int8 tiles'] / median['packed']:.2f}"
-                     if "int8 tiles" in median else ""),
+                     if "int8 tiles" in median else "")
+                  + (f"   int16 tiles/packed {median['int16 tiles'] / median['packed']:.2f}"
+                     if "int16 tiles" in median else ""),
                   flush=True)
 
 

@@ -274,6 +274,8 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None =
             return gguf.amx_gemm(x, weight, bias, out_dtype=out_dtype)
         if gguf.int8_tiles_take(weight, x.shape[0], mode):
             return gguf.amx_int8_gemm(x, weight, bias, out_dtype=out_dtype)
+        if gguf.int16_tiles_take(weight, x.shape[0], mode):
+            return gguf.amx_int16_gemm(x, weight, bias, out_dtype=out_dtype)
         if gguf.goes_dense(weight, x.shape[0], mode):  # a prompt step: dense fp32 on the weight dequantized
             out = F.linear(x.float(), gguf.gguf_dequantize(weight, scratch=True), None if bias is None else bias.float())
             return out.to(out_dtype or x.dtype)

@@ -21,7 +21,15 @@ from runner_helpers import greedy, make_runner, prompts_of_lengths, run_requests
 from test_gguf_kernels import quantize_layers, random_gguf_weight
 from test_native_forward import compare_every_step
 
-from workers.gguf_weight import PACKABLE_TYPES, GGMLType, dequantize, gguf_linear, pack_columns
+from workers.gguf_weight import (
+    PACKABLE_TYPES,
+    GGMLType,
+    dequantize,
+    gguf_linear,
+    gguf_logits,
+    pack_columns,
+    unpack_columns,
+)
 from workers.kernels import cpu_isa, gguf
 from workers.kernels.cpu_isa import CpuPlan, using_plan, without_tiles
 from workers.kernels.native import LINEAR_PANELS, native_available, native_library
@@ -357,6 +365,53 @@ def test_the_int8_mode_on_int8_tiles_is_the_vector_kernels_bit_for_bit(ggml_type
     assert gguf.int8_tiles_take(weight, first) and not gguf.int8_tiles_take(weight, first - 1)
     assert not gguf.int8_tiles_take(weight, bf16_from) and gguf.tiles_take(weight, bf16_from)
     assert not gguf.int8_tiles_take(weight, first, mode="fp32")
+
+
+@needs_tiles
+def test_the_int16_mode_on_int8_tiles_is_the_vector_kernels_bit_for_bit():
+    """A packed Q8_0 lm_head: x's int16 blocks cut into high and low bytes, two int8 tile products a
+    block whose sums rejoin exactly, then the vectors' fp32 scaling, so every row count, dtype, bias
+    and output dtype gives the int16 mode's bits (rows of 16 or fewer keep their sums in registers,
+    more go through memory; 96 columns: an odd number of 16-column groups, the last one prefetching
+    nothing). Extreme x (one huge value a block, zeros) exercises the high byte's sign."""
+    weight = pack_columns(random_gguf_weight(GGMLType.Q8_0, 96, 1024, seed=8))
+    generator = torch.Generator().manual_seed(4)
+    for rows in (1, 2, 15, 16, 17, 33, 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 1024, generator=generator)
+            x[:, ::32] *= 50.0
+            x[0, 32:64] = 0.0
+            x = x.to(dtype)
+            for bias in (None, torch.randn(96, generator=generator).to(dtype)):
+                for out_dtype in (torch.float32, dtype):
+                    tiles = gguf.amx_int16_gemm(x, weight, bias, out_dtype=out_dtype)
+                    assert torch.equal(tiles, gguf.gguf_gemm(x, weight, bias, out_dtype=out_dtype, mode="int16"))
+
+
+@needs_tiles
+def test_a_q8_0_lm_head_takes_the_int16_tiles_from_the_tables_rows():
+    """gguf_logits (the int16 mode) runs on the tiles from TILE_MIN_ROWS["gguf_int16"] rows and on the
+    vectors below, with the same bits; never a layer's int8 product, nor an unpacked head."""
+    head = pack_columns(random_gguf_weight(GGMLType.Q8_0, 64, 256, seed=9))
+    first = cpu_isa.detected_plan().tile_min_rows["gguf_int16"]
+    assert gguf.int16_tiles_take(head, first, mode="int16") and not gguf.int16_tiles_take(head, first - 1, mode="int16")
+    assert not gguf.int16_tiles_take(head, first) and not gguf.int16_tiles_take(head, first, mode="int8")
+    assert not gguf.int16_tiles_take(unpack_columns(head), first, mode="int16")
+    with using_plan(without_tiles(cpu_isa.detected_plan())):
+        assert not gguf.int16_tiles_take(head, first, mode="int16")
+    generator = torch.Generator().manual_seed(5)
+    for rows in (first - 1, first, 2 * first):
+        x = torch.randn(rows, 256, generator=generator)
+        assert torch.equal(gguf_logits(x, head), gguf.gguf_gemm(x, head, out_dtype=torch.float32, mode="int16"))
+
+
+@needs_tiles
+def test_the_int16_tiles_refuse_a_weight_that_is_not_a_packed_q8_0():
+    """The entry point refuses what it does not compute (status 1), so a caller falls back."""
+    weight = pack_columns(random_gguf_weight(GGMLType.Q4_1, 32, 64, seed=1))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="status 1"):
+        gguf.amx_int16_gemm(x, weight)
 
 
 @needs_tiles

@@ -55,6 +55,13 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   0.94-1.08x at 8, 0.78-0.98x at 16, 0.66-0.84x at 32, 0.57-0.84x at 64 (the bf16 tiles 0.58-0.93x
 #   there, 0.44-0.67x at 128 against int8 tiles' 0.60-0.95x): the fp32 scaling per block and output
 #   stays in vectors, and a tile product covers one 32-weight block;
+# - gguf_int16 (rayllm_amx_gguf_int16_gemm: a packed Q8_0 lm_head's int16 product bit for bit, each
+#   x block cut into its high and low bytes, two int8 tile products a block), against the packed
+#   int16 vector kernel, SmolLM2's 49152 x 576 head. Streamed from memory (`bench.bench_gguf
+#   --threads 2 --tiles`): 1.34x at 4 rows, 1.23x at 8, 1.13x at 12, 0.85x at 16, 0.69x at 32.
+#   Inside the default model's decode steps (its logits timed, the rows toggled every 8 steps),
+#   where the head comes from memory behind the layers: 0.95x at 8 sequences, 0.82x at 12, 0.75x
+#   at 16. The steps' figures set the row count;
 # - attention (csrc/attention_amx.c against paged_attention.c's vector body, a bf16 pool under bf16
 #   queries or an fp16 pool under fp32 ones): the queries a sequence computes in the step.
 # - gguf_prompt: a step that computes prompt tokens runs its GGUF products on the bf16 tiles from
@@ -66,7 +73,8 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   "The" 0.126 and "L" 0.146 (answered "L'Étoile, la Marseillaise..."), the bf16 tiles 0.154 and
 #   0.138, the dequantized fp32 model 0.152 and 0.140. The tiles cost 1.3-1.9x the int8 product
 #   at 16-32 rows and the same from 48 (`bench.bench_gguf --tiles`), once per prompt chunk.
-TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 32, "attention": 16, "gguf_prompt": 1}
+TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 32, "gguf_int16": 12, "attention": 16,
+                                 "gguf_prompt": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +122,8 @@ class CpuPlan:
         if gguf:
             integer = "avx512-vnni" if "avx512_vnni" in self.features and self.vector_width == 16 else vectors
             isa["gguf"] = (f"amx-bf16 for prompt steps and from {self.tile_min_rows['gguf']} rows, amx-int8 from "
-                           f"{self.tile_min_rows['gguf_int8']} (packed Q4_0/Q4_1), {integer} int8 below" if self.amx
+                           f"{self.tile_min_rows['gguf_int8']} (packed Q4_0/Q4_1) and for a Q8_0 lm_head from "
+                           f"{self.tile_min_rows['gguf_int16']}, {integer} int8 below" if self.amx
                            else f"{integer} int8")
         return isa
 

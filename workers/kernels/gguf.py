@@ -120,7 +120,7 @@ def amx_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = No
 
 def _tile_product(entry: str, x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
                   out_dtype: torch.dtype | None, library) -> torch.Tensor:
-    """A tile entry point's product: rayllm_amx_gguf_gemm and rayllm_amx_gguf_int8_gemm take the same arguments."""
+    """A tile entry point's product: rayllm_amx_gguf_gemm, _int8_gemm and _int16_gemm take the same arguments."""
     library = library or native_library()
     out_dtype = out_dtype or x.dtype
     x = x.contiguous()
@@ -180,6 +180,21 @@ def int8_tiles_take(weight: GgufWeight, num_rows: int, mode: str | None = None) 
     return ((mode or DEFAULT_MODE) == "int8" and weight.packed and weight.ggml_type in LAYER_PACKED_TYPES
             and weight.out_features % 16 == 0 and num_rows <= INT8_TILES_MAX_ROWS
             and cpu_plan().tiles_take("gguf_int8", num_rows) and not cpu_plan().tiles_take("gguf", num_rows))
+
+
+def amx_int16_gemm(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None, library=None) -> torch.Tensor:
+    """The int16 mode's product (gguf_gemm(mode="int16")) of a packed Q8_0 weight (an lm_head), bit
+    for bit, on AMX int8 tiles (csrc/gguf_amx.c). The caller has checked int16_tiles_take."""
+    return _tile_product("rayllm_amx_gguf_int16_gemm", x, weight, bias, out_dtype, library)
+
+
+def int16_tiles_take(weight: GgufWeight, num_rows: int, mode: str | None = None) -> bool:
+    """An lm_head's int16 product of this many rows runs on AMX int8 tiles (cpu_isa's table,
+    "gguf_int16"): a packed Q8_0, 16 columns at a time."""
+    return (mode == "int16" and weight.packed and weight.ggml_type == GGMLType.Q8_0
+            and weight.out_features % 16 == 0 and num_rows <= INT8_TILES_MAX_ROWS
+            and cpu_plan().tiles_take("gguf_int16", num_rows))
 
 
 def native_has(weight: GgufWeight) -> bool:

@@ -362,6 +362,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_amx_gguf_gated_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _F32, _F32, _I32],
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads (packed Q4_0/Q4_1, int8 tiles)
     "rayllm_amx_gguf_int8_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
+    # the same arguments (a packed Q8_0 lm_head's int16 product, int8 tiles)
+    "rayllm_amx_gguf_int16_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     # x, blocks, bias, out, num_rows, N, K, ggml_type, dtype, out_dtype, num_threads
     "rayllm_amx_gguf_gemm": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32],
     "rayllm_decoder_forward": [ctypes.POINTER(ForwardArgs)],

@@ -101,11 +101,17 @@ void rayllm_gguf_bf16_panels(const uint8_t *w, int32_t ggml_type, int64_t row_by
 
 void rayllm_gguf_quantize_rows(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int8_t *xq, float *x_scale,
                                float *x_sum, int32_t num_threads);
+void rayllm_gguf_quantize_rows16(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int16_t *x16,
+                                 float *x_scale, int32_t num_threads);
 /* gguf_amx.c: rayllm_gguf_gemm's GGUF_INT8 product of packed Q4_0 / Q4_1 weights, bit for bit, on
  * AMX int8 tiles (1 where this build or CPU has none) */
 int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
                               int64_t N, int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype,
                               int32_t num_threads);
+/* ... and the GGUF_INT16 product of a packed Q8_0 (an lm_head's), bit for bit, on the same tiles */
+int rayllm_amx_gguf_int16_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                               int64_t N, int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype,
+                               int32_t num_threads);
 
 /* amx.c: what the CPU has (CPU_* bits), whether the OS grants tile data (AMX_*), and the
  * products on tiles (1 where this build has none). */

@@ -17,6 +17,15 @@
  * a tile's 8 rows of 64 bytes with an and and a shift. The x tile is 16 rows of the block's 32
  * int8 values, read in place from the quantized rows.
  *
+ * A packed Q8_0 lm_head's GGUF_INT16 product (gguf_gemm.c: packed_q8_int16_pair) runs here too, on
+ * the same items. Its x is int16 per 32-block, and a tile multiplies bytes, so each x value is cut
+ * in two, x = 256 hi + lo (hi signed, lo unsigned), and a block takes two tile products, hi by the
+ * weights (TDPBSSD) and lo by them (TDPBUSD): 256 s_hi + s_lo is the block's exact int32 sum, the
+ * one the vectors' vpdpwssd make, and its fp32 scaling is theirs, so the logits have their bits.
+ * The weight tile's row r is each column's weights 4r..4r+3, where a packed Q8_0 block holds weight
+ * k of its 8 columns in turn: a two-source byte permutation (VBMI) of the two groups' 64 bytes makes
+ * two rows. The tiles win from about 12 rows (cpu_isa's table, "gguf_int16").
+ *
  * Threads claim items of column groups (16 columns each, about 8 items a thread); an item walks
  * its groups, and for each group the blocks in order and the row tiles of each block, the sums
  * of every row's 16 columns kept in the thread's buffer (int8_group says how the tiles overlap
@@ -31,7 +40,7 @@
 #include "entry_points.h"
 #include "simd.h"
 
-enum { Q4_0 = 2, Q4_1 = 3 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -48,8 +57,9 @@ static void configure_tiles(void) {
 }
 
 typedef struct {
-    const int8_t *xq;              /* [num_rows padded to 16, K] */
-    const float *x_scale, *x_sum;  /* [num_rows, K / 32] */
+    const int8_t *xq;              /* [num_rows padded to 16, K]; Q8_0: x's int16 high bytes */
+    const uint8_t *x_low;          /* Q8_0: x's int16 low bytes [num_rows padded to 16, K] */
+    const float *x_scale, *x_sum;  /* [num_rows, K / 32] (Q8_0: no sums) */
     const uint8_t *w;              /* packed groups of 8 columns: [N / 8][K / 32][8 x block bytes] */
     const void *bias;
     void *out;
@@ -147,6 +157,123 @@ static void int8_group(const Int8Job *job, int64_t g, float *acc, uint8_t (*tile
     scale_in(job, sums[(n - 1) % 3], issued[(n - 1) % 3], d, offset, acc);
 }
 
+#if defined(__AVX512VBMI__)
+#define HAS_INT16_TILES 1
+/* TMM0-1: a pair's high and low sums, TMM2-3 the next pair's; TMM4-5: x's high and low bytes
+ * (16 rows x 32); TMM6: the weights (8 rows x 64). */
+static void configure_int16_tiles(void) {
+    static const uint8_t rows[7] = {16, 16, 16, 16, 16, 16, 8};
+    static const uint16_t colsb[7] = {64, 64, 64, 64, 32, 32, 64};
+    load_tile_config(7, rows, colsb);
+}
+
+/* Block b of 16 columns of a packed Q8_0 (first and second: two groups' blocks) as a weight tile:
+ * row r, byte 4c + j = column c's weight 4r + j, where a group's block holds byte 8k + c. Rows r
+ * and r + 1 come from 64 bytes of each group, one two-source byte permutation each. */
+static inline void q8_weight_tile(const uint8_t *first, const uint8_t *second, uint8_t tile[8][64]) {
+    static const uint8_t order[2][64] = {
+#define COLUMN(c) 8 * 0 + (c), 8 * 1 + (c), 8 * 2 + (c), 8 * 3 + (c)
+        {COLUMN(0), COLUMN(1), COLUMN(2), COLUMN(3), COLUMN(4), COLUMN(5), COLUMN(6), COLUMN(7),
+         COLUMN(64), COLUMN(65), COLUMN(66), COLUMN(67), COLUMN(68), COLUMN(69), COLUMN(70), COLUMN(71)},
+        {COLUMN(32), COLUMN(33), COLUMN(34), COLUMN(35), COLUMN(36), COLUMN(37), COLUMN(38), COLUMN(39),
+         COLUMN(96), COLUMN(97), COLUMN(98), COLUMN(99), COLUMN(100), COLUMN(101), COLUMN(102), COLUMN(103)},
+#undef COLUMN
+    };
+    const __m512i even = _mm512_loadu_si512(order[0]), odd = _mm512_loadu_si512(order[1]);
+    for (int r = 0; r < 8; r += 2) {
+        const __m512i a = _mm512_loadu_si512(first + 16 + 32 * r), b = _mm512_loadu_si512(second + 16 + 32 * r);
+        _mm512_storeu_si512(tile[r], _mm512_permutex2var_epi8(a, even, b));
+        _mm512_storeu_si512(tile[r + 1], _mm512_permutex2var_epi8(a, odd, b));
+    }
+}
+
+/* A block's high and low sums (int32 [16][16] each) into the row tile's 16 sums held in registers:
+ * packed_q8_int16_pair's fma of the block's exact int32 sum. x_scale: the tile's first row's
+ * scale of the block (rows past the last are zero). */
+static inline __attribute__((always_inline)) void scale_rows16(const int32_t *high, const int32_t *low,
+                                                                 const float *x_scale, int64_t blocks, __m512 d,
+                                                                 __m512 *acc) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) {
+        const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + m * 16), 8),
+                                             _mm512_load_si512(low + m * 16));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x_scale[m * blocks]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+    }
+}
+
+/* Block b's two products (x's high and low bytes at `at`, its weight tile) into TMM0-1 (b even) or
+ * TMM2-3 (b odd), and block b - 1's sums out of the other two into `previous`. */
+static inline __attribute__((always_inline)) void block_products(const Int8Job *job, int64_t b, int64_t at,
+                                                                   const uint8_t (*tile)[64], int32_t (*previous)[256]) {
+    _tile_loadd(4, job->xq + at, job->K);
+    _tile_loadd(5, job->x_low + at, job->K);
+    _tile_loadd(6, tile, 64);
+    if (b & 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_dpbssd(2, 4, 6);
+        _tile_dpbusd(3, 5, 6);
+        _tile_stored(0, previous[0], 64);
+        _tile_stored(1, previous[1], 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbusd(1, 5, 6);
+        if (b >= 1) {
+            _tile_stored(2, previous[0], 64);
+            _tile_stored(3, previous[1], 64);
+        }
+    }
+}
+
+/* Columns [16 g, 16 g + 16) of a packed Q8_0's int16 product for every row. The group's weight
+ * tiles and scales are widened first; then each row tile walks the blocks with its 16 rows' sums
+ * in registers, a block's sums leaving their tiles one block later and scaled in one after that
+ * (int8_group's overlap). While the first row tile runs, the next group's blocks are asked for:
+ * a decode step streams the head from memory, and the widening would otherwise wait on it. */
+static void int16_group(const Int8Job *job, int64_t g, float *acc_out, uint8_t (*tiles)[8][64], __m512 *d) {
+    const int64_t blocks = job->K / BLOCK_K, bb = 8 * 34, K = job->K;
+    const uint8_t *first = job->w + (2 * g) * 8 * job->row_bytes, *second = first + 8 * job->row_bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        q8_weight_tile(first + b * bb, second + b * bb, tiles[b]);
+        d[b] = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(first + b * bb))),
+            _mm_loadu_si128((const __m128i *)(second + b * bb)), 1));
+    }
+    const uint8_t *next = g + 1 < job->N / GROUP ? first + 16 * job->row_bytes : NULL;
+    int32_t sums[3][2][16 * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < job->num_rows; m0 += 16, next = NULL) {
+        const float *x_scale = job->x_scale + m0 * blocks;
+        __m512 acc[16];
+        for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            if (next)
+                for (int64_t line = 0; line < bb; line += 64) {
+                    _mm_prefetch((const char *)(next + b * bb + line), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next + 8 * job->row_bytes + b * bb + line), _MM_HINT_T0);
+                }
+            block_products(job, b, m0 * K + b * BLOCK_K, (const uint8_t (*)[64])tiles[b], sums[(b + 2) % 3]);
+            if (b >= 2) scale_rows16(sums[(b - 2) % 3][0], sums[(b - 2) % 3][1], x_scale + b - 2, blocks, d[b - 2], acc);
+        }
+        if (blocks & 1) { /* the last block's sums, still in their tiles */
+            _tile_stored(0, sums[(blocks - 1) % 3][0], 64);
+            _tile_stored(1, sums[(blocks - 1) % 3][1], 64);
+        } else {
+            _tile_stored(2, sums[(blocks - 1) % 3][0], 64);
+            _tile_stored(3, sums[(blocks - 1) % 3][1], 64);
+        }
+        if (blocks >= 2)
+            scale_rows16(sums[(blocks - 2) % 3][0], sums[(blocks - 2) % 3][1], x_scale + blocks - 2, blocks,
+                         d[blocks - 2], acc);
+        scale_rows16(sums[(blocks - 1) % 3][0], sums[(blocks - 1) % 3][1], x_scale + blocks - 1, blocks, d[blocks - 1],
+                     acc);
+        for (int m = 0; m < 16; m++) _mm512_store_ps(acc_out + (m0 + m) * GROUP, acc[m]);
+    }
+}
+#endif
+
 /* acc (+ bias) into out columns [16 g, 16 g + 16), as gguf_gemm.c's store_sums rounds them. */
 static void store_group(const Int8Job *job, int64_t g, const float *acc) {
     __m512 bias = _mm512_setzero_ps();
@@ -178,6 +305,17 @@ static void int8_item(void *context, int64_t item) {
     const int64_t groups = job->N / GROUP, g0 = item * job->groups_per_item;
     const int64_t g1 = g0 + job->groups_per_item < groups ? g0 + job->groups_per_item : groups;
     GroupScratch *w = group_scratch;
+#ifdef HAS_INT16_TILES
+    if (job->type == Q8_0) {
+        configure_int16_tiles();
+        for (int64_t g = g0; g < g1; g++) {
+            int16_group(job, g, w->acc, w->tiles, w->d);
+            store_group(job, g, w->acc);
+        }
+        _tile_release();
+        return;
+    }
+#endif
     configure_tiles();
     for (int64_t g = g0; g < g1; g++) {
         int8_group(job, g, w->acc, w->tiles, w->d, w->offset);
@@ -211,8 +349,53 @@ int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias,
     rayllm_gguf_quantize_rows(x, dtype, num_rows, K, xq, x_scale, x_sum, num_threads);
     const int threads = num_threads > 0 ? num_threads : 1;
     const int64_t groups = N / GROUP;
-    Int8Job job = {xq, x_scale, x_sum, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1, type,
+    Int8Job job = {xq, NULL, x_scale, x_sum, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1, type,
                    dtype, out_dtype, 0};
+    job.groups_per_item = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
+    rayllm_parallel_for((groups + job.groups_per_item - 1) / job.groups_per_item, threads, int8_item, &job);
+    free(scratch);
+    return job.failed ? 3 : 0;
+#else
+    (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
+    (void)out_dtype, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* x: [num_rows, K] in dtype; w: [N, row bytes] a packed Q8_0 (GGML_Q8_0 | GGUF_PACKED), N a multiple
+ * of 16, num_rows at most 512; bias [N] in dtype or NULL; out [num_rows, N] in out_dtype:
+ * rayllm_gguf_gemm's GGUF_INT16 product (an lm_head's), bit for bit, on int8 tiles. 1 where this
+ * build or CPU has none (or another type), 2 on bad sizes, 3 out of memory. */
+int rayllm_amx_gguf_int16_gemm(const void *x, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                               int64_t N, int64_t K, int32_t ggml_type, int32_t dtype, int32_t out_dtype,
+                               int32_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(HAS_INT16_TILES)
+    if (ggml_type != (Q8_0 | GGUF_PACKED)) return 1;
+    if (rayllm_amx_enable() != AMX_GRANTED) return 1;
+    if (num_rows < 1 || num_rows > MAX_ROWS || N < GROUP || N % GROUP || K < BLOCK_K || K % BLOCK_K ||
+        K / BLOCK_K > MAX_BLOCKS)
+        return 2;
+    const int64_t padded = (num_rows + 15) / 16 * 16, blocks = K / BLOCK_K;
+    /* x quantized to int16, then cut into its high and low bytes (rows past num_rows zero) */
+    char *scratch = malloc((size_t)(num_rows * K * 2 + 2 * padded * K + padded * blocks * (int64_t)sizeof(float)));
+    if (!scratch) return 3;
+    float *x_scale = (float *)scratch; /* padded rows' scales zero: int16_group scales whole row tiles */
+    memset(x_scale + num_rows * blocks, 0, (size_t)((padded - num_rows) * blocks * (int64_t)sizeof(float)));
+    int16_t *x16 = (int16_t *)(x_scale + padded * blocks);
+    int8_t *high = (int8_t *)(x16 + num_rows * K);
+    uint8_t *low = (uint8_t *)(high + padded * K);
+    rayllm_gguf_quantize_rows16(x, dtype, num_rows, K, x16, x_scale, num_threads);
+    for (int64_t i = 0; i < num_rows * K; i += 32) {
+        const __m512i v = _mm512_loadu_si512(x16 + i);
+        _mm256_storeu_si256((__m256i *)(high + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        _mm256_storeu_si256((__m256i *)(low + i), _mm512_cvtepi16_epi8(v)); /* truncation: the low byte */
+    }
+    memset(high + num_rows * K, 0, (size_t)((padded - num_rows) * K));
+    memset(low + num_rows * K, 0, (size_t)((padded - num_rows) * K));
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int64_t groups = N / GROUP;
+    Int8Job job = {high, low, x_scale, NULL, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1,
+                   Q8_0, dtype, out_dtype, 0};
     job.groups_per_item = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
     rayllm_parallel_for((groups + job.groups_per_item - 1) / job.groups_per_item, threads, int8_item, &job);
     free(scratch);

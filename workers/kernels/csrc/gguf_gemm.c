@@ -1312,6 +1312,15 @@ void rayllm_gguf_quantize_rows(const void *x, int32_t dtype, int64_t num_rows, i
                         prepare_rows, &prepare);
 }
 
+/* For gguf_amx.c: x's rows quantized as GGUF_INT16 quantizes them (x16 [num_rows, K], x_scale
+ * [num_rows, K / 32]). */
+void rayllm_gguf_quantize_rows16(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int16_t *x16,
+                                 float *x_scale, int32_t num_threads) {
+    PrepareJob prepare = {x, NULL, x16, x_scale, NULL, NULL, num_rows, K, dtype};
+    rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? num_threads : 1,
+                        prepare_rows, &prepare);
+}
+
 /* x: [num_rows, K] in dtype; w: [N, K / weights-per-block * block bytes] GGUF blocks of ggml_type
  * (with GGUF_PACKED: Q4_0, Q4_1 or Q8_0 repacked, N a multiple of PACKED_COLUMNS); bias: [N] in dtype
  * or NULL; out: [num_rows, N] in out_dtype. Returns 1 for a type or mode this file does not have,
