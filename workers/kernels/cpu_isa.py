@@ -51,10 +51,11 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   --tiles`, SmolLM2's four layer shapes): 1.2-2.4x at 16 rows, 0.89-1.21x at 32, 0.73-1.04x at
 #   48, 0.61-0.95x at 64, 0.43-0.57x at 256 (the blocks' dequantization to bf16 is paid per call);
 # - gguf_int8 (rayllm_amx_gguf_int8_gemm: the same int8 product bit for bit, the integer dot
-#   products on int8 tiles, packed Q4_0 and Q4_1 only), up to gguf's rows: 0.89-1.55x at 1-4 rows,
-#   0.94-1.08x at 8, 0.78-0.98x at 16, 0.66-0.84x at 32, 0.57-0.84x at 64 (the bf16 tiles 0.58-0.93x
-#   there, 0.44-0.67x at 128 against int8 tiles' 0.60-0.95x): the fp32 scaling per block and output
-#   stays in vectors, and a tile product covers one 32-weight block;
+#   products on int8 tiles, packed Q4_0 and Q4_1 only), up to gguf's rows: 0.98-1.32x at 8 rows,
+#   0.71-1.02x at 16, 0.65-0.77x at 32, 0.54-0.75x at 64 (the bf16 tiles 0.61-0.75x there, 0.51-0.58x
+#   at 128 against int8 tiles' 0.49-0.62x): the fp32 scaling per block and output stays in vectors,
+#   and a tile product covers one 32-weight block. Inside the default model's decode steps of 16
+#   (tile rows toggled every 8 steps) the tiles lose: 25.97 against 25.46 ms a step;
 # - gguf_int16 (rayllm_amx_gguf_int16_gemm: a packed Q8_0 lm_head's int16 product bit for bit, each
 #   x block cut into its high and low bytes, two int8 tile products a block), against the packed
 #   int16 vector kernel, SmolLM2's 49152 x 576 head. Streamed from memory (`bench.bench_gguf

@@ -97,64 +97,80 @@ static inline void scales(const Int8Job *job, const uint8_t *first, const uint8_
     }
 }
 
-typedef struct {
-    int64_t b, m0; /* block, first row of the row tile */
-} Pair;
-
-/* The pair's sums (int32 [16][16]) scaled into acc, rows [m0, min(m0 + 16, M)). */
-static inline void scale_in(const Int8Job *job, const int32_t *sums, Pair p, const __m512 *d, const __m512 *offset,
-                            float *acc) {
-    const int64_t blocks = job->K / BLOCK_K, end = p.m0 + 16 < job->num_rows ? p.m0 + 16 : job->num_rows;
-    for (int64_t m = p.m0; m < end; m++) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums + (m - p.m0) * 16));
-        __m512 a = _mm512_load_ps(acc + m * GROUP);
-        a = _mm512_fmadd_ps(dot, _mm512_mul_ps(d[p.b], _mm512_set1_ps(job->x_scale[m * blocks + p.b])), a);
-        a = _mm512_fmadd_ps(offset[p.b], _mm512_set1_ps(job->x_sum[m * blocks + p.b]), a);
-        _mm512_store_ps(acc + m * GROUP, a);
+/* A block's sums (int32 [16][16]) into the row tile's 16 sums held in registers, as the vector
+ * kernels scale them: the block's scale, then its offset against x's block sum. x_scale and
+ * x_sum: the tile's first row's values of the block (rows past the last are zero). */
+static inline __attribute__((always_inline)) void scale_rows(const int32_t *sums, const float *x_scale,
+                                                             const float *x_sum, int64_t blocks, __m512 d,
+                                                             __m512 offset, __m512 *acc) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums + m * 16));
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(x_scale[m * blocks])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sum[m * blocks]), acc[m]);
     }
 }
 
 #define MAX_BLOCKS 256 /* K / 32 at most (K <= 8192) */
 
+/* The next group's blocks (bytes [b bb, (b + 1) bb) of each of its two packed groups) asked for
+ * while this group's tiles run: a decode step streams its weights from memory, and widening the
+ * next group's tiles would otherwise wait on them. */
+static inline void prefetch_block(const uint8_t *next, int64_t group_bytes, int64_t b, int64_t bb) {
+    if (!next) return;
+    for (int64_t line = 0; line < bb; line += 64) {
+        _mm_prefetch((const char *)(next + b * bb + line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(next + group_bytes + b * bb + line), _MM_HINT_T0);
+    }
+}
+
 /* Columns [16 g, 16 g + 16) for every row. The group's weight tiles, scales and offsets are
  * widened for all its blocks first (tile loads then read lines the vector stores left long
- * before); the (block, row tile) pairs then run in order, each pair's sums leaving their tile
- * one pair later and scaled in one pair after that, so no load waits on a store just made. */
-static void int8_group(const Int8Job *job, int64_t g, float *acc, uint8_t (*tiles)[8][64], __m512 *d, __m512 *offset) {
-    const int64_t blocks = job->K / BLOCK_K, bb = 8 * (job->type == Q4_1 ? 20 : 18);
+ * before); then each row tile walks the blocks with its 16 rows' sums in registers, a block's sums
+ * leaving their tile one block later and scaled in one block after that, so no load waits on a
+ * store just made. The next group's blocks are asked for during the first row tile. */
+static void int8_group(const Int8Job *job, int64_t g, float *acc_out, uint8_t (*tiles)[8][64], __m512 *d,
+                       __m512 *offset) {
+    const int64_t blocks = job->K / BLOCK_K, bb = 8 * (job->type == Q4_1 ? 20 : 18), K = job->K;
     const uint8_t *first = job->w + (2 * g) * 8 * job->row_bytes, *second = first + 8 * job->row_bytes;
-    int32_t sums[3][16 * 16] __attribute__((aligned(64)));
     for (int64_t b = 0; b < blocks; b++) {
         weight_tile(job, first + b * bb, second + b * bb, tiles[b]);
         scales(job, first + b * bb, second + b * bb, d + b, offset + b);
     }
-    memset(acc, 0, (size_t)(job->num_rows * GROUP * sizeof(float)));
-    Pair issued[3];
-    int64_t n = 0; /* pairs issued: pair n computes in tile n % 2 and leaves it for sums[n % 3] */
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m0 = 0; m0 < job->num_rows; m0 += 16, n++) {
-            const int8_t *x = job->xq + m0 * job->K + b * BLOCK_K;
-            if (n & 1) { /* the tile numbers are the instructions' operands */
+    const uint8_t *next = g + 1 < job->N / GROUP ? first + 16 * job->row_bytes : NULL;
+    int32_t sums[3][16 * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < job->num_rows; m0 += 16, next = NULL) {
+        const float *x_scale = job->x_scale + m0 * blocks, *x_sum = job->x_sum + m0 * blocks;
+        __m512 acc[16];
+        for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            prefetch_block(next, 8 * job->row_bytes, b, bb);
+            const int8_t *x = job->xq + m0 * K + b * BLOCK_K;
+            if (b & 1) { /* the tile numbers are the instructions' operands */
                 _tile_zero(1);
-                _tile_loadd(3, x, job->K);
+                _tile_loadd(3, x, K);
                 _tile_loadd(5, tiles[b], 64);
                 _tile_dpbsud(1, 3, 5);
-                if (n >= 1) _tile_stored(0, sums[(n - 1) % 3], 64);
+                _tile_stored(0, sums[(b + 2) % 3], 64);
             } else {
                 _tile_zero(0);
-                _tile_loadd(2, x, job->K);
+                _tile_loadd(2, x, K);
                 _tile_loadd(4, tiles[b], 64);
                 _tile_dpbsud(0, 2, 4);
-                if (n >= 1) _tile_stored(1, sums[(n - 1) % 3], 64);
+                if (b >= 1) _tile_stored(1, sums[(b + 2) % 3], 64);
             }
-            if (n >= 2) scale_in(job, sums[(n - 2) % 3], issued[(n - 2) % 3], d, offset, acc);
-            issued[n % 3] = (Pair){b, m0};
+            if (b >= 2)
+                scale_rows(sums[(b - 2) % 3], x_scale + b - 2, x_sum + b - 2, blocks, d[b - 2], offset[b - 2], acc);
         }
+        if (blocks & 1) _tile_stored(0, sums[(blocks - 1) % 3], 64); /* the last block's tile */
+        else _tile_stored(1, sums[(blocks - 1) % 3], 64);
+        if (blocks >= 2)
+            scale_rows(sums[(blocks - 2) % 3], x_scale + blocks - 2, x_sum + blocks - 2, blocks, d[blocks - 2],
+                       offset[blocks - 2], acc);
+        scale_rows(sums[(blocks - 1) % 3], x_scale + blocks - 1, x_sum + blocks - 1, blocks, d[blocks - 1],
+                   offset[blocks - 1], acc);
+        for (int m = 0; m < 16; m++) _mm512_store_ps(acc_out + (m0 + m) * GROUP, acc[m]);
     }
-    if (n & 1) _tile_stored(0, sums[(n - 1) % 3], 64); /* the last pair's tile */
-    else _tile_stored(1, sums[(n - 1) % 3], 64);
-    if (n >= 2) scale_in(job, sums[(n - 2) % 3], issued[(n - 2) % 3], d, offset, acc);
-    scale_in(job, sums[(n - 1) % 3], issued[(n - 1) % 3], d, offset, acc);
 }
 
 #if defined(__AVX512VBMI__)
@@ -249,11 +265,7 @@ static void int16_group(const Int8Job *job, int64_t g, float *acc_out, uint8_t (
         __m512 acc[16];
         for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            if (next)
-                for (int64_t line = 0; line < bb; line += 64) {
-                    _mm_prefetch((const char *)(next + b * bb + line), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(next + 8 * job->row_bytes + b * bb + line), _MM_HINT_T0);
-                }
+            prefetch_block(next, 8 * job->row_bytes, b, bb);
             block_products(job, b, m0 * K + b * BLOCK_K, (const uint8_t (*)[64])tiles[b], sums[(b + 2) % 3]);
             if (b >= 2) scale_rows16(sums[(b - 2) % 3][0], sums[(b - 2) % 3][1], x_scale + b - 2, blocks, d[b - 2], acc);
         }
@@ -341,11 +353,13 @@ int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias,
         return 2;
     const int64_t padded = (num_rows + 15) / 16 * 16, blocks = K / BLOCK_K;
     /* x quantized (its rows past num_rows zero: the last row tile reads 16) */
-    char *scratch = malloc((size_t)(padded * K + 2 * num_rows * blocks * (int64_t)sizeof(float)));
+    char *scratch = malloc((size_t)(padded * K + 2 * padded * blocks * (int64_t)sizeof(float)));
     if (!scratch) return 3;
-    float *x_scale = (float *)scratch, *x_sum = x_scale + num_rows * blocks;
-    int8_t *xq = (int8_t *)(x_sum + num_rows * blocks);
+    float *x_scale = (float *)scratch, *x_sum = x_scale + padded * blocks;
+    int8_t *xq = (int8_t *)(x_sum + padded * blocks);
     memset(xq + num_rows * K, 0, (size_t)((padded - num_rows) * K));
+    memset(x_scale + num_rows * blocks, 0, (size_t)((padded - num_rows) * blocks * (int64_t)sizeof(float)));
+    memset(x_sum + num_rows * blocks, 0, (size_t)((padded - num_rows) * blocks * (int64_t)sizeof(float)));
     rayllm_gguf_quantize_rows(x, dtype, num_rows, K, xq, x_scale, x_sum, num_threads);
     const int threads = num_threads > 0 ? num_threads : 1;
     const int64_t groups = N / GROUP;
