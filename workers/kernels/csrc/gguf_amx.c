@@ -337,6 +337,24 @@ static void int8_item(void *context, int64_t item) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+/* The sizes these tiles take (2 otherwise): num_rows at most MAX_ROWS, N whole 16-column groups, K
+ * whole blocks, at most MAX_BLOCKS. */
+static int sizes_fit(int64_t num_rows, int64_t N, int64_t K) {
+    return num_rows >= 1 && num_rows <= MAX_ROWS && N >= GROUP && N % GROUP == 0 && K >= BLOCK_K && K % BLOCK_K == 0 &&
+           K / BLOCK_K <= MAX_BLOCKS;
+}
+
+/* The job's groups on the pool, about 8 items a thread: 0, or 3 where a thread had no scratch. */
+static int run_groups(Int8Job *job, int32_t num_threads) {
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int64_t groups = job->N / GROUP;
+    job->groups_per_item = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
+    rayllm_parallel_for((groups + job->groups_per_item - 1) / job->groups_per_item, threads, int8_item, job);
+    return job->failed ? 3 : 0;
+}
+#endif
+
 /* x: [num_rows, K] in dtype; w: [N, row bytes] packed Q4_0 or Q4_1 (ggml_type | GGUF_PACKED), N a
  * multiple of 16, num_rows at most 512; bias [N] in dtype or NULL; out [num_rows, N] in out_dtype:
  * rayllm_gguf_gemm's GGUF_INT8 product, bit for bit, on int8 tiles. 1 where this build or CPU has
@@ -348,9 +366,7 @@ int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias,
     const int type = ggml_type & ~GGUF_PACKED;
     if (!(ggml_type & GGUF_PACKED) || (type != Q4_0 && type != Q4_1)) return 1;
     if (rayllm_amx_enable() != AMX_GRANTED) return 1;
-    if (num_rows < 1 || num_rows > MAX_ROWS || N < GROUP || N % GROUP || K < BLOCK_K || K % BLOCK_K ||
-        K / BLOCK_K > MAX_BLOCKS)
-        return 2;
+    if (!sizes_fit(num_rows, N, K)) return 2;
     const int64_t padded = (num_rows + 15) / 16 * 16, blocks = K / BLOCK_K;
     /* x quantized (its rows past num_rows zero: the last row tile reads 16) */
     char *scratch = malloc((size_t)(padded * K + 2 * padded * blocks * (int64_t)sizeof(float)));
@@ -361,14 +377,11 @@ int rayllm_amx_gguf_int8_gemm(const void *x, const uint8_t *w, const void *bias,
     memset(x_scale + num_rows * blocks, 0, (size_t)((padded - num_rows) * blocks * (int64_t)sizeof(float)));
     memset(x_sum + num_rows * blocks, 0, (size_t)((padded - num_rows) * blocks * (int64_t)sizeof(float)));
     rayllm_gguf_quantize_rows(x, dtype, num_rows, K, xq, x_scale, x_sum, num_threads);
-    const int threads = num_threads > 0 ? num_threads : 1;
-    const int64_t groups = N / GROUP;
-    Int8Job job = {xq, NULL, x_scale, x_sum, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1, type,
-                   dtype, out_dtype, 0};
-    job.groups_per_item = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
-    rayllm_parallel_for((groups + job.groups_per_item - 1) / job.groups_per_item, threads, int8_item, &job);
+    Int8Job job = {xq, NULL, x_scale, x_sum, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1,
+                   type, dtype, out_dtype, 0};
+    const int status = run_groups(&job, num_threads);
     free(scratch);
-    return job.failed ? 3 : 0;
+    return status;
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
     (void)out_dtype, (void)num_threads;
@@ -386,9 +399,7 @@ int rayllm_amx_gguf_int16_gemm(const void *x, const uint8_t *w, const void *bias
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(HAS_INT16_TILES)
     if (ggml_type != (Q8_0 | GGUF_PACKED)) return 1;
     if (rayllm_amx_enable() != AMX_GRANTED) return 1;
-    if (num_rows < 1 || num_rows > MAX_ROWS || N < GROUP || N % GROUP || K < BLOCK_K || K % BLOCK_K ||
-        K / BLOCK_K > MAX_BLOCKS)
-        return 2;
+    if (!sizes_fit(num_rows, N, K)) return 2;
     const int64_t padded = (num_rows + 15) / 16 * 16, blocks = K / BLOCK_K;
     /* x quantized to int16, then cut into its high and low bytes (rows past num_rows zero) */
     char *scratch = malloc((size_t)(num_rows * K * 2 + 2 * padded * K + padded * blocks * (int64_t)sizeof(float)));
@@ -406,14 +417,11 @@ int rayllm_amx_gguf_int16_gemm(const void *x, const uint8_t *w, const void *bias
     }
     memset(high + num_rows * K, 0, (size_t)((padded - num_rows) * K));
     memset(low + num_rows * K, 0, (size_t)((padded - num_rows) * K));
-    const int threads = num_threads > 0 ? num_threads : 1;
-    const int64_t groups = N / GROUP;
     Int8Job job = {high, low, x_scale, NULL, w, bias, out, num_rows, N, K, rayllm_gguf_row_bytes(ggml_type, N, K), 1,
                    Q8_0, dtype, out_dtype, 0};
-    job.groups_per_item = groups / (threads * 8) > 1 ? groups / (threads * 8) : 1;
-    rayllm_parallel_for((groups + job.groups_per_item - 1) / job.groups_per_item, threads, int8_item, &job);
+    const int status = run_groups(&job, num_threads);
     free(scratch);
-    return job.failed ? 3 : 0;
+    return status;
 #else
     (void)x, (void)w, (void)bias, (void)out, (void)num_rows, (void)N, (void)K, (void)ggml_type, (void)dtype;
     (void)out_dtype, (void)num_threads;
