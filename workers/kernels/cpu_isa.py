@@ -51,11 +51,11 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   --tiles`, SmolLM2's four layer shapes): 1.2-2.4x at 16 rows, 0.89-1.21x at 32, 0.73-1.04x at
 #   48, 0.61-0.95x at 64, 0.43-0.57x at 256 (the blocks' dequantization to bf16 is paid per call);
 # - gguf_int8 (rayllm_amx_gguf_int8_gemm: the same int8 product bit for bit, the integer dot
-#   products on int8 tiles, packed Q4_0 and Q4_1 only), up to gguf's rows: 0.98-1.32x at 8 rows,
-#   0.71-1.02x at 16, 0.65-0.77x at 32, 0.54-0.75x at 64 (the bf16 tiles 0.61-0.75x there, 0.51-0.58x
-#   at 128 against int8 tiles' 0.49-0.62x): the fp32 scaling per block and output stays in vectors,
-#   and a tile product covers one 32-weight block. Inside the default model's decode steps of 16
-#   (tile rows toggled every 8 steps) the tiles lose: 25.97 against 25.46 ms a step;
+#   products on int8 tiles, packed Q4_0 and Q4_1 only), up to gguf's rows: 0.77-1.00x at 8 rows,
+#   0.62-0.79x at 16, 0.51-0.68x at 32, 0.40-0.62x at 64 (the bf16 tiles 0.64-0.78x there; at 128
+#   0.47-0.53x against 0.55-0.69x, level at 256). Inside the default model's decode steps (tile rows
+#   toggled every 8 steps): 22.31 / 22.08 ms a step of 16 against 23.07 / 22.91 on the vectors,
+#   19.60 against 19.16 at 12, 16.96 against 14.99 at 8;
 # - gguf_int16 (rayllm_amx_gguf_int16_gemm: a packed Q8_0 lm_head's int16 product bit for bit, each
 #   x block cut into its high and low bytes, two int8 tile products a block), against the packed
 #   int16 vector kernel, SmolLM2's 49152 x 576 head. Streamed from memory (`bench.bench_gguf
@@ -74,7 +74,7 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 #   "The" 0.126 and "L" 0.146 (answered "L'Étoile, la Marseillaise..."), the bf16 tiles 0.154 and
 #   0.138, the dequantized fp32 model 0.152 and 0.140. The tiles cost 1.3-1.9x the int8 product
 #   at 16-32 rows and the same from 48 (`bench.bench_gguf --tiles`), once per prompt chunk.
-TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 32, "gguf_int16": 12, "attention": 16,
+TILE_MIN_ROWS: dict[str, int] = {"bf16": 6, "gguf": 64, "gguf_int8": 16, "gguf_int16": 12, "attention": 16,
                                  "gguf_prompt": 1}
 
 
