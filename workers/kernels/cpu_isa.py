@@ -59,10 +59,11 @@ AMX_STATUS = {0: "granted", 1: "not built: the kernels were compiled for a CPU w
 # - gguf_int16 (rayllm_amx_gguf_int16_gemm: a packed Q8_0 lm_head's int16 product bit for bit, each
 #   x block cut into its high and low bytes, two int8 tile products a block), against the packed
 #   int16 vector kernel, SmolLM2's 49152 x 576 head. Streamed from memory (`bench.bench_gguf
-#   --threads 2 --tiles`): 1.34x at 4 rows, 1.23x at 8, 1.13x at 12, 0.85x at 16, 0.69x at 32.
-#   Inside the default model's decode steps (its logits timed, the rows toggled every 8 steps),
-#   where the head comes from memory behind the layers: 0.95x at 8 sequences, 0.82x at 12, 0.75x
-#   at 16. The steps' figures set the row count;
+#   --threads 2 --tiles`): 1.10x at 8 rows, 0.93x at 16, 0.74x at 32, 0.69x at 64. Inside the
+#   default model's decode steps (its logits timed, the rows toggled every 8 steps), where the head
+#   comes from memory behind the layers: 1.17x at 8 sequences, 1.01x at 12, 0.82-0.86x at 16 (the
+#   kernel before it widened its blocks beside the tile instructions: 0.95x, 0.82-0.94x, 0.75x).
+#   12 rows, where the two measured level or better;
 # - attention (csrc/attention_amx.c against paged_attention.c's vector body, a bf16 pool under bf16
 #   queries or an fp16 pool under fp32 ones): the queries a sequence computes in the step.
 # - gguf_prompt: a step that computes prompt tokens runs its GGUF products on the bf16 tiles from

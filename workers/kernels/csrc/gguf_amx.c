@@ -24,7 +24,7 @@
  * one the vectors' vpdpwssd make, and its fp32 scaling is theirs, so the logits have their bits.
  * The weight tile's row r is each column's weights 4r..4r+3, where a packed Q8_0 block holds weight
  * k of its 8 columns in turn: a two-source byte permutation (VBMI) of the two groups' 64 bytes makes
- * two rows. The tiles win from about 12 rows (cpu_isa's table, "gguf_int16").
+ * two rows. They take the head from 12 rows (cpu_isa's table, "gguf_int16").
  *
  * Threads claim items of column groups (16 columns each, about 8 items a thread); an item walks
  * its groups, and for each group the blocks in order and the row tiles of each block, the sums
@@ -124,6 +124,13 @@ static inline void prefetch_block(const uint8_t *next, int64_t group_bytes, int6
     }
 }
 
+/* Block b of the two packed groups at first and second: its weight tile, scales and offsets. */
+static inline void widen_block(const Int8Job *job, const uint8_t *first, const uint8_t *second, int64_t bb, int64_t b,
+                               uint8_t (*tiles)[8][64], __m512 *d, __m512 *offset) {
+    weight_tile(job, first + b * bb, second + b * bb, tiles[b]);
+    scales(job, first + b * bb, second + b * bb, d + b, offset + b);
+}
+
 /* Columns [16 g, 16 g + 16) for every row. Each row tile walks the blocks with its 16 rows' sums
  * in registers, a block's sums leaving their tile one block later and scaled in one block after
  * that, so no load waits on a store just made. The first row tile widens the group's weight
@@ -135,10 +142,8 @@ static void int8_group(const Int8Job *job, int64_t g, float *acc_out, uint8_t (*
                        __m512 *offset) {
     const int64_t blocks = job->K / BLOCK_K, bb = 8 * (job->type == Q4_1 ? 20 : 18), K = job->K;
     const uint8_t *first = job->w + (2 * g) * 8 * job->row_bytes, *second = first + 8 * job->row_bytes;
-    for (int64_t b = 0; b < blocks && b < 2; b++) { /* the rest two blocks ahead of their products */
-        weight_tile(job, first + b * bb, second + b * bb, tiles[b]);
-        scales(job, first + b * bb, second + b * bb, d + b, offset + b);
-    }
+    widen_block(job, first, second, bb, 0, tiles, d, offset); /* the rest two blocks ahead of their products */
+    if (blocks > 1) widen_block(job, first, second, bb, 1, tiles, d, offset);
     const uint8_t *next = g + 1 < job->N / GROUP ? first + 16 * job->row_bytes : NULL;
     int32_t sums[3][16 * 16] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < job->num_rows; m0 += 16, next = NULL) {
@@ -146,10 +151,7 @@ static void int8_group(const Int8Job *job, int64_t g, float *acc_out, uint8_t (*
         __m512 acc[16];
         for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            if (m0 == 0 && b + 2 < blocks) {
-                weight_tile(job, first + (b + 2) * bb, second + (b + 2) * bb, tiles[b + 2]);
-                scales(job, first + (b + 2) * bb, second + (b + 2) * bb, d + b + 2, offset + b + 2);
-            }
+            if (m0 == 0 && b + 2 < blocks) widen_block(job, first, second, bb, b + 2, tiles, d, offset);
             prefetch_block(next, 8 * job->row_bytes, b, bb);
             const int8_t *x = job->xq + m0 * K + b * BLOCK_K;
             if (b & 1) { /* the tile numbers are the instructions' operands */
