@@ -18,6 +18,10 @@ static inline void load_tile_config(int count, const uint8_t *rows, const uint16
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < count; t++) config.rows[t] = rows[t], config.colsb[t] = colsb[t];
+    /* The stores above must reach memory before LDTILECFG reads it. GCC 12 does not see that the
+     * intrinsic reads its operand: inlined into a small function (amx.c's peak_item) it kept only
+     * the palette byte and part of the memset, and LDTILECFG faulted on the garbage left. */
+    __asm__ __volatile__("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
 }
 
