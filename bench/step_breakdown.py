@@ -28,7 +28,10 @@ context of --prompt-len tokens), all in one process and one run:
 
 With `--prefill N` (`bench_runner --breakdown --prefill 8`), also a step that computes N
 prompts of --prompt-len tokens whole (8 x 256: the 2048-token steps of a c16 wave), against
-its products alone (the lm_head on N rows) and its attention.
+its products alone (the lm_head on N rows) and its attention, and the rates both reach: the
+products' FLOP over GEMM-only, the step's (products and causal attention) over the step, each
+against the tiles' peak at the same threads (bench/tile_peak.py) where the CPU has AMX.
+`--prefill 16 --prompt-len 256` is the step the AMX tile-use target is about.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.tile_peak import tile_peak_tflops
 from scheduler.sampling_params import SamplingParams
 from workers.kernels import bind_attention
 from workers.model_runner import ModelRunner, RunnerConfig
@@ -222,12 +226,36 @@ class PrefillBreakdown:
     step_s: float  # the best prompt step (ModelRunner.execute)
     gemm_s: float  # its matrix products alone (M = num_seqs x prompt_len, the lm_head on num_seqs rows)
     attention_s: float  # attention kernel + rotary/KV write in such a step
+    product_flop: float  # the step's matrix products (what gemm_s computes)
+    attention_flop: float  # its causal attention (QK^T and PV)
+    tile_peak_tflops: float | None  # bench.tile_peak at the same threads; None without AMX
 
     def row(self) -> str:
-        return (f"{self.dtype:>8} | {self.threads:>7} | prompt step {self.num_seqs} x {self.prompt_len}: "
+        text = (f"{self.dtype:>8} | {self.threads:>7} | prompt step {self.num_seqs} x {self.prompt_len}: "
                 f"{self.step_s * 1e3:.0f} ms, GEMM-only {self.gemm_s * 1e3:.0f} ms, step / GEMM "
                 f"{self.step_s / self.gemm_s:.2f}, attention {self.attention_s * 1e3:.0f} ms "
                 f"({self.attention_s / self.step_s:.1%})")
+        products = self.product_flop / self.gemm_s / 1e12
+        step = (self.product_flop + self.attention_flop) / self.step_s / 1e12
+        text += f" | products {products:.2f} TFLOP/s, step {step:.2f} TFLOP/s"
+        if self.tile_peak_tflops:
+            text += (f": {products / self.tile_peak_tflops:.0%} and {step / self.tile_peak_tflops:.0%} of the "
+                     f"tiles' peak ({self.tile_peak_tflops:.2f} TFLOP/s, bench.tile_peak)")
+        return text
+
+
+def prompt_step_flop(config, num_seqs: int, prompt_len: int) -> tuple[float, float]:
+    """(products, attention) floating-point operations of a step computing num_seqs prompts of
+    prompt_len tokens whole: every layer's qkv, o, gate_up and down on every token, the lm_head on
+    one row a sequence; causal attention's QK^T and PV over the prompt (position i sees i + 1 keys)."""
+    tokens = num_seqs * prompt_len
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_token = (config.hidden_size * (q_width + 2 * kv_width) + q_width * config.hidden_size
+                 + config.hidden_size * 2 * config.intermediate_size + config.intermediate_size * config.hidden_size)
+    products = 2.0 * (tokens * per_token * config.num_layers + num_seqs * config.hidden_size * config.vocab_size)
+    pairs = prompt_len * (prompt_len + 1) / 2  # (query, key) pairs of one head
+    attention = 2.0 * 2 * config.num_layers * num_seqs * config.num_heads * config.head_dim * pairs
+    return products, attention
 
 
 def prefill_step(runner: ModelRunner, num_seqs: int, prompt_len: int, repeats: int) -> tuple[float, float]:
@@ -275,7 +303,9 @@ def run(model_dir: str, dtypes: list[str], threads_list: list[int], batches: lis
             if prefill_seqs:
                 step_s, attention_s = prefill_step(runner, prefill_seqs, prompt_len, repeats=3)
                 gemm_s = gemm_only_s(runner, prefill_seqs * prompt_len, 3, sampled_rows=prefill_seqs)
-                results.append(PrefillBreakdown(dtype, threads, prefill_seqs, prompt_len, step_s, gemm_s, attention_s))
+                product_flop, attention_flop = prompt_step_flop(runner.model_config, prefill_seqs, prompt_len)
+                results.append(PrefillBreakdown(dtype, threads, prefill_seqs, prompt_len, step_s, gemm_s, attention_s,
+                                                product_flop, attention_flop, tile_peak_tflops(threads)))
                 print(results[-1].row(), flush=True)
         del runner
     return results

@@ -354,6 +354,8 @@ _SIGNATURES = {  # argument types of each entry point (pointers are data_ptr() i
     "rayllm_cpu_features": [],
     "rayllm_amx_built": [],
     "rayllm_amx_enable": [],
+    # items, rounds, num_threads: the tiles' peak (bench/tile_peak.py)
+    "rayllm_amx_tile_peak": [_I64, _I64, _I32],
     # x, panels, bias, out, num_rows, N, K, dtype, out_dtype, num_threads (bf16 panels, x bf16 or fp32)
     "rayllm_amx_gemm_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
     # x, gate_up panels, bias, out, num_rows, width, K, activation, alpha, limit, num_threads (bf16)

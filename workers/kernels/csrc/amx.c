@@ -603,3 +603,45 @@ int rayllm_amx_gguf_gated_gemm(const void *x, const uint8_t *w, const void *bias
     return 1;
 #endif
 }
+
+/* ------------------------------------------------------------------------- the tiles' peak */
+/* The rate the tiles reach with nothing to wait for: 4 TDPBF16PS a round on tiles loaded once (a
+ * 2 x 2 block's four sums), no memory in the loop. `items` items of `rounds` rounds each run on the
+ * pool, so every thread that takes part runs its own loop at once; each item is 4 x 16 x 16 x 32
+ * multiply-adds a round. The caller times the call (bench/tile_peak.py): the products of a step
+ * are measured against it. 1 where this build or CPU has no tiles, or the OS refuses them. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+static void peak_item(void *context, int64_t item) {
+    (void)item;
+    const int64_t rounds = *(const int64_t *)context;
+    uint16_t operand[16 * 32] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 32; i++) operand[i] = 0x3b80; /* bf16 2^-8: the sums stay small */
+    configure_tiles();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, operand, 64);
+    _tile_loadd(5, operand, 64);
+    _tile_loadd(6, operand, 64);
+    _tile_loadd(7, operand, 64);
+    for (int64_t r = 0; r < rounds; r++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_release();
+}
+#endif
+
+int rayllm_amx_tile_peak(int64_t items, int64_t rounds, int32_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (rayllm_amx_enable() != AMX_GRANTED) return 1;
+    rayllm_parallel_for(items, num_threads, peak_item, &rounds);
+    return 0;
+#else
+    (void)items, (void)rounds, (void)num_threads;
+    return 1;
+#endif
+}

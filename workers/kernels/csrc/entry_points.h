@@ -120,6 +120,8 @@ enum { AMX_GRANTED = 0, AMX_NOT_BUILT = 1, AMX_NO_CPU = 2, AMX_REFUSED = 3 };
 int rayllm_cpu_features(void);
 int rayllm_amx_built(void);
 int rayllm_amx_enable(void);
+/* TDPBF16PS on tiles loaded once, `items` items of `rounds` rounds of 4 on the pool: the tiles' peak */
+int rayllm_amx_tile_peak(int64_t items, int64_t rounds, int32_t num_threads);
 int rayllm_amx_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows, int64_t N,
                          int64_t K, int32_t dtype, int32_t out_dtype, int32_t num_threads);
 int rayllm_amx_gated_gemm_bf16(const void *x, const void *panels, const void *bias, void *out, int64_t num_rows,
