@@ -1303,13 +1303,18 @@ static void prepare_rows(void *context, int64_t item) {
     }
 }
 
+/* Every row of the job prepared: on the pool from 64 rows, on the caller's thread below. */
+static void prepare_all(PrepareJob *prepare, int32_t num_threads) {
+    rayllm_parallel_for((prepare->num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM,
+                        prepare->num_rows >= 64 ? num_threads : 1, prepare_rows, prepare);
+}
+
 /* For gguf_amx.c: x's rows quantized as GGUF_INT8 quantizes them (xq [num_rows, K], x_scale and
  * x_sum [num_rows, K / 32]). */
 void rayllm_gguf_quantize_rows(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int8_t *xq, float *x_scale,
                                float *x_sum, int32_t num_threads) {
     PrepareJob prepare = {x, xq, NULL, x_scale, x_sum, NULL, num_rows, K, dtype};
-    rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? num_threads : 1,
-                        prepare_rows, &prepare);
+    prepare_all(&prepare, num_threads);
 }
 
 /* For gguf_amx.c: x's rows quantized as GGUF_INT16 quantizes them (x16 [num_rows, K], x_scale
@@ -1317,8 +1322,7 @@ void rayllm_gguf_quantize_rows(const void *x, int32_t dtype, int64_t num_rows, i
 void rayllm_gguf_quantize_rows16(const void *x, int32_t dtype, int64_t num_rows, int64_t K, int16_t *x16,
                                  float *x_scale, int32_t num_threads) {
     PrepareJob prepare = {x, NULL, x16, x_scale, NULL, NULL, num_rows, K, dtype};
-    rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? num_threads : 1,
-                        prepare_rows, &prepare);
+    prepare_all(&prepare, num_threads);
 }
 
 /* x: [num_rows, K] in dtype; w: [N, K / weights-per-block * block bytes] GGUF blocks of ggml_type
@@ -1365,8 +1369,7 @@ int rayllm_gguf_gemm(const void *x, const uint8_t *w, const void *bias, void *ou
         job.x = x;
     }
     if (scratch)
-        rayllm_parallel_for((num_rows + ROWS_PER_QUANT_ITEM - 1) / ROWS_PER_QUANT_ITEM, num_rows >= 64 ? threads : 1,
-                            prepare_rows, &prepare);
+        prepare_all(&prepare, threads);
     if (packed) {
         /* Items of several 8-column groups, about 4 a thread at any number of rows: longer runs of
          * contiguous blocks for each thread to stream than 8 a thread (one row, 2 threads, SmolLM2's
