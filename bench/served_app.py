@@ -32,6 +32,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -210,12 +211,36 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_by_process(session_id: int) -> dict[int, tuple[str, float]]:
-    """pid -> (name, user + system CPU seconds so far) for every process of the session."""
+def process_wait_s(pid: int) -> float:
+    """Seconds the threads of process `pid` have spent ready to run but waiting for a core, so
+    far: the second field of each /proc/PID/task/TID/schedstat, summed over the threads alive
+    now (0.0 where the kernel keeps no such count). On a machine whose cores the app fills, this
+    is the time its processes lose to one another."""
+    total_ns = 0
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total_ns += int(schedstat.read_text().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile, or no schedstats
+            continue
+    return total_ns / 1e9
+
+
+class ProcessTimes(NamedTuple):
+    name: str  # process_name
+    cpu_s: float  # user + system CPU seconds so far
+    wait_s: float = 0.0  # seconds its threads waited for a core so far (process_wait_s)
+
+
+def process_times(pid: int) -> ProcessTimes:
+    return ProcessTimes(process_name(pid), process_cpu_s(pid), process_wait_s(pid))
+
+
+def cpu_by_process(session_id: int) -> dict[int, ProcessTimes]:
+    """pid -> its ProcessTimes for every process of the session."""
     found = {}
     for pid in _session_members(session_id):
         try:
-            found[pid] = (process_name(pid), process_cpu_s(pid))
+            found[pid] = process_times(pid)
         except OSError:
             continue
     return found
@@ -224,9 +249,9 @@ def cpu_by_process(session_id: int) -> dict[int, tuple[str, float]]:
 CLIENT = "client (this process)"
 
 
-def cpu_with_client(session_id: int) -> dict[int, tuple[str, float]]:
+def cpu_with_client(session_id: int) -> dict[int, ProcessTimes]:
     """cpu_by_process of a server's session, plus this process (the client driving it) as CLIENT."""
-    return {**cpu_by_process(session_id), os.getpid(): (CLIENT, process_cpu_s(os.getpid()))}
+    return {**cpu_by_process(session_id), os.getpid(): process_times(os.getpid())._replace(name=CLIENT)}
 
 
 def machine_busy_s() -> float:
@@ -242,14 +267,19 @@ class CpuRow:
     pid: int
     cpu_s: float  # CPU seconds during the measured interval
     share: float  # of the app's CPU seconds in that interval
+    wait_s: float = 0.0  # seconds its threads waited for a core in that interval
 
 
-def cpu_rows(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> list[CpuRow]:
-    """Per process, the CPU it used between the two readings (processes started in between
-    count from 0; ones that exited in between are missing), most first."""
-    used = {pid: (name, cpu - before.get(pid, (name, 0.0))[1]) for pid, (name, cpu) in after.items()}
-    total = sum(cpu for _, cpu in used.values()) or 1.0
-    rows = [CpuRow(name, pid, cpu, cpu / total) for pid, (name, cpu) in used.items()]
+def cpu_rows(before: dict[int, ProcessTimes], after: dict[int, ProcessTimes]) -> list[CpuRow]:
+    """Per process, the CPU it used and the time it waited for a core between the two readings
+    (processes started in between count from 0; ones that exited in between are missing), most
+    CPU first."""
+    used = {pid: (now.name, now.cpu_s - before[pid].cpu_s if pid in before else now.cpu_s,
+                  # a thread that ended in between takes its wait with it: never below 0
+                  max(0.0, now.wait_s - before[pid].wait_s) if pid in before else now.wait_s)
+            for pid, now in after.items()}
+    total = sum(cpu for _, cpu, _ in used.values()) or 1.0
+    rows = [CpuRow(name, pid, cpu, cpu / total, wait) for pid, (name, cpu, wait) in used.items()]
     return sorted(rows, key=lambda row: -row.cpu_s)
 
 
@@ -267,19 +297,23 @@ def format_cpu_table(rows: list[CpuRow], min_cpu_s: float = 0.05, output_tokens:
         return f" {f'**{cell}**' if bold else cell} |"
 
     total = sum(row.cpu_s for row in rows)
-    serving = sum(r.cpu_s for r in rows if r.name != WORKER_PROCESS)
+    serving = [r for r in rows if r.name != WORKER_PROCESS]
+    serving_s = sum(r.cpu_s for r in serving)
     extra = ("", "") if output_tokens is None else (" CPU ms per output token |", "---|")
-    lines = [f"| process | pid | CPU s | share of the app |{extra[0]}", f"|---|---|---|---|{extra[1]}"]
+    lines = [f"| process | pid | CPU s | share of the app | waited for a core, s |{extra[0]}",
+             f"|---|---|---|---|---|{extra[1]}"]
     shown = [row for row in rows if row.cpu_s >= min_cpu_s]
-    lines += [f"| {row.name} | {row.pid} | {row.cpu_s:.1f} | {row.share:.1%} |{per_token(row.cpu_s)}" for row in shown]
+    lines += [f"| {row.name} | {row.pid} | {row.cpu_s:.1f} | {row.share:.1%} | {row.wait_s:.1f} |"
+              f"{per_token(row.cpu_s)}" for row in shown]
     hidden = [row for row in rows if row.cpu_s < min_cpu_s]
     if hidden:
         hidden_s = sum(r.cpu_s for r in hidden)
         lines.append(f"| {len(hidden)} others (< {min_cpu_s} s each) | | {hidden_s:.2f} | "
-                     f"{sum(r.share for r in hidden):.1%} |{per_token(hidden_s)}")
-    lines.append(f"| **all {len(rows)} processes** | | **{total:.1f}** | 100% |{per_token(total, bold=True)}")
-    lines.append(f"| **all but {WORKER_PROCESS}** | | **{serving:.1f}** "
-                 f"| **{serving_share(rows):.1%}** |{per_token(serving, bold=True)}")
+                     f"{sum(r.share for r in hidden):.1%} | {sum(r.wait_s for r in hidden):.1f} |{per_token(hidden_s)}")
+    lines.append(f"| **all {len(rows)} processes** | | **{total:.1f}** | 100% | **{sum(r.wait_s for r in rows):.1f}** |"
+                 f"{per_token(total, bold=True)}")
+    lines.append(f"| **all but {WORKER_PROCESS}** | | **{serving_s:.1f}** | **{serving_share(rows):.1%}** "
+                 f"| **{sum(r.wait_s for r in serving):.1f}** |{per_token(serving_s, bold=True)}")
     return "\n".join(lines)
 
 

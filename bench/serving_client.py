@@ -14,10 +14,11 @@ With `--server-pid PID` (Linux; PID: the `serve run` process of a server started
 session, as bench/peers/ours.sh and bench.matrix start ours and write its PID to
 ~/.cache/rayllm-peers/ours.pid): where a served token's CPU goes. Every process of that session
 (bench/served_app.py) and this client are read from /proc around the timed run, and
-bench.served_app's CPU table is printed with a column of CPU ms per output token. On a machine
+bench.served_app's CPU table is printed with a column of CPU ms per output token, and beside
+each process the time its threads were ready to run but waited for a core. On a machine
 with as few cores as the worker has threads, the ingress, the scheduler, Serve's proxy, Ray's
 background processes and the client share the worker's cores: their CPU per token comes out of
-its step. Use distinct --seed values for runs on the same server: a repeated prompt is a
+its step, and the worker's wait says how much. Use distinct --seed values for runs on the same server: a repeated prompt is a
 prefix-cache hit.
 """
 
@@ -351,13 +352,15 @@ async def benchmark(args: argparse.Namespace) -> dict:
 
         rows = cpu_rows(cpu_before, cpu_now(args.server_pid))
         result["cpu_s"] = {f"{row.name} ({row.pid})": round(row.cpu_s, 2) for row in rows}
+        result["wait_s"] = {f"{row.name} ({row.pid})": round(row.wait_s, 2) for row in rows}
         result["cpu_table"] = format_cpu_table(rows, output_tokens=result["total_output_tokens"])
         result["cpu_cores_used"] = sum(row.cpu_s for row in rows) / duration
     return result
 
 
-def cpu_now(server_pid: int | None) -> dict[int, tuple[str, float]]:
-    """pid -> (name, CPU seconds so far) of the server's session and this client ({} without one)."""
+def cpu_now(server_pid: int | None) -> dict:
+    """pid -> ProcessTimes (bench/served_app.py: name, CPU and core-wait seconds so far) of the
+    server's session and this client ({} without one)."""
     if server_pid is None:
         return {}
     from bench.served_app import cpu_with_client

@@ -10,6 +10,7 @@ from bench.bench_http import parse_variant
 from bench.served_app import (
     CLIENT,
     WORKER_PROCESS,
+    ProcessTimes,
     _address,
     cpu_rows,
     cpu_with_client,
@@ -17,6 +18,7 @@ from bench.served_app import (
     is_loopback,
     listening_ports,
     process_cpu_s,
+    process_wait_s,
     read_env_file,
     serving_share,
 )
@@ -47,31 +49,52 @@ def test_listening_ports_of_this_process() -> None:
 
 
 def test_cpu_rows_share_and_table() -> None:
-    before = {1: (WORKER_PROCESS, 10.0), 2: ("ray::SchedulerActor", 1.0)}
-    after = {1: (WORKER_PROCESS, 100.0), 2: ("ray::SchedulerActor", 6.0), 3: ("gcs_server", 5.0)}
+    before = {1: ProcessTimes(WORKER_PROCESS, 10.0, 1.0), 2: ProcessTimes("ray::SchedulerActor", 1.0, 0.5)}
+    after = {1: ProcessTimes(WORKER_PROCESS, 100.0, 4.0), 2: ProcessTimes("ray::SchedulerActor", 6.0, 0.2),
+             3: ProcessTimes("gcs_server", 5.0, 0.3)}
     rows = cpu_rows(before, after)
     assert [(r.name, r.cpu_s) for r in rows] == [(WORKER_PROCESS, 90.0), ("ray::SchedulerActor", 5.0),
                                                  ("gcs_server", 5.0)]
+    # the scheduler's reading fell (a thread ended, taking its wait with it): 0, never below
+    assert [r.wait_s for r in rows] == [3.0, 0.0, 0.3]
     assert abs(serving_share(rows) - 0.1) < 1e-9
     table = format_cpu_table(rows)
-    assert "| ray::SchedulerActor | 2 | 5.0 | 5.0% |" in table and "**10.0%**" in table
+    assert "| ray::WorkerActor | 1 | 90.0 | 90.0% | 3.0 |" in table
+    assert "| ray::SchedulerActor | 2 | 5.0 | 5.0% | 0.0 |" in table and "**10.0%**" in table
+    assert table.splitlines()[-2].endswith("| **100.0** | 100% | **3.3** |")
+    assert table.splitlines()[-1].endswith("| **10.0** | **10.0%** | **0.3** |")
 
 
 def test_this_process_is_counted_as_the_client() -> None:
     now = cpu_with_client(session_id=os.getpid())  # no server: whatever the session holds, and us
-    name, cpu_s = now[os.getpid()]
+    name, cpu_s, wait_s = now[os.getpid()]
     assert name == CLIENT and 0 < cpu_s <= process_cpu_s(os.getpid())
+    assert 0 <= wait_s <= process_wait_s(os.getpid())
+
+
+def test_core_wait_sums_the_threads_of_a_process() -> None:
+    """process_wait_s is every live thread's runqueue wait: at least the main thread's, never
+    less than an earlier reading while the threads live (Linux keeps these counts per thread)."""
+    first = process_wait_s(os.getpid())
+    main_thread = int(open(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").read().split()[1]) / 1e9
+    assert first >= main_thread >= 0
+    sum(range(200_000))  # some work, so that the counts can move on
+    assert process_wait_s(os.getpid()) >= first
+    assert process_wait_s(2 ** 22 + 12345) == 0.0  # no such process: nothing waited
 
 
 def test_the_table_gives_cpu_per_output_token() -> None:
-    before = {1: (WORKER_PROCESS, 10.0), 2: ("ray::SchedulerActor", 1.0), 3: (CLIENT, 2.0)}
-    after = {1: (WORKER_PROCESS, 38.0), 2: ("ray::SchedulerActor", 2.2), 3: (CLIENT, 2.8)}
+    before = {1: ProcessTimes(WORKER_PROCESS, 10.0), 2: ProcessTimes("ray::SchedulerActor", 1.0),
+              3: ProcessTimes(CLIENT, 2.0)}
+    after = {1: ProcessTimes(WORKER_PROCESS, 38.0), 2: ProcessTimes("ray::SchedulerActor", 2.2),
+             3: ProcessTimes(CLIENT, 2.8)}
     table = format_cpu_table(cpu_rows(before, after), output_tokens=1000)
     lines = table.splitlines()
-    assert lines[0].endswith("| CPU ms per output token |") and lines[1] == "|---|---|---|---|---|"
-    assert "| ray::SchedulerActor | 2 | 1.2 | 4.0% | 1.20 |" in lines
-    assert "| client (this process) | 3 | 0.8 | 2.7% | 0.80 |" in lines
-    assert lines[-2].endswith("| **30.0** | 100% | **30.00** |") and lines[-1].endswith("| **2.00** |")
+    assert lines[0].endswith("| waited for a core, s | CPU ms per output token |")
+    assert lines[1] == "|---|---|---|---|---|---|"
+    assert "| ray::SchedulerActor | 2 | 1.2 | 4.0% | 0.0 | 1.20 |" in lines
+    assert "| client (this process) | 3 | 0.8 | 2.7% | 0.0 | 0.80 |" in lines
+    assert lines[-2].endswith("| **30.0** | 100% | **0.0** | **30.00** |") and lines[-1].endswith("| **2.00** |")
     assert "per output token" not in format_cpu_table(cpu_rows(before, after))
 
 

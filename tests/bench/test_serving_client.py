@@ -63,6 +63,8 @@ def test_random_completions_metrics_match_usage(hf_server, tmp_path):
     assert_sane_aggregates(result, 6)
     assert "| CPU ms per output token |" in result["cpu_table"]
     assert f"client (this process) ({os.getpid()})" in result["cpu_s"]
+    assert "| waited for a core, s |" in result["cpu_table"]
+    assert result["wait_s"].keys() == result["cpu_s"].keys() and min(result["wait_s"].values()) >= 0
     assert result["max_concurrent_requests"] <= 2
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     # the same seeded workload, rebuilt here: what was asked of the server
