@@ -274,10 +274,11 @@ def cpu_rows(before: dict[int, ProcessTimes], after: dict[int, ProcessTimes]) ->
     """Per process, the CPU it used and the time it waited for a core between the two readings
     (processes started in between count from 0; ones that exited in between are missing), most
     CPU first."""
-    used = {pid: (now.name, now.cpu_s - before[pid].cpu_s if pid in before else now.cpu_s,
-                  # a thread that ended in between takes its wait with it: never below 0
-                  max(0.0, now.wait_s - before[pid].wait_s) if pid in before else now.wait_s)
-            for pid, now in after.items()}
+    used = {}
+    for pid, now in after.items():
+        was = before.get(pid, ProcessTimes(now.name, 0.0, 0.0))
+        # a thread that ended in between takes its wait with it: never below 0
+        used[pid] = (now.name, now.cpu_s - was.cpu_s, max(0.0, now.wait_s - was.wait_s))
     total = sum(cpu for _, cpu, _ in used.values()) or 1.0
     rows = [CpuRow(name, pid, cpu, cpu / total, wait) for pid, (name, cpu, wait) in used.items()]
     return sorted(rows, key=lambda row: -row.cpu_s)

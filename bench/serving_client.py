@@ -15,11 +15,11 @@ session, as bench/peers/ours.sh and bench.matrix start ours and write its PID to
 ~/.cache/rayllm-peers/ours.pid): where a served token's CPU goes. Every process of that session
 (bench/served_app.py) and this client are read from /proc around the timed run, and
 bench.served_app's CPU table is printed with a column of CPU ms per output token, and beside
-each process the time its threads were ready to run but waited for a core. On a machine
-with as few cores as the worker has threads, the ingress, the scheduler, Serve's proxy, Ray's
+each process the time its threads were ready to run but waited for a core. On a machine with
+as few cores as the worker has threads, the ingress, the scheduler, Serve's proxy, Ray's
 background processes and the client share the worker's cores: their CPU per token comes out of
-its step, and the worker's wait says how much. Use distinct --seed values for runs on the same server: a repeated prompt is a
-prefix-cache hit.
+its step, and the worker's wait says how much. Use distinct --seed values for runs on the same
+server: a repeated prompt is a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import aiohttp
@@ -44,6 +45,9 @@ from tqdm import tqdm
 from bench import datasets, report
 from bench.metrics import RequestResult, calculate_metrics, parse_goodput
 from bench.request_func import send_request
+
+if TYPE_CHECKING:
+    from bench.served_app import ProcessTimes
 
 MAX_NUM_PROMPTS = 100_000
 
@@ -358,9 +362,9 @@ async def benchmark(args: argparse.Namespace) -> dict:
     return result
 
 
-def cpu_now(server_pid: int | None) -> dict:
-    """pid -> ProcessTimes (bench/served_app.py: name, CPU and core-wait seconds so far) of the
-    server's session and this client ({} without one)."""
+def cpu_now(server_pid: int | None) -> dict[int, ProcessTimes]:
+    """pid -> (name, CPU and core-wait seconds so far) of the server's session and this client
+    ({} without one)."""
     if server_pid is None:
         return {}
     from bench.served_app import cpu_with_client
