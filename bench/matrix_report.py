@@ -43,6 +43,8 @@ KNOBS = (  # (cell, knob on, knob off, what the knob buys)
     ("long-prompt", "ours", "ours-chunk512", "2048-token steps, 512 per prompt (shipped) vs 512-token steps"),
     ("c16", "ours-chunk512", "ours-chunk256", "512-token steps vs 256 (an earlier run)"),
     ("long-prompt", "ours-chunk512", "ours-chunk256", "512-token steps vs 256 (an earlier run)"),
+    ("c16", "ours-direct", "ours", "the ingress replica's own port vs Serve's Python proxy (port 8000, shipped)"),
+    ("c16", "ours-gguf-direct", "ours-gguf", "the ingress replica's own port vs Serve's Python proxy, GGUF"),
 )
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from bench import matrix, matrix_report
 from bench.served_app import free_port
@@ -75,6 +78,23 @@ def test_plan_seeds_runs_caps_prompts_and_knob_cells_exist(tmp_path) -> None:
     # like for like: our servers get the dtype as an app arg, peers as DTYPE in their environment
     assert matrix.launcher_args(ours, "bfloat16") == ["dtype=bfloat16"]
     assert matrix.launcher_args(matrix.SERVERS["vllm"], "bfloat16") == []
+
+
+def test_direct_servers_send_their_clients_to_the_ingress_replicas_own_port(tmp_path, monkeypatch) -> None:
+    from bench import served_app
+
+    ours, direct = matrix.SERVERS["ours"], matrix.SERVERS["ours-direct"]
+    assert not ours.direct and direct.direct and direct.launcher_args == ours.launcher_args
+    assert matrix.client_port(ours, 12345) == 8000  # the proxy's port: nothing is looked up
+    asked = []
+    monkeypatch.setattr(served_app, "direct_ingress_port", lambda pid, ports: asked.append((pid, ports)) or 30001)
+    assert matrix.client_port(direct, 12345) == 30001
+    assert asked == [(12345, served_app.direct_ingress_ports({**served_app.read_env_file(), **os.environ}))]
+    argv = matrix.client_argv(direct, matrix.CELLS["c16"], 1, tmp_path / "x.json", tmp_path, 30001)
+    assert argv[argv.index("--base-url") + 1] == "http://127.0.0.1:30001"
+    monkeypatch.setattr(served_app, "direct_ingress_port", lambda pid, ports: None)
+    with pytest.raises(RuntimeError, match="a port of its own"):
+        matrix.client_port(direct, 12345)
 
 
 def test_stop_ends_a_setsid_server_and_its_other_process_groups(tmp_path) -> None:
